@@ -1,0 +1,49 @@
+# `make demo`  : create .venv if needed, install the pinned stack, run the demo.
+# `make test`  : create .venv if needed, install the pinned stack, run the tests (incl. timm's test_models.py).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.ttt_zoo_installed
+TIMM_VERSION := 1.0.31
+TIMM_SUITE := tools/timm_suite/test_models.py
+PYTEST_ARGS ?=
+JOBS ?= 2
+
+.PHONY: demo test test-fast test-slow test-timm venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/ttt-zoo demo
+
+# the default test run: unit + parity + Triton-interpreter tests, then timm's own model tests
+test: venv $(TIMM_SUITE)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-timm
+
+test-fast: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests -m "not slow" $(PYTEST_ARGS)
+
+test-slow: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests -m slow $(PYTEST_ARGS)
+
+# timm's tests/test_models.py from the pinned sdist, restricted to our models by tools/timm_suite/conftest.py
+$(TIMM_SUITE): | venv
+	@mkdir -p .cache
+	$(PIP) download -q --no-deps --no-binary :all: timm==$(TIMM_VERSION) -d .cache/timm-sdist
+	tar -xzf .cache/timm-sdist/timm-$(TIMM_VERSION).tar.gz -C .cache timm-$(TIMM_VERSION)/tests/test_models.py
+	cp .cache/timm-$(TIMM_VERSION)/tests/test_models.py $(TIMM_SUITE)
+
+test-timm: venv $(TIMM_SUITE)
+	cd tools/timm_suite && HF_HUB_OFFLINE=1 ../../$(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider test_models.py $(TIMM_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache $(TIMM_SUITE)

@@ -1,0 +1,21 @@
+import os
+import tempfile
+
+# never touch the network or the user's caches from tests
+_TMP_HOME = tempfile.mkdtemp(prefix="ttt_zoo_test_home_")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HOME", os.path.join(_TMP_HOME, "hf"))
+os.environ["TORCH_HOME"] = os.path.join(_TMP_HOME, "torch")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ttt_zoo  # noqa: E402,F401
+
+FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

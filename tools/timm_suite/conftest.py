@@ -1,0 +1,28 @@
+"""Run timm's own tests/test_models.py (from the pinned timm sdist) against the models ttt_zoo registers.
+
+`make test` copies test_models.py next to this file; every test item whose ``model_name`` is not one of ours is
+deselected, so the suite runs exactly timm's checks on exactly our models.
+"""
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="ttt_zoo_timm_suite_"))
+
+import timm  # noqa: E402
+
+import ttt_zoo  # noqa: E402,F401  (registers our models before test_models.py is collected)
+
+OUR_MODELS = set(ttt_zoo.list_zoo_models()) if hasattr(ttt_zoo, "list_zoo_models") else set()
+_ONLY = os.environ.get("TTT_ZOO_TIMM_MODELS")
+if _ONLY:
+    OUR_MODELS &= set(_ONLY.split(","))
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (keep if params.get("model_name") in OUR_MODELS else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)

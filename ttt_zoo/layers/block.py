@@ -1,0 +1,75 @@
+"""The parameterised TTT block shared by the families: CPE -> mixer -> MLP, pre-norm residuals."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple, Type
+
+import torch
+from torch import nn
+from timm.layers import DropPath
+
+from .mixer import create_mixer
+
+__all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens"]
+
+
+def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, N, C) -> (B, C, H, W)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1])
+
+
+def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C)."""
+    return x.flatten(2).transpose(1, 2)
+
+
+class TokenMlp(nn.Module):
+    """fc1 -> act -> [u + dwconv3x3(u) -> act] -> fc2.  ``dwconv=False`` is timm's ``Mlp`` (same keys)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_layer: Type[nn.Module] = nn.GELU,
+                 dwconv: bool = False, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = act_layer()
+        self.drop1 = nn.Dropout(drop)
+        self.dwc = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim) if dwconv else None
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        x = self.drop1(self.act(self.fc1(x)))
+        if self.dwc is not None:
+            x = self.act(x + map_to_tokens(self.dwc(tokens_to_map(x, feat_size))))
+        return self.drop2(self.fc2(x))
+
+
+class TTTBlock(nn.Module):
+    """x += cpe(x); x += drop_path(mixer(norm1(x))); x += drop_path(mlp(norm2(x))).
+
+    Keys: ``cpe.{weight,bias}`` (official layout, a bare Conv2d), ``norm1``, ``attn`` (the mixer), ``norm2``, ``mlp``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mixer: str = "vit3", mlp_ratio: float = 4.0,
+                 mlp_dwconv: bool = False, cpe: bool = True, qkv_bias: bool = True,
+                 proj_drop: float = 0.0, drop_path: float = 0.0,
+                 norm_layer: Callable[[int], nn.Module] = nn.LayerNorm, act_layer: Type[nn.Module] = nn.GELU,
+                 mlp_layer: Optional[Callable[..., nn.Module]] = None, mixer_kwargs: Optional[dict] = None):
+        super().__init__()
+        self.cpe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if cpe else None
+        self.norm1 = norm_layer(dim)
+        self.attn = create_mixer(mixer, dim, num_heads=num_heads, qkv_bias=qkv_bias, proj_drop=proj_drop,
+                                 **(mixer_kwargs or {}))
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        hidden = int(dim * mlp_ratio)
+        if mlp_layer is None:
+            self.mlp = TokenMlp(dim, hidden, act_layer=act_layer, dwconv=mlp_dwconv, drop=proj_drop)
+        else:
+            self.mlp = mlp_layer(dim, hidden)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if self.cpe is not None:
+            x = x + map_to_tokens(self.cpe(tokens_to_map(x, feat_size)))
+        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
+        x = x + self.drop_path2(self.mlp(self.norm2(x), feat_size))
+        return x

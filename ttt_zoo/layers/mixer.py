@@ -1,0 +1,49 @@
+"""The one TTT token-mixer interface shared by every family.
+
+A mixer maps tokens ``x: (B, N, C)`` laid out in raster order on a feature map of ``feat_size = (H, W)``
+(``N == H * W``) to ``(B, N, C)``.  The map shape is always passed explicitly, so non-square inputs work.
+Families pick a mixer by name through :func:`create_mixer`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers"]
+
+_MIXERS: Dict[str, Callable[..., "TTTMixer"]] = {}
+
+
+class TTTMixer(nn.Module):
+    """Base class.  Subclasses implement ``forward(x, feat_size)`` and list their TTT-only parameters."""
+
+    #: names (relative to the mixer) of parameters that exist only because of test-time training;
+    #: ``linearize`` initialises exactly these and optimizers may give them a larger learning rate
+    inner_param_names: Tuple[str, ...] = ()
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def ttt_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if n.split(".")[0] in self.inner_param_names]
+
+
+def register_mixer(name: str):
+    def wrap(cls):
+        if name in _MIXERS:
+            raise ValueError(f"TTT mixer {name!r} is already registered")
+        _MIXERS[name] = cls
+        return cls
+    return wrap
+
+
+def create_mixer(name: str, dim: int, **kwargs) -> TTTMixer:
+    if name not in _MIXERS:
+        raise ValueError(f"Unknown TTT mixer {name!r}; available: {sorted(_MIXERS)}")
+    return _MIXERS[name](dim, **kwargs)
+
+
+def list_mixers() -> List[str]:
+    return sorted(_MIXERS)

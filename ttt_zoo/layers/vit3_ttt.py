@@ -1,0 +1,79 @@
+"""ViT3 TTT mixer: a simplified-SwiGLU inner learner over the heads plus one 3x3 depthwise-conv head."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from timm.layers import trunc_normal_
+
+from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
+from .mixer import TTTMixer, register_mixer
+from .rope import apply_rope_2d, rope_2d_tables
+
+__all__ = ["ViT3TTT"]
+
+
+@register_mixer("vit3")
+class ViT3TTT(TTTMixer):
+    """One closed-form inner step on (k, v), applied to q; per-sample inner weights.
+
+    Official keys: ``w1, w2`` (1, heads, d, d), ``w3`` (d, 1, 3, 3), ``qkv`` (C -> 3C + 3d), ``proj`` (C + d -> C).
+
+    Args:
+        dim: channels C.
+        num_heads: heads of the SwiGLU branch (head dim d = C / heads; the conv branch is one extra head of width d).
+        qkv_bias: bias of the fused qkv projection.
+        scale: inner-loss scale (1/3 = head dim of a 1-channel 3x3 kernel, used by both branches).
+        normalize_grad: per-column gradient normalisation g / (||g|| + 1).
+        rope: apply H-ViT3's 2-D RoPE to the SwiGLU-branch q and k (computed for the runtime map size).
+        backend: force the op backend (``'torch'`` or ``'triton'``); default dispatches on device.
+    """
+    inner_param_names = ("w1", "w2", "w3")
+
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, scale: float = 1.0 / 3.0,
+                 normalize_grad: bool = True, rope: bool = False, rope_base: float = 10000.0,
+                 proj_drop: float = 0.0, backend: Optional[str] = None, **kwargs):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = d = dim // num_heads
+        self.scale = scale
+        self.normalize_grad = normalize_grad
+        self.use_rope = rope
+        self.rope_base = rope_base
+        self.backend = backend
+        self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
+        self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
+        self.w3 = nn.Parameter(torch.empty(d, 1, 3, 3))
+        self.qkv = nn.Linear(dim, 3 * dim + 3 * d, bias=qkv_bias)
+        self.proj = nn.Linear(dim + d, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_inner_parameters()
+
+    def reset_inner_parameters(self) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            if w.device.type != "meta":
+                trunc_normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        b, n, c = x.shape
+        h, w = feat_size
+        d, heads = self.head_dim, self.num_heads
+        q1, k1, v1, q2, k2, v2 = torch.split(self.qkv(x), [c, c, c, d, d, d], dim=-1)
+        if self.use_rope:
+            cos, sin = rope_2d_tables((h, w), c, self.rope_base, device=x.device)
+            q1 = apply_rope_2d(q1.reshape(b, h, w, c), cos, sin)
+            k1 = apply_rope_2d(k1.reshape(b, h, w, c), cos, sin)
+        q1, k1, v1 = (t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1))
+        x1 = swiglu_ttt(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad, backend=self.backend)
+        x1 = x1.transpose(1, 2).reshape(b, n, c)
+        q2, k2, v2 = (t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2))
+        x2 = dwconv_ttt(q2, k2, v2, self.w3, self.scale, self.normalize_grad, backend=self.backend)
+        x2 = x2.flatten(2).transpose(1, 2)
+        return self.proj_drop(self.proj(torch.cat([x1, x2], dim=-1)))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"

@@ -1,0 +1,7 @@
+from .vit3 import ViT3
+from .hvit3 import HViT3, HViT3Backbone
+
+__all__ = ["ViT3", "HViT3", "HViT3Backbone"]
+
+#: timm module names of our model files (timm.list_models(module=...))
+MODEL_MODULES = ("vit3", "hvit3")

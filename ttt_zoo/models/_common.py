@@ -1,0 +1,155 @@
+"""Helpers shared by the model files: input validation, checkpoint unwrapping and validation, building."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+from timm.layers import register_notrace_function
+from timm.models import build_model_with_cfg
+
+__all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
+           "safe_torch_load"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the requested model."""
+
+
+@register_notrace_function
+def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, model_name: str) -> None:
+    """Raise a clear error for an input the model cannot take."""
+    if x.dim() != 4:
+        raise ValueError(f"{model_name} expects a 4-D image batch (B, C, H, W), got shape {tuple(x.shape)}.")
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f"{model_name} was built for {in_chans} input channels but got {x.shape[1]} "
+            f"(shape {tuple(x.shape)}). Convert the images (e.g. RGB for 3 channels) or build the model "
+            f"with in_chans={x.shape[1]}.")
+    h, w = x.shape[-2], x.shape[-1]
+    if h < min_size or w < min_size:
+        raise ValueError(f"{model_name} needs images of at least {min_size}x{min_size} pixels, got {h}x{w}. "
+                         f"Resize or pad the input.")
+    if multiple > 1 and (h % multiple or w % multiple):
+        fix_h = (h + multiple - 1) // multiple * multiple
+        fix_w = (w + multiple - 1) // multiple * multiple
+        raise ValueError(
+            f"{model_name} needs height and width divisible by its patch size {multiple}, got {h}x{w}. "
+            f"Resize or pad to e.g. {fix_h}x{fix_w}.")
+
+
+class _ConfigStub(dict):
+    """Inert stand-in for config objects (yacs CfgNode) pickled inside official checkpoints."""
+
+
+class _NamespaceStub(argparse.Namespace):
+    """Inert stand-in for argparse.Namespace (the ``args`` entry of DiT-style checkpoints)."""
+
+
+_SAFE_STUBS = [(_ConfigStub, "yacs.config.CfgNode"), (_NamespaceStub, "argparse.Namespace")]
+
+
+def safe_torch_load(path: str, map_location: str = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` that also accepts the config objects official checkpoints carry.
+
+    Only tensors, plain containers and the inert stubs above are ever constructed; no code runs.
+    """
+    try:
+        with torch.serialization.safe_globals(_SAFE_STUBS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise CheckpointError(
+            f"Could not read checkpoint {path!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            f"It may be truncated or corrupt (download it again), or hold objects other than tensors "
+            f"(re-save its state_dict, or convert it with `ttt-zoo convert`).") from e
+
+
+_NESTED_KEYS = ("state_dict_ema", "model_ema", "ema", "state_dict", "model", "module")
+
+
+def unwrap_checkpoint(checkpoint: Dict[str, Any], prefer_ema: bool = True) -> Dict[str, torch.Tensor]:
+    """Return the tensor dict from the layouts training scripts write.
+
+    ``{'model': ...}`` (official ViT3 / H-ViT3), ``{'state_dict_ema': ...}`` (H-ViT3 ``main_ema.py``; chosen first
+    when ``prefer_ema``: the released H-ViT3 results are those of the EMA-trained runs), ``{'state_dict': ...}``
+    (mmengine), ``{'ema': ...}`` (DiT), or a bare state dict.  A ``module.`` prefix (DDP) is stripped.
+    """
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"Expected a dict checkpoint, got {type(checkpoint).__name__}.")
+    order = _NESTED_KEYS if prefer_ema else tuple(k for k in _NESTED_KEYS if "ema" not in k) + ("state_dict_ema", "model_ema", "ema")
+    sd = checkpoint
+    for key in order:
+        if isinstance(checkpoint.get(key), dict) and checkpoint[key]:
+            sd = checkpoint[key]
+            break
+    out = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        out[k[len("module."):] if k.startswith("module.") else k] = v
+    if not out:
+        raise CheckpointError(f"No tensors found in checkpoint (top-level keys: {sorted(checkpoint)[:10]}).")
+    return out
+
+
+def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
+                        ignore_prefixes: Iterable[str] = ("head.",)) -> None:
+    """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped key.
+
+    Keys under ``ignore_prefixes`` (the classifier, which timm adapts to ``num_classes``) are not checked.
+    """
+    ignore = tuple(ignore_prefixes)
+    own = {k: v for k, v in model.state_dict().items() if not k.startswith(ignore)}
+    theirs = {k: v for k, v in state_dict.items() if not k.startswith(ignore)}
+    missing = sorted(set(own) - set(theirs))
+    unexpected = sorted(set(theirs) - set(own))
+    mismatched = [f"{k}: checkpoint {tuple(theirs[k].shape)} vs model {tuple(own[k].shape)}"
+                  for k in own if k in theirs and tuple(theirs[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or mismatched:
+        name = getattr(model, "pretrained_cfg", {}).get("architecture", type(model).__name__)
+        lines = [f"Checkpoint does not fit model {name!r}."]
+        if mismatched:
+            lines.append(f"{len(mismatched)} shape mismatches (is it for another model size?): " + "; ".join(mismatched[:5]))
+        if missing:
+            lines.append(f"{len(missing)} missing keys: {missing[:5]}")
+        if unexpected:
+            lines.append(f"{len(unexpected)} unexpected keys: {unexpected[:5]}")
+        lines.append("Build the model that matches the checkpoint (see `ttt-zoo list`), or convert it with `ttt-zoo convert`.")
+        raise CheckpointError(" ".join(lines))
+
+
+def _resolve_local_weights(variant: str, kwargs: Dict[str, Any]) -> None:
+    """Official URLs (cloud.tsinghua.edu.cn/f/<id>/?dl=1) carry no file name, which timm's URL cache needs.
+
+    Download them to ``<torch hub>/checkpoints/ttt_zoo/<model>.<tag>.pth`` ourselves and pass the file on.
+    """
+    from urllib.parse import urlparse
+    from timm.models._builder import resolve_pretrained_cfg
+    pc = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
+                                pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
+    if pc is None or pc.file or pc.state_dict or pc.source or not pc.url or os.path.basename(urlparse(pc.url).path):
+        return
+    cache = os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo")
+    path = os.path.join(cache, f"{pc.architecture}.{pc.tag or 'default'}.pth")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        tmp = path + ".partial"
+        torch.hub.download_url_to_file(pc.url, tmp, progress=True)
+        os.replace(tmp, path)
+    overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
+    overlay["file"] = path
+    kwargs["pretrained_cfg_overlay"] = overlay
+
+
+def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
+    """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles)."""
+    if pretrained:
+        _resolve_local_weights(variant, kwargs)
+    with torch.serialization.safe_globals(_SAFE_STUBS):
+        return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+
+
+def feature_size(x: torch.Tensor) -> Tuple[int, int]:
+    return x.shape[-2], x.shape[-1]

@@ -1,0 +1,386 @@
+"""H-ViT3: the hierarchical ViT3 (conv stem, 4 stages of TTT blocks with 2-D RoPE, inverted-bottleneck merging).
+
+"ViT3: Unlocking Test-Time Training in Vision" (arXiv 2512.01643).  Runs at any input size: the image is padded
+right/bottom to a multiple of 4 and odd maps are padded before each stride-2 merge, as in the official detection
+backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import register_notrace_function, trunc_normal_
+from timm.models import generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
+from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict
+
+__all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
+
+
+class ConvNormAct(nn.Module):
+    """Conv2d -> [BatchNorm2d] -> [ReLU] (official keys ``conv``, ``norm``)."""
+
+    def __init__(self, in_chs: int, out_chs: int, kernel_size: int = 3, stride: int = 1, groups: int = 1,
+                 bias: bool = True, norm: bool = True, act: bool = True):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias)
+        self.norm = nn.BatchNorm2d(out_chs) if norm else nn.Identity()
+        self.act = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(x)))
+
+
+@register_notrace_function
+def pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad an NCHW map on the right/bottom so H and W are multiples of ``multiple``."""
+    ph = (multiple - x.shape[-2] % multiple) % multiple
+    pw = (multiple - x.shape[-1] % multiple) % multiple
+    if ph or pw:
+        x = F.pad(x, (0, pw, 0, ph))
+    return x
+
+
+class Stem(nn.Module):
+    """Five conv layers, total stride 4: 3x3/2, 3x3, 3x3, 3x3/2 (to 4*C0), 1x1 (to C0, no act)."""
+
+    def __init__(self, in_chans: int, embed_dim: int):
+        super().__init__()
+        half = embed_dim // 2
+        self.conv = nn.Sequential(
+            ConvNormAct(in_chans, half, 3, 2, bias=False),
+            ConvNormAct(half, half, 3, 1, bias=False),
+            ConvNormAct(half, half, 3, 1, bias=False),
+            ConvNormAct(half, embed_dim * 4, 3, 2, bias=False),
+            ConvNormAct(embed_dim * 4, embed_dim, 1, bias=False, act=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(pad_to_multiple(x, 4))
+
+
+class PatchMerging(nn.Module):
+    """Inverted bottleneck, stride 2: 1x1 (to 4*out) ReLU, dw 3x3/2 ReLU, 1x1 (to out) BN.  Odd maps are padded."""
+
+    def __init__(self, dim: int, dim_out: int, ratio: float = 4.0):
+        super().__init__()
+        hidden = int(dim_out * ratio)
+        self.conv = nn.Sequential(
+            ConvNormAct(dim, hidden, 1, norm=False),
+            ConvNormAct(hidden, hidden, 3, 2, groups=hidden, norm=False),
+            ConvNormAct(hidden, dim_out, 1, act=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(pad_to_multiple(x, 2))
+
+
+class HViT3Stage(nn.Module):
+    """TTT blocks at one resolution, then (except in the last stage) a PatchMerging downsample."""
+
+    def __init__(self, dim: int, dim_out: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
+                 qkv_bias: bool, drop_path: Sequence[float], proj_drop: float, mixer: str,
+                 mixer_kwargs: Optional[Dict[str, Any]]):
+        super().__init__()
+        mk = dict(rope=True)
+        mk.update(mixer_kwargs or {})
+        self.blocks = nn.ModuleList([
+            TTTBlock(dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, mlp_dwconv=True, qkv_bias=qkv_bias,
+                     proj_drop=proj_drop, drop_path=drop_path[i], mixer_kwargs=mk)
+            for i in range(depth)])
+        self.downsample = PatchMerging(dim, dim_out) if dim_out is not None else None
+        self.grad_checkpointing = False
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, C, H, W) through the TTT blocks."""
+        feat_size = (x.shape[2], x.shape[3])
+        t = map_to_tokens(x)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                t = torch.utils.checkpoint.checkpoint(blk, t, feat_size, use_reentrant=False)
+            else:
+                t = blk(t, feat_size)
+        return tokens_to_map(t, feat_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_blocks(x)
+        return self.downsample(x) if self.downsample is not None else x
+
+
+class HViT3(nn.Module):
+    """Stem (stride 4) -> 4 stages -> BatchNorm -> mean pool -> head."""
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = "avg",
+            embed_dim: Sequence[int] = (64, 128, 320, 512),
+            depths: Sequence[int] = (1, 3, 9, 4),
+            num_heads: Sequence[int] = (2, 4, 10, 16),
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.0,
+            mixer: str = "vit3",
+            mixer_kwargs: Optional[Dict[str, Any]] = None,
+    ):
+        super().__init__()
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool must be 'avg' or '' for H-ViT3, got {global_pool!r}")
+        if not (len(embed_dim) == len(depths) == len(num_heads)):
+            raise ValueError("embed_dim, depths and num_heads need one entry per stage")
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.in_chans = in_chans
+        self.embed_dim = list(embed_dim)
+        self.num_features = self.head_hidden_size = embed_dim[-1]
+        self.num_stages = len(depths)
+        self.grad_checkpointing = False
+
+        self.patch_embed = Stem(in_chans, embed_dim[0])
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        self.layers = nn.ModuleList()
+        self.feature_info = []
+        for i in range(self.num_stages):
+            start = sum(depths[:i])
+            self.layers.append(HViT3Stage(
+                embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
+                mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
+            self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+        self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.apply(self._init_weights)
+        for m in self.modules():
+            if hasattr(m, "reset_inner_parameters"):
+                m.reset_inner_parameters()
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    # ----- timm model API -----
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r"^patch_embed",
+            blocks=r"^layers\.(\d+)" if coarse else [
+                (r"^layers\.(\d+)\.downsample", (0,)),
+                (r"^layers\.(\d+)\.blocks\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+        for stage in self.layers:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        ref = self.patch_embed.conv[0].conv.weight
+        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+                     if num_classes > 0 else nn.Identity())
+        self.head.train(self.training)
+
+    # ----- forward -----
+    def _stem(self, x: torch.Tensor) -> torch.Tensor:
+        check_image(x, self.in_chans, 1, 1, type(self).__name__)
+        return self.pos_drop(self.patch_embed(x))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Returns the BatchNorm-ed (B, C, H/32, W/32) map."""
+        x = self._stem(x)
+        for stage in self.layers:
+            x = stage(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(dim=(2, 3))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Stage outputs (before downsampling) at strides 4, 8, 16, 32 as (B, C, H, W)."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"H-ViT3 returns NCHW intermediates, got output_fmt={output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        x = self._stem(x)
+        last = max_index + 1 if stop_early else len(self.layers)
+        intermediates = []
+        for i in range(last):
+            stage = self.layers[i]
+            x = stage.forward_blocks(x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm and i == len(self.layers) - 1 else x)
+            if stage.downsample is not None and (i < last - 1 or not intermediates_only):
+                x = stage.downsample(x)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        self.layers = self.layers[:max_index + 1]
+        self.layers[-1].downsample = None
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: HViT3) -> Dict[str, torch.Tensor]:
+    """Load official H-ViT3 checkpoints: ``{'model', 'state_dict_ema', ...}`` from ``main_ema.py`` (the EMA weights
+    are chosen when present, since the released H-ViT3 results are those of the EMA-trained runs), ``{'model': ...}``,
+    ours, or a bare state dict.  The fixed-size RoPE tables (``*.rope.rotations``) are dropped: RoPE is computed
+    for the runtime size."""
+    sd = unwrap_checkpoint(state_dict)
+    sd = {k: v for k, v in sd.items() if not k.endswith(".rope.rotations")}
+    validate_state_dict(sd, model)
+    return sd
+
+
+def _create_hvit3(variant: str, pretrained: bool = False, **kwargs) -> HViT3:
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    return build_ttt_model(
+        HViT3, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs)
+
+
+def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
+    return {
+        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
+        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.conv.0.conv", "classifier": "head",
+        "license": "apache-2.0", "paper_ids": "arXiv:2512.01643", "paper_name": "ViT3: Unlocking Test-Time Training in Vision",
+        "origin_url": "https://github.com/LeapLabTHU/ViTTT", **kwargs,
+    }
+
+
+_TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
+
+default_cfgs = generate_default_cfgs({
+    "hvit3_tiny.in1k": _cfg(url=_TSINGHUA.format("f0c7c73ceabe49b7b161")),
+    "hvit3_small.in1k": _cfg(url=_TSINGHUA.format("3eeab8621a7f43929a87")),
+    "hvit3_base.in1k": _cfg(url=_TSINGHUA.format("1d0d7fb840254275b29d")),
+})
+
+
+@register_model
+def hvit3_tiny(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-T: 28.7M params, 4.9 GFLOPs, 84.0% top-1 (paper, MESA + EMA)."""
+    args = dict(embed_dim=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16))
+    return _create_hvit3("hvit3_tiny", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def hvit3_small(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-S: 54.4M params, 8.8 GFLOPs, 84.9% top-1 (paper, MESA + EMA)."""
+    args = dict(embed_dim=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16))
+    return _create_hvit3("hvit3_small", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def hvit3_base(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-B: 94.4M params, 16.7 GFLOPs, 85.5% top-1 (paper, MESA + EMA)."""
+    args = dict(embed_dim=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20))
+    return _create_hvit3("hvit3_base", pretrained, **dict(args, **kwargs))
+
+
+class HViT3Backbone(nn.Module):
+    """Dense-prediction H-ViT3 (official mmdet/mmseg ``ViTTT`` layout): stage outputs after LayerNorms
+    ``norm{i}`` at strides 4/8/16/32; no final BatchNorm and no head.  Heads default to ``dim // 32``."""
+
+    def __init__(self, in_chans: int = 3, embed_dim: Sequence[int] = (64, 128, 320, 512),
+                 depths: Sequence[int] = (1, 3, 9, 4), num_heads: Optional[Sequence[int]] = None,
+                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.1, out_indices: Sequence[int] = (0, 1, 2, 3),
+                 mixer: str = "vit3", mixer_kwargs: Optional[Dict[str, Any]] = None):
+        super().__init__()
+        num_heads = num_heads or [d // 32 for d in embed_dim]
+        self.out_indices = tuple(out_indices)
+        self.in_chans = in_chans
+        self.embed_dim = list(embed_dim)
+        for i in self.out_indices:
+            self.add_module(f"norm{i}", nn.LayerNorm(embed_dim[i]))
+        self.patch_embed = Stem(in_chans, embed_dim[0])
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        self.layers = nn.ModuleList([
+            HViT3Stage(embed_dim[i], embed_dim[i + 1] if i + 1 < len(depths) else None, depths[i], num_heads[i],
+                       mlp_ratio, True, dpr[sum(depths[:i]):sum(depths[:i + 1])], 0.0, mixer, mixer_kwargs)
+            for i in range(len(depths))])
+        self.apply(HViT3._init_weights)
+        for m in self.modules():
+            if hasattr(m, "reset_inner_parameters"):
+                m.reset_inner_parameters()
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.layers:
+            stage.grad_checkpointing = enable
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        check_image(x, self.in_chans, 1, 1, type(self).__name__)
+        x = self.patch_embed(x)
+        outs = []
+        for i, stage in enumerate(self.layers):
+            x = stage.forward_blocks(x)
+            if i in self.out_indices:
+                norm = getattr(self, f"norm{i}")
+                outs.append(norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous())
+            if stage.downsample is not None:
+                x = stage.downsample(x)
+        return outs
+
+
+def backbone_filter_fn(state_dict: Dict[str, Any], model: HViT3Backbone) -> Dict[str, torch.Tensor]:
+    """Official det/seg backbone checkpoints (``backbone.`` prefix from mmengine, unused RoPE buffers dropped)."""
+    sd = unwrap_checkpoint(state_dict)
+    if any(k.startswith("backbone.") for k in sd):
+        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+    sd = {k: v for k, v in sd.items() if not k.endswith(".rope.rotations")}
+    validate_state_dict(sd, model, ignore_prefixes=())
+    return sd
