@@ -1,4 +1,8 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
+from typing import Optional
+
+import torch
+
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
 
@@ -6,13 +10,19 @@ register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
 
 
-def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):
+def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 SwiGLU inner step + apply; see ``vit3_ttt.reference.swiglu_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return swiglu_ttt_reference(q, k, v, w1, w2, scale, normalize_grad)
     return get_op("vit3_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, scale, normalize_grad)
 
 
-def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
+def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 3x3 depthwise-conv inner step + apply; see ``vit3_ttt.reference.dwconv_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return dwconv_ttt_reference(q, k, v, w3, scale, normalize_grad)
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 

@@ -1,9 +1,21 @@
 """ttt-zoo: Test-Time-Training vision backbones for timm.  Importing registers every model with timm."""
 __version__ = "0.1.0"
 
-from . import kernels  # noqa: F401  (ttt_zoo.kernels, shipped from the top-level kernels/ folder)
-from . import layers, models  # noqa: F401
-from .models import *  # noqa: F401,F403
+import importlib.util as _ilu
+import os as _os
+import sys as _sys
+
+if _ilu.find_spec(__name__ + ".kernels") is None:  # pragma: no cover - source checkout without install (torch.hub)
+    _src = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
+    _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_src, "__init__.py"),
+                                         submodule_search_locations=[_src])
+    _mod = _ilu.module_from_spec(_spec)
+    _sys.modules[__name__ + ".kernels"] = _mod
+    _spec.loader.exec_module(_mod)
+
+from . import kernels  # noqa: F401,E402  (ttt_zoo.kernels, shipped from the top-level kernels/ folder)
+from . import layers, models  # noqa: F401,E402
+from .models import *  # noqa: F401,F403,E402
 
 
 
@@ -14,4 +26,16 @@ def list_zoo_models():
     return sorted(n for m in MODEL_MODULES for n in timm.list_models(module=m))
 
 
-__all__ = ["layers", "models", "kernels", "list_zoo_models", "__version__"]
+def create_model(model_name: str, pretrained: bool = False, **kwargs):
+    """``timm.create_model`` with a helpful error (close matches) for an unknown ttt-zoo model name."""
+    import difflib
+    import timm
+    base = model_name.split(".")[0]
+    if not model_name.startswith(("hf-hub:", "local-dir:")) and base not in timm.list_models():
+        close = difflib.get_close_matches(base, list_zoo_models(), n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"Unknown model {model_name!r}.{hint} Run `ttt-zoo list` for every registered model.")
+    return timm.create_model(model_name, pretrained=pretrained, **kwargs)
+
+
+__all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "__version__"]

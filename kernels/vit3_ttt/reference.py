@@ -19,7 +19,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _normalize_columns(g: torch.Tensor) -> torch.Tensor:
     # g[:, j] / (||g[:, j]||_2 + 1), norm over the input (row) dimension
-    return g / (torch.linalg.vector_norm(g, dim=-2, keepdim=True) + 1.0)
+    return g / (torch.linalg.vector_norm(g, ord=2, dim=[-2], keepdim=True) + 1.0)
 
 
 def swiglu_ttt_reference(
@@ -43,7 +43,7 @@ def swiglu_ttt_reference(
     """
     out_dtype = q.dtype
     dt = compute_dtype(q.dtype)
-    q, k, v, w1, w2 = (t.to(dt) for t in (q, k, v, w1, w2))
+    q, k, v, w1, w2 = q.to(dt), k.to(dt), v.to(dt), w1.to(dt), w2.to(dt)
     n = k.shape[-2]
     e = v * (-scale / n)
     z1 = k @ w1
@@ -79,14 +79,14 @@ def dwconv_ttt_reference(
     """
     out_dtype = q.dtype
     dt = compute_dtype(q.dtype)
-    q, k, v, w3 = (t.to(dt) for t in (q, k, v, w3))
-    b, d, h, w = k.shape
+    q, k, v, w3 = q.to(dt), k.to(dt), v.to(dt), w3.to(dt)
+    b, d, h, w = k.shape[0], k.shape[1], k.shape[2], k.shape[3]
     e = v * (-scale / (h * w))
     # dL/dw3[b, c, i, j] = sum_{y,x} kpad[b, c, y+i, x+j] * e[b, c, y, x]: a grouped conv of k with e
     kpad = F.pad(k, (1, 1, 1, 1)).reshape(1, b * d, h + 2, w + 2)
     g = F.conv2d(kpad, e.reshape(b * d, 1, h, w), groups=b * d).reshape(b, d, 3, 3)
     if normalize_grad:
-        g = g / (torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True) + 1.0)
+        g = g / (torch.linalg.vector_norm(g, ord=2, dim=[-2, -1], keepdim=True) + 1.0)
     w3n = w3.reshape(1, d, 3, 3) - g
     out = F.conv2d(q.reshape(1, b * d, h, w), w3n.reshape(b * d, 1, 3, 3), padding=1, groups=b * d)
     return out.reshape(b, d, h, w).to(out_dtype)

@@ -44,7 +44,7 @@ class ViT3TTT(TTTMixer):
         self.normalize_grad = normalize_grad
         self.use_rope = rope
         self.rope_base = rope_base
-        self.backend = backend
+        self.backend: Optional[str] = backend
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w3 = nn.Parameter(torch.empty(d, 1, 3, 3))
@@ -59,18 +59,23 @@ class ViT3TTT(TTTMixer):
                 trunc_normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        b, n, c = x.shape
-        h, w = feat_size
+        b, n, c = x.shape[0], x.shape[1], x.shape[2]
+        h, w = feat_size[0], feat_size[1]
         d, heads = self.head_dim, self.num_heads
-        q1, k1, v1, q2, k2, v2 = torch.split(self.qkv(x), [c, c, c, d, d, d], dim=-1)
+        qkv = torch.split(self.qkv(x), [c, c, c, d, d, d], dim=-1)
+        q1, k1, v1 = qkv[0], qkv[1], qkv[2]
         if self.use_rope:
             cos, sin = rope_2d_tables((h, w), c, self.rope_base, device=x.device)
             q1 = apply_rope_2d(q1.reshape(b, h, w, c), cos, sin)
             k1 = apply_rope_2d(k1.reshape(b, h, w, c), cos, sin)
-        q1, k1, v1 = (t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1))
+        q1 = q1.reshape(b, n, heads, d).transpose(1, 2)
+        k1 = k1.reshape(b, n, heads, d).transpose(1, 2)
+        v1 = v1.reshape(b, n, heads, d).transpose(1, 2)
         x1 = swiglu_ttt(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad, backend=self.backend)
         x1 = x1.transpose(1, 2).reshape(b, n, c)
-        q2, k2, v2 = (t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2))
+        q2 = qkv[3].transpose(1, 2).reshape(b, d, h, w)
+        k2 = qkv[4].transpose(1, 2).reshape(b, d, h, w)
+        v2 = qkv[5].transpose(1, 2).reshape(b, d, h, w)
         x2 = dwconv_ttt(q2, k2, v2, self.w3, self.scale, self.normalize_grad, backend=self.backend)
         x2 = x2.flatten(2).transpose(1, 2)
         return self.proj_drop(self.proj(torch.cat([x1, x2], dim=-1)))

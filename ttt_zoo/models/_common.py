@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Iterable, Optional, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from timm.layers import register_notrace_function
 from timm.models import build_model_with_cfg
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
-           "safe_torch_load"]
+           "safe_torch_load", "drop_path_schedule", "load_checkpoint_file"]
 
 
 class CheckpointError(ValueError):
@@ -40,15 +41,10 @@ def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, mo
             f"Resize or pad to e.g. {fix_h}x{fix_w}.")
 
 
-class _ConfigStub(dict):
-    """Inert stand-in for config objects (yacs CfgNode) pickled inside official checkpoints."""
-
-
-class _NamespaceStub(argparse.Namespace):
-    """Inert stand-in for argparse.Namespace (the ``args`` entry of DiT-style checkpoints)."""
-
-
-_SAFE_STUBS = [(_ConfigStub, "yacs.config.CfgNode"), (_NamespaceStub, "argparse.Namespace")]
+# Official checkpoints carry their training config: a yacs ``CfgNode`` (ViT3 'config') or an ``argparse.Namespace``
+# (DiT 'args').  The weights-only unpickler may build them as inert containers: CfgNode (a dict subclass) becomes an
+# OrderedDict, Namespace stays a Namespace.  No other class and no callable is allowed.
+_SAFE_STUBS = [(OrderedDict, "yacs.config.CfgNode"), (argparse.Namespace, "argparse.Namespace")]
 
 
 def safe_torch_load(path: str, map_location: str = "cpu") -> Any:
@@ -120,36 +116,54 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
         raise CheckpointError(" ".join(lines))
 
 
-def _resolve_local_weights(variant: str, kwargs: Dict[str, Any]) -> None:
-    """Official URLs (cloud.tsinghua.edu.cn/f/<id>/?dl=1) carry no file name, which timm's URL cache needs.
+def load_checkpoint_file(path: str) -> Dict[str, Any]:
+    """Read a ``.safetensors`` or torch checkpoint safely, with a clear error for missing or corrupt files."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"Checkpoint file {path!r} does not exist.")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        try:
+            return load_file(path, device="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"Could not read safetensors file {path!r}: {e}. It is truncated or corrupt; "
+                                  f"download or convert it again.") from e
+    return safe_torch_load(path)
 
-    Download them to ``<torch hub>/checkpoints/ttt_zoo/<model>.<tag>.pth`` ourselves and pass the file on.
+
+def _resolve_local_weights(variant: str, kwargs: Dict[str, Any]) -> None:
+    """Route file and URL weights through :func:`load_checkpoint_file` (safe, clear errors) as a state-dict overlay.
+
+    Official URLs (cloud.tsinghua.edu.cn/f/<id>/?dl=1) carry no file name, which timm's URL cache needs, so they are
+    downloaded to ``<torch hub>/checkpoints/ttt_zoo/<model>.<tag>.pth`` here.
     """
     from urllib.parse import urlparse
     from timm.models._builder import resolve_pretrained_cfg
-    pc = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
-                                pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
-    if pc is None or pc.file or pc.state_dict or pc.source or not pc.url or os.path.basename(urlparse(pc.url).path):
-        return
-    cache = os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo")
-    path = os.path.join(cache, f"{pc.architecture}.{pc.tag or 'default'}.pth")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        tmp = path + ".partial"
-        torch.hub.download_url_to_file(pc.url, tmp, progress=True)
-        os.replace(tmp, path)
     overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
-    overlay["file"] = path
-    kwargs["pretrained_cfg_overlay"] = overlay
+    pc = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=overlay)
+    if pc is None or pc.state_dict or pc.source:
+        return
+    path = pc.file
+    if not path and pc.url and not pc.hf_hub_id and not os.path.basename(urlparse(pc.url).path):
+        cache = os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo")
+        path = os.path.join(cache, f"{pc.architecture}.{pc.tag or 'default'}.pth")
+        if not os.path.exists(path):
+            os.makedirs(cache, exist_ok=True)
+            tmp = path + ".partial"
+            torch.hub.download_url_to_file(pc.url, tmp, progress=True)
+            os.replace(tmp, path)
+    if path:
+        overlay.pop("file", None)
+        overlay["state_dict"] = load_checkpoint_file(path)
+        kwargs["pretrained_cfg_overlay"] = overlay
 
 
 def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
     """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles)."""
     if pretrained:
         _resolve_local_weights(variant, kwargs)
-    with torch.serialization.safe_globals(_SAFE_STUBS):
-        return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+    return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
 
 
-def feature_size(x: torch.Tensor) -> Tuple[int, int]:
-    return x.shape[-2], x.shape[-1]
+def drop_path_schedule(rate: float, depth: int) -> List[float]:
+    """Stochastic-depth rates rising linearly 0 -> rate over ``depth`` blocks (no tensors: meta-device safe)."""
+    return [rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]

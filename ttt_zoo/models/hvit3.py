@@ -18,7 +18,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
-from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, unwrap_checkpoint, validate_state_dict
 
 __all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -148,7 +148,7 @@ class HViT3(nn.Module):
 
         self.patch_embed = Stem(in_chans, embed_dim[0])
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        dpr = drop_path_schedule(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList()
         self.feature_info = []
         for i in range(self.num_stages):
@@ -213,7 +213,8 @@ class HViT3(nn.Module):
 
     # ----- forward -----
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        check_image(x, self.in_chans, 1, 1, type(self).__name__)
+        if not torch.jit.is_scripting():
+            check_image(x, self.in_chans, 1, 1, "HViT3")
         return self.pos_drop(self.patch_embed(x))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,7 +349,7 @@ class HViT3Backbone(nn.Module):
         for i in self.out_indices:
             self.add_module(f"norm{i}", nn.LayerNorm(embed_dim[i]))
         self.patch_embed = Stem(in_chans, embed_dim[0])
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        dpr = drop_path_schedule(drop_path_rate, sum(depths))
         self.layers = nn.ModuleList([
             HViT3Stage(embed_dim[i], embed_dim[i + 1] if i + 1 < len(depths) else None, depths[i], num_heads[i],
                        mlp_ratio, True, dpr[sum(depths[:i]):sum(depths[:i + 1])], 0.0, mixer, mixer_kwargs)

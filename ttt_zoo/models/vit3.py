@@ -18,7 +18,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
-from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, unwrap_checkpoint, validate_state_dict
 
 __all__ = ["ViT3"]
 
@@ -58,7 +58,7 @@ class ViT3(nn.Module):
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
                                       embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = drop_path_schedule(drop_path_rate, depth)
         self.blocks = nn.ModuleList([
             TTTBlock(embed_dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                      proj_drop=proj_drop_rate, drop_path=dpr[i], norm_layer=norm_layer, mixer_kwargs=mixer_kwargs)
@@ -105,29 +105,27 @@ class ViT3(nn.Module):
             if global_pool not in ("avg", ""):
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
-        ref = self.norm.weight
+        ref = self.patch_embed.proj.weight
         self.head = (nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
                      if num_classes > 0 else nn.Identity())
         self.head.train(self.training)
 
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        check_image(x, self.in_chans, self.patch_size, self.patch_size, type(self).__name__)
+        if not torch.jit.is_scripting():
+            check_image(x, self.in_chans, self.patch_size, self.patch_size, "ViT3")
         x = self.patch_embed(x)  # B, H, W, C
         feat_size = (x.shape[1], x.shape[2])
         return x.flatten(1, 2), feat_size
 
-    def _run_block(self, i: int, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        blk = self.blocks[i]
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
-        return blk(x, feat_size)
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the normalised (B, H, W, C) token map."""
         x, feat_size = self._embed(x)
-        for i in range(len(self.blocks)):
-            x = self._run_block(i, x, feat_size)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
         x = self.norm(x)
         return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
 
@@ -157,8 +155,11 @@ class ViT3(nn.Module):
         b = x.shape[0]
         last = max_index + 1 if stop_early else len(self.blocks)
         intermediates = []
-        for i in range(last):
-            x = self._run_block(i, x, feat_size)
+        for i, blk in enumerate(self.blocks[:last]):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 if output_fmt == "NCHW":
