@@ -228,7 +228,11 @@ class HViT3(nn.Module):
         if self.global_pool == "avg":
             x = x.mean(dim=(2, 3))
         x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
+        if pre_logits:
+            return x
+        if x.dim() == 4:  # no pooling: per-location logits, NCHW
+            return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
