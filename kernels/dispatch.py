@@ -4,7 +4,6 @@ CUDA tensors use a Triton kernel when one is registered and Triton imports; CPU 
 use the PyTorch reference.  ``backend=`` or the ``TTT_ZOO_BACKEND`` environment variable
 (``torch`` | ``triton`` | ``auto``) forces a path.
 """
-from __future__ import annotations
 
 import os
 from typing import Callable, Dict, Optional

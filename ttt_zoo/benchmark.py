@@ -3,7 +3,6 @@
 Every (model, size) runs in a fresh subprocess, so peak-RSS growth is measured without interference from
 earlier runs; all configurations are measured in one invocation, so ratios are comparable.
 """
-from __future__ import annotations
 
 import json
 import os

@@ -1,5 +1,4 @@
 """The ``ttt-zoo`` command (also ``python -m ttt_zoo``)."""
-from __future__ import annotations
 
 import argparse
 import os

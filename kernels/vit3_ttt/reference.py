@@ -4,7 +4,6 @@ Both ops take one closed-form gradient step of a dot-product inner loss on the k
 apply the updated (per-sample) inner weights to the queries.  Autograd flows through the update.
 Low-precision inputs (fp16/bf16) are computed in float32 and cast back.
 """
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

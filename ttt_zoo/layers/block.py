@@ -1,5 +1,4 @@
 """The parameterised TTT block shared by the families: CPE -> mixer -> MLP, pre-norm residuals."""
-from __future__ import annotations
 
 from typing import Callable, Optional, Tuple, Type
 

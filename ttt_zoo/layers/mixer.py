@@ -4,7 +4,6 @@ A mixer maps tokens ``x: (B, N, C)`` laid out in raster order on a feature map o
 (``N == H * W``) to ``(B, N, C)``.  The map shape is always passed explicitly, so non-square inputs work.
 Families pick a mixer by name through :func:`create_mixer`.
 """
-from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
 

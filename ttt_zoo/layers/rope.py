@@ -1,5 +1,4 @@
 """2-D rotary position embedding of H-ViT3, computed for the actual feature-map size."""
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

@@ -1,17 +1,20 @@
 """ViT3 TTT mixer: a simplified-SwiGLU inner learner over the heads plus one 3x3 depthwise-conv head."""
-from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from timm.layers import trunc_normal_
+from timm.layers import register_notrace_function, trunc_normal_
 
 from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
 from .mixer import TTTMixer, register_mixer
 from .rope import apply_rope_2d, rope_2d_tables
 
 __all__ = ["ViT3TTT"]
+
+# the ops and RoPE tables are leaves for torch.fx (they branch on devices and shapes)
+for _fn in (swiglu_ttt, dwconv_ttt, rope_2d_tables, apply_rope_2d):
+    register_notrace_function(_fn)
 
 
 @register_mixer("vit3")

@@ -1,5 +1,4 @@
 """Helpers shared by the model files: input validation, checkpoint unwrapping and validation, building."""
-from __future__ import annotations
 
 import argparse
 import os
@@ -21,24 +20,25 @@ class CheckpointError(ValueError):
 
 @register_notrace_function
 def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, model_name: str) -> None:
-    """Raise a clear error for an input the model cannot take."""
+    """Raise a clear error for an input the model cannot take (TorchScript- and fx-compatible)."""
+    shape = str(list(x.shape))
     if x.dim() != 4:
-        raise ValueError(f"{model_name} expects a 4-D image batch (B, C, H, W), got shape {tuple(x.shape)}.")
+        raise ValueError(model_name + " expects a 4-D image batch (B, C, H, W), got shape " + shape + ".")
     if x.shape[1] != in_chans:
         raise ValueError(
-            f"{model_name} was built for {in_chans} input channels but got {x.shape[1]} "
-            f"(shape {tuple(x.shape)}). Convert the images (e.g. RGB for 3 channels) or build the model "
-            f"with in_chans={x.shape[1]}.")
+            model_name + " was built for " + str(in_chans) + " input channels but got " + str(x.shape[1])
+            + " (shape " + shape + "). Convert the images (e.g. RGB for 3 channels) or build the model with in_chans="
+            + str(x.shape[1]) + ".")
     h, w = x.shape[-2], x.shape[-1]
     if h < min_size or w < min_size:
-        raise ValueError(f"{model_name} needs images of at least {min_size}x{min_size} pixels, got {h}x{w}. "
-                         f"Resize or pad the input.")
-    if multiple > 1 and (h % multiple or w % multiple):
+        raise ValueError(model_name + " needs images of at least " + str(min_size) + "x" + str(min_size)
+                         + " pixels, got " + str(h) + "x" + str(w) + ". Resize or pad the input.")
+    if multiple > 1 and (h % multiple != 0 or w % multiple != 0):
         fix_h = (h + multiple - 1) // multiple * multiple
         fix_w = (w + multiple - 1) // multiple * multiple
         raise ValueError(
-            f"{model_name} needs height and width divisible by its patch size {multiple}, got {h}x{w}. "
-            f"Resize or pad to e.g. {fix_h}x{fix_w}.")
+            model_name + " needs height and width divisible by its patch size " + str(multiple) + ", got "
+            + str(h) + "x" + str(w) + ". Resize or pad to e.g. " + str(fix_h) + "x" + str(fix_w) + ".")
 
 
 # Official checkpoints carry their training config: a yacs ``CfgNode`` (ViT3 'config') or an ``argparse.Namespace``

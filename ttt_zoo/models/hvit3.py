@@ -4,7 +4,6 @@
 right/bottom to a multiple of 4 and odd maps are padded before each stride-2 merge, as in the official detection
 backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 """
-from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -213,8 +212,7 @@ class HViT3(nn.Module):
 
     # ----- forward -----
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.jit.is_scripting():
-            check_image(x, self.in_chans, 1, 1, "HViT3")
+        check_image(x, self.in_chans, 1, 1, "HViT3")
         return self.pos_drop(self.patch_embed(x))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +228,7 @@ class HViT3(nn.Module):
         x = self.head_drop(x)
         if pre_logits:
             return x
-        if x.dim() == 4:  # no pooling: per-location logits, NCHW
+        if self.global_pool == "":  # no pooling: per-location logits, NCHW
             return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return self.head(x)
 

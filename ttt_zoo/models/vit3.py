@@ -4,7 +4,6 @@
 embedding: each block starts with a residual depthwise-conv position encoding (CPE), and the head mean-pools.
 Official keys are kept, so the authors' checkpoints load through :func:`checkpoint_filter_fn` unchanged.
 """
-from __future__ import annotations
 
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -112,8 +111,7 @@ class ViT3(nn.Module):
 
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        if not torch.jit.is_scripting():
-            check_image(x, self.in_chans, self.patch_size, self.patch_size, "ViT3")
+        check_image(x, self.in_chans, self.patch_size, self.patch_size, "ViT3")
         x = self.patch_embed(x)  # B, H, W, C
         feat_size = (x.shape[1], x.shape[2])
         return x.flatten(1, 2), feat_size
