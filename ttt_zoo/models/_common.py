@@ -1,9 +1,10 @@
 """Helpers shared by the model files: input validation, checkpoint unwrapping and validation, building."""
 
 import argparse
+import contextlib
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from timm.layers import register_notrace_function
 from timm.models import build_model_with_cfg
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
-           "safe_torch_load", "drop_path_schedule", "load_checkpoint_file"]
+           "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device"]
 
 
 class CheckpointError(ValueError):
@@ -162,6 +163,11 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.M
     if pretrained:
         _resolve_local_weights(variant, kwargs)
     return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+
+
+def factory_device(device: Optional[Union[str, torch.device]]):
+    """Context that creates parameters directly on ``device`` (timm passes ``device=``/``dtype=`` to constructors)."""
+    return torch.device(device) if device is not None else contextlib.nullcontext()
 
 
 def drop_path_schedule(rate: float, depth: int) -> List[float]:

@@ -17,7 +17,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
-from ._common import build_ttt_model, check_image, drop_path_schedule, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict
 
 __all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -131,38 +131,43 @@ class HViT3(nn.Module):
             drop_path_rate: float = 0.0,
             mixer: str = "vit3",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            device: Optional[Union[str, torch.device]] = None,
+            dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '' for H-ViT3, got {global_pool!r}")
-        if not (len(embed_dim) == len(depths) == len(num_heads)):
-            raise ValueError("embed_dim, depths and num_heads need one entry per stage")
-        self.num_classes = num_classes
-        self.global_pool = global_pool
-        self.in_chans = in_chans
-        self.embed_dim = list(embed_dim)
-        self.num_features = self.head_hidden_size = embed_dim[-1]
-        self.num_stages = len(depths)
-        self.grad_checkpointing = False
+        with factory_device(device):
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' for H-ViT3, got {global_pool!r}")
+            if not (len(embed_dim) == len(depths) == len(num_heads)):
+                raise ValueError("embed_dim, depths and num_heads need one entry per stage")
+            self.num_classes = num_classes
+            self.global_pool = global_pool
+            self.in_chans = in_chans
+            self.embed_dim = list(embed_dim)
+            self.num_features = self.head_hidden_size = embed_dim[-1]
+            self.num_stages = len(depths)
+            self.grad_checkpointing = False
 
-        self.patch_embed = Stem(in_chans, embed_dim[0])
-        self.pos_drop = nn.Dropout(drop_rate)
-        dpr = drop_path_schedule(drop_path_rate, sum(depths))
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(HViT3Stage(
-                embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
-                mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(self._init_weights)
-        for m in self.modules():
-            if hasattr(m, "reset_inner_parameters"):
-                m.reset_inner_parameters()
+            self.patch_embed = Stem(in_chans, embed_dim[0])
+            self.pos_drop = nn.Dropout(drop_rate)
+            dpr = drop_path_schedule(drop_path_rate, sum(depths))
+            self.layers = nn.ModuleList()
+            self.feature_info = []
+            for i in range(self.num_stages):
+                start = sum(depths[:i])
+                self.layers.append(HViT3Stage(
+                    embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
+                    mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
+                self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+            self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
+            self.head_drop = nn.Dropout(drop_rate)
+            self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+            self.apply(self._init_weights)
+            for m in self.modules():
+                if hasattr(m, "reset_inner_parameters"):
+                    m.reset_inner_parameters()
+        if dtype is not None:
+            self.to(dtype=dtype)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

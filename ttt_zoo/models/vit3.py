@@ -17,7 +17,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
-from ._common import build_ttt_model, check_image, drop_path_schedule, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict
 
 __all__ = ["ViT3"]
 
@@ -42,33 +42,38 @@ class ViT3(nn.Module):
             drop_path_rate: float = 0.0,
             mixer: str = "vit3",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            device: Optional[Union[str, torch.device]] = None,
+            dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '' for ViT3, got {global_pool!r}")
-        self.num_classes = num_classes
-        self.global_pool = global_pool
-        self.in_chans = in_chans
-        self.patch_size = patch_size
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.output_fmt = "NHWC"
-        self.grad_checkpointing = False
+        with factory_device(device):
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' for ViT3, got {global_pool!r}")
+            self.num_classes = num_classes
+            self.global_pool = global_pool
+            self.in_chans = in_chans
+            self.patch_size = patch_size
+            self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+            self.output_fmt = "NHWC"
+            self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                                      embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
-        norm_layer = partial(nn.LayerNorm, eps=1e-6)
-        dpr = drop_path_schedule(drop_path_rate, depth)
-        self.blocks = nn.ModuleList([
-            TTTBlock(embed_dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-                     proj_drop=proj_drop_rate, drop_path=dpr[i], norm_layer=norm_layer, mixer_kwargs=mixer_kwargs)
-            for i in range(depth)])
-        self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
-        self.norm = norm_layer(embed_dim)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(self._init_weights)
-        for blk in self.blocks:
-            blk.attn.reset_inner_parameters()
+            self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
+                                          embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
+            norm_layer = partial(nn.LayerNorm, eps=1e-6)
+            dpr = drop_path_schedule(drop_path_rate, depth)
+            self.blocks = nn.ModuleList([
+                TTTBlock(embed_dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                         proj_drop=proj_drop_rate, drop_path=dpr[i], norm_layer=norm_layer, mixer_kwargs=mixer_kwargs)
+                for i in range(depth)])
+            self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
+            self.norm = norm_layer(embed_dim)
+            self.head_drop = nn.Dropout(drop_rate)
+            self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+            self.apply(self._init_weights)
+            for blk in self.blocks:
+                blk.attn.reset_inner_parameters()
+        if dtype is not None:
+            self.to(dtype=dtype)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
