@@ -345,3 +345,15 @@ def test_detection_backbone_checkpoint(tmp_path):
     assert meta_card["library_name"] == "ttt-zoo" and "load_folder('hf-hub:ttt-zoo/hvit3_backbone_tiny')" in body
     report = hub.validate_folder(folder, source=src)
     assert report["source_checked"] and report["max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,paper_gflops,paper_params", [
+    ("vit3_tiny", 1.2, 6_149_416), ("vit3_small", 4.8, 23_799_400), ("vit3_base", 18.0, 90_055_912),
+    ("hvit3_tiny", 4.9, 28_703_560), ("hvit3_small", 8.8, 54_362_056), ("hvit3_base", 16.7, 94_369_304)])
+def test_measured_numbers_match_the_paper(name, paper_gflops, paper_params):
+    """What the cards state as 'measured by ttt-zoo' agrees with the paper (GFLOPs rounded to 0.1) and with the
+    exact official parameter counts (spec §2, §3)."""
+    numbers = hub.measure(timm.create_model(name), (3, 224, 224))
+    assert numbers["params"] == paper_params
+    assert abs(numbers["macs"] - paper_gflops) <= 0.06 + 0.005 * paper_gflops, numbers

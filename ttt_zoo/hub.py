@@ -234,26 +234,16 @@ def _create(name: str, model_args: Dict[str, Any]) -> nn.Module:
         raise CheckpointError(f"Bad --model-args for {arch}: {e}") from e
 
 
-def _infer_num_classes(name: str, ckpt: Dict[str, Any], model_args: Dict[str, Any]) -> Dict[str, Any]:
-    """Build the classifier the checkpoint has (e.g. 10 classes) unless num_classes is given."""
-    arch, tag = _split(name)
-    if arch in _HUB_ARCHS or "num_classes" in model_args:
-        return model_args
-    from timm.models import get_pretrained_cfg
-    pc = get_pretrained_cfg(name) if tag else get_pretrained_cfg(arch)
-    classifier = getattr(pc, "classifier", None) if pc is not None else None
-    if not classifier:
-        return model_args
-    try:
-        sd = unwrap_checkpoint(ckpt)
-    except CheckpointError:
-        return model_args
-    w = sd.get(f"{classifier}.weight")
-    if w is not None and w.dim() == 2:
-        return dict(model_args, num_classes=int(w.shape[0]))
-    if w is None and sd and not any(k.startswith(classifier + ".") for k in sd):
-        return dict(model_args, num_classes=0)
-    return model_args
+def _classifier_fix(model: nn.Module, sd: Dict[str, torch.Tensor]) -> Optional[int]:
+    """num_classes of the checkpoint's classifier when it differs from the model's (e.g. a 10-class fine-tune)."""
+    cls = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    if not cls:
+        return None
+    theirs, own = sd.get(f"{cls}.weight"), model.state_dict().get(f"{cls}.weight")
+    if (theirs is not None and own is not None and theirs.dim() == own.dim() == 2
+            and theirs.shape[1] == own.shape[1] and theirs.shape[0] != own.shape[0]):
+        return int(theirs.shape[0])
+    return None
 
 
 def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[str, Any]] = None,
@@ -264,8 +254,16 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
     if isinstance(checkpoint, str):
         source = checkpoint
         checkpoint = load_checkpoint_file(checkpoint)
-    model_args = _infer_num_classes(name, checkpoint, dict(model_args or {}))
+    model_args = dict(model_args or {})
     model = _create(name, model_args)
+    if "num_classes" not in model_args:
+        try:
+            n = _classifier_fix(model, unwrap_checkpoint(checkpoint))
+        except CheckpointError:
+            n = None
+        if n is not None:  # build the classifier the checkpoint has
+            model_args["num_classes"] = n
+            model = _create(name, model_args)
     arch = _split(name)[0]
     filter_fn = _filter_fn_for(arch)
     try:
@@ -365,7 +363,7 @@ def _label_info(num_classes: int, name: str) -> Dict[str, Any]:
 def _datasets(name: str, kind: str) -> List[str]:
     tag = _split(name)[1]
     if kind == "backbone":
-        return ["detection-datasets/coco", "scene_parse_150"] if _split(name)[0] in _HUB_ARCHS else []
+        return ["detection-datasets/coco"] if "coco" in tag else ["scene_parse_150"] if "ade" in tag else []
     if "in1k" in tag or "imagenet" in tag:
         return ["imagenet-1k"]
     return []
@@ -385,10 +383,12 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
     from timm.models._hub import save_config_for_hf
     from ttt_zoo import __version__
 
-    arch, tag = _split(name)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to overwrite it.")
     model, used_args = build_from_checkpoint(name, checkpoint, model_args)
+    if "." not in name and (getattr(model, "pretrained_cfg", None) or {}).get("tag"):
+        name = f"{name}.{model.pretrained_cfg['tag']}"  # 'vit3_tiny' -> its default tag 'vit3_tiny.in1k'
+    arch, tag = _split(name)
     hub_id = hub_id or hub_repo_id(name)
     kind = _kind(arch, model)
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
