@@ -297,6 +297,7 @@ def test_checkpoint_for_another_architecture(vit3, tmp_path, capsys):
     assert rc == 2
     assert re.search(r"error: .*vit3_fixture.pth is not a checkpoint for hvit3_tiny.in1k: Checkpoint does not fit "
                      r"model 'hvit3_tiny'\. .*missing keys: \['layers\.0\.", err)
+    assert err.rstrip().endswith("Pass the --model (see `ttt-zoo list`) and --model-args that match the checkpoint.")
     assert "unexpected keys: ['blocks.0." in err
     with pytest.raises(CheckpointError, match=r"shape mismatches \(is it for another model size\?\): "
                                               r"patch_embed.proj.weight: checkpoint \(64, 3, 4, 4\) vs model "
@@ -328,6 +329,35 @@ def test_missing_config_fields(vit3, tmp_path):
 
 
 # ----- other layouts -----
+
+def test_official_layouts_ema_dit_and_ours(vit3, tmp_path):
+    """H-ViT3 main_ema.py layout: the EMA weights are converted (the fixture sits under 'state_dict_ema', a decoy
+    under 'model'); DiT-style {'model','ema','opt','args': Namespace}; a ttt-zoo model.safetensors round trip."""
+    import argparse
+    tensors, sd, meta, tol = load_fixture("hvit3_model_tiny")
+    decoy = {k: v + 1.0 if v.is_floating_point() else v for k, v in sd.items()}
+    src = str(tmp_path / "hvit3_ema.pth")
+    torch.save({"model": decoy, "state_dict_ema": sd, "epoch": 299, "max_accuracy_e": 84.0}, src)
+    args = {"embed_dim": [16, 32, 48, 64], "depths": [1, 1, 1, 1], "num_heads": [1, 2, 2, 2]}
+    folder = str(tmp_path / "hvit3")
+    hub.convert_checkpoint(src, "hvit3_tiny.in1k", folder, model_args=args, flops=False)
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    torch.testing.assert_close(_logits(model, tensors), tensors["output"], rtol=1e-4, atol=1e-4)
+    assert not any(k.endswith("rope.rotations") for k in load_file(os.path.join(folder, "model.safetensors")))
+
+    dit_style = str(tmp_path / "dit_style.pt")
+    torch.save({"model": {k: v * 2 for k, v in vit3["sd"].items()}, "ema": vit3["sd"],
+                "opt": {"state": {}, "param_groups": []}, "args": argparse.Namespace(model="x", epochs=80)}, dit_style)
+    model, _ = hub.build_from_checkpoint("vit3_tiny.in1k", dit_style, VIT3_ARGS)
+    torch.testing.assert_close(_logits(model, vit3["tensors"]), vit3["tensors"]["output"], rtol=1e-5, atol=1e-5)
+
+    again = str(tmp_path / "again")
+    hub.convert_checkpoint(os.path.join(vit3["folder"], "model.safetensors"), "vit3_tiny.in1k", again,
+                           model_args=VIT3_ARGS, flops=False)
+    a, b = load_file(os.path.join(vit3["folder"], "model.safetensors")), load_file(os.path.join(again, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 
 def test_detection_backbone_checkpoint(tmp_path):
     """An mmengine detection checkpoint (backbone.* keys) becomes a hub folder loadable with ttt_zoo.hub."""

@@ -150,7 +150,7 @@ def render_card(info: Dict[str, Any]) -> str:
     fm += _yaml_list("datasets", list(info.get("datasets") or []))
     fm += [f"pipeline_tag: {pipeline}", "---"]
 
-    out = fm + ["", f"# Model card for {name}", ""]
+    out = fm + ["", f"# Model card for {hub_id.split('/')[-1]}", ""]
     out += [info.get("description") or f"A {arch} model from ttt-zoo.", ""]
     src = info.get("source_file")
     if src:
@@ -160,26 +160,27 @@ def render_card(info: Dict[str, Any]) -> str:
         elif info.get("released_url"):
             line += (f", a local file that the converter did not download itself: it is not verified to be the "
                      f"authors' release of this model (<{info['released_url']}>)")
-        out += [line + ". Tensors are copied unchanged (the model file's `checkpoint_filter_fn` picks the EMA "
-                       "weights where present and drops unused buffers); nothing is re-trained.", ""]
+        out += [line + ". Tensors are copied unchanged after the model file's `checkpoint_filter_fn` (which takes "
+                       "the EMA weights where a checkpoint has them and drops unused buffers); nothing is re-trained.",
+                ""]
     if info.get("other_arch"):
         out += [f"**These weights do not belong to the released `{name.split('.')[0]}`:** they were converted with "
                 f"non-default architecture arguments ({', '.join(info['other_arch'])}), so no paper results and no "
                 f"training dataset are claimed for them.", ""]
 
     out += ["## Model details", ""]
-    out += [f"- **Architecture:** `{arch}` (ttt-zoo, registered with timm)" if library == "timm"
+    out += [f"- **Architecture:** `{arch}` (ttt-zoo, registered with timm; pretrained cfg `{name}`)" if library == "timm"
             else f"- **Architecture:** `{arch}` (ttt-zoo; not a timm classifier, load it with `ttt_zoo.hub`)"]
     if info.get("model_args"):
         out += [f"- **Constructor arguments:** `{json.dumps(info['model_args'], sort_keys=True)}`"]
     out += [f"- **Parameters (measured by ttt-zoo):** {_fmt_int(info.get('params'))}"]
     if info.get("macs") is not None:
         shape = "x".join(str(s) for s in info.get("macs_input") or [])
-        out += [f"- **GMACs (measured by ttt-zoo) at input {shape}:** {info['macs']:.3f}"]
+        out += [f"- **GMACs (measured by ttt-zoo) at input {shape}:** {info['macs']:.4g}"]
     if kind == "classifier":
         c, h, w = info.get("input_size", (3, 224, 224))
         out += [f"- **Classes:** {info.get('num_classes')}",
-                f"- **Image size:** {h}x{w} (trained); mean {tuple(info.get('mean', ()))}, "
+                f"- **Preprocessing (pretrained_cfg):** {h}x{w}, mean {tuple(info.get('mean', ()))}, "
                 f"std {tuple(info.get('std', ()))}, crop_pct {info.get('crop_pct')}, {info.get('interpolation')}"]
     if info.get("paper_name") or ids:
         links = ", ".join(f"[arXiv:{i}](https://arxiv.org/abs/{i})" for i in ids)
@@ -197,7 +198,7 @@ def render_card(info: Dict[str, Any]) -> str:
                 f"`model.parameters()`) |"]
     if info.get("macs") is not None:
         shape = "x".join(str(s) for s in info.get("macs_input") or [])
-        out += [f"| GMACs, input {shape} | {info['macs']:.3f} | measured by ttt-zoo: `torch.utils.flop_counter` "
+        out += [f"| GMACs, input {shape} | {info['macs']:.4g} | measured by ttt-zoo: `torch.utils.flop_counter` "
                 f"FLOPs / 2 (counts matmuls and convolutions, like fvcore's \"GFLOPs\") |"]
     pr = info.get("paper")
     if pr:

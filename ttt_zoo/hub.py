@@ -269,7 +269,9 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
     try:
         sd = filter_fn(checkpoint, model) if filter_fn is not None else unwrap_checkpoint(checkpoint)
     except CheckpointError as e:
-        raise CheckpointError(f"{source} is not a checkpoint for {name}: {e}") from e
+        why = str(e).split(" Build the model that matches")[0]
+        raise CheckpointError(f"{source} is not a checkpoint for {name}: {why} Pass the --model (see `ttt-zoo list`) "
+                              f"and --model-args that match the checkpoint.") from e
     try:
         result = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:
@@ -413,6 +415,7 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
         if os.path.exists(os.path.join(out_dir, f)):
             os.remove(os.path.join(out_dir, f))
     save_file(sd, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    os.chmod(os.path.join(out_dir, WEIGHTS_NAME), 0o644)
 
     provenance = dict(version=__version__, hub_id=hub_id, kind=kind, source_file=os.path.basename(checkpoint),
                       source_sha256=_sha256(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
