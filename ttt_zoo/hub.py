@@ -428,8 +428,15 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
             json.dump(config, f, indent=2)
     else:
         data_cfg = {"input_size": input_size} if input_size != tuple(pc.get("input_size", ())) else None
-        save_config_for_hf(model, os.path.join(out_dir, CONFIG_NAME),
-                           model_config=dict(labels, ttt_zoo=provenance), data_config=data_cfg)
+        added = [a for a in ("num_features",) if not hasattr(model, a)]  # timm reads it; DiT-style models lack it
+        for a in added:
+            setattr(model, a, None)
+        try:
+            save_config_for_hf(model, os.path.join(out_dir, CONFIG_NAME),
+                               model_config=dict(labels, ttt_zoo=provenance), data_config=data_cfg)
+        finally:
+            for a in added:
+                delattr(model, a)
     custom_args = {k: v for k, v in used_args.items() if k != "num_classes" or v != 1000}
     other_arch = sorted(k for k in custom_args if k not in _SAME_ARCH_ARGS)
 
