@@ -268,7 +268,8 @@ def test_truncated_and_corrupt_safetensors(vit3, tmp_path):
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)
-    msg = (rf"model.safetensors is truncated: its header lists {len(vit3['sd'])} tensors needing {size} bytes but the file holds "
+    msg = (rf"model.safetensors is truncated: its header lists {len(vit3['sd'])} tensors needing {size} bytes "
+           rf"but the file holds "
            rf"{size // 2} bytes \({size - size // 2} missing\). Delete it and convert again")
     with pytest.raises(CheckpointError, match=msg):
         hub.validate_folder(folder, source=vit3["src"])
@@ -354,7 +355,8 @@ def test_official_layouts_ema_dit_and_ours(vit3, tmp_path):
     again = str(tmp_path / "again")
     hub.convert_checkpoint(os.path.join(vit3["folder"], "model.safetensors"), "vit3_tiny.in1k", again,
                            model_args=VIT3_ARGS, flops=False)
-    a, b = load_file(os.path.join(vit3["folder"], "model.safetensors")), load_file(os.path.join(again, "model.safetensors"))
+    a = load_file(os.path.join(vit3["folder"], "model.safetensors"))
+    b = load_file(os.path.join(again, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

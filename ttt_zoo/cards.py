@@ -169,7 +169,8 @@ def render_card(info: Dict[str, Any]) -> str:
                 f"training dataset are claimed for them.", ""]
 
     out += ["## Model details", ""]
-    out += [f"- **Architecture:** `{arch}` (ttt-zoo, registered with timm; pretrained cfg `{name}`)" if library == "timm"
+    out += [f"- **Architecture:** `{arch}` (ttt-zoo, registered with timm; pretrained cfg `{name}`)"
+            if library == "timm"
             else f"- **Architecture:** `{arch}` (ttt-zoo; not a timm classifier, load it with `ttt_zoo.hub`)"]
     if info.get("model_args"):
         out += [f"- **Constructor arguments:** `{json.dumps(info['model_args'], sort_keys=True)}`"]
