@@ -139,7 +139,7 @@ def test_torch_hub_local(tmp_path):
                            embed_dim=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 2))
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
     with pytest.raises(ValueError, match="Did you mean"):
-        torch.hub.load(repo, "create", "hvit3_tinny", source="local")
+        torch.hub.load(repo, "create_model", "hvit3_tinny", source="local")
 
 
 def test_cli_list(capsys):

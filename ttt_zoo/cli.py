@@ -88,11 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--iters", type=int, default=3)
     dp.add_argument("--skip-bench", action="store_true")
     dp.set_defaults(func=_cmd_demo)
-    try:
-        from . import hub
-        hub.add_subcommands(sub)
-    except ImportError:
-        pass
+    from . import hub
+    hub.add_convert_parser(sub)
+    hub.add_push_parser(sub)
     return p
 
 

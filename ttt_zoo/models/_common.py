@@ -12,7 +12,8 @@ from timm.layers import register_notrace_function
 from timm.models import build_model_with_cfg
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
-           "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device"]
+           "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
+           "with_hub_ids"]
 
 
 class CheckpointError(ValueError):
@@ -158,11 +159,69 @@ def _resolve_local_weights(variant: str, kwargs: Dict[str, Any]) -> None:
         kwargs["pretrained_cfg_overlay"] = overlay
 
 
+# ----- Hugging Face Hub ids with the authors' URL as fallback (docs/hub.md) -----
+
+#: Hub organisation of converted ttt-zoo weights; repos are named ``<model>.<tag>`` like timm's own.
+HUB_ORG = "ttt-zoo"
+
+
+def with_hub_ids(cfgs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Give every cfg with released weights (a ``url``) the hub id ``ttt-zoo/<model>.<tag>``.
+
+    Use as ``generate_default_cfgs(with_hub_ids({...}))``.  Until a repo is uploaded the ``url`` is used
+    (see :func:`_resolve_hub_weights`)."""
+    return {name: dict(cfg, hf_hub_id=cfg.get("hf_hub_id") or f"{HUB_ORG}/{name}") if cfg.get("url") else cfg
+            for name, cfg in cfgs.items()}
+
+
+def _hub_has_weights(hub_id: str, filename: Optional[str], cache_dir: Optional[str]) -> bool:
+    """True when the repo's weights can be fetched (online) or are cached (offline)."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+    except ImportError:
+        return False
+    repo, _, revision = hub_id.partition("@")
+    try:
+        hf_hub_download(repo, filename or "model.safetensors", revision=revision or None, cache_dir=cache_dir)
+        return True
+    except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError):
+        # not uploaded (RepositoryNotFound / EntryNotFound), offline without a cached copy
+        # (LocalEntryNotFound), no network (OSError)
+        return False
+
+
+def _resolve_hub_weights(variant: str, kwargs: Dict[str, Any]) -> None:
+    """timm loads from ``hf_hub_id`` whenever huggingface_hub is installed, even if the repo does not exist.
+    When the repo cannot be reached, drop the hub id so the authors' ``url`` is used instead."""
+    from timm.models._builder import resolve_pretrained_cfg
+    pc = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get("pretrained_cfg"),
+                                pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"))
+    if pc is None or pc.source or pc.file or pc.state_dict or not pc.hf_hub_id or not pc.url:
+        return
+    if _hub_has_weights(pc.hf_hub_id, pc.hf_hub_filename, kwargs.get("cache_dir")):
+        return
+    import logging
+    logging.getLogger(__name__).info("%s is not on the Hugging Face Hub (or not cached offline); using %s",
+                                     pc.hf_hub_id, pc.url)
+    kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, hf_hub_id=None)
+
+
 def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
     """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles)."""
     if pretrained:
+        _resolve_hub_weights(variant, kwargs)
         _resolve_local_weights(variant, kwargs)
-    return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+    with torch.serialization.safe_globals(_SAFE_STUBS):
+        try:
+            return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+        except Exception as e:  # noqa: BLE001 - only safetensors read errors are rewritten
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise CheckpointError(
+                f"The pretrained weights of {variant} could not be read ({e}). The model.safetensors file is "
+                f"truncated or corrupt: delete it (from the local folder or the Hugging Face cache) and download "
+                f"or convert it again (`ttt-zoo convert`).") from e
 
 
 def factory_device(device: Optional[Union[str, torch.device]]):

@@ -17,7 +17,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
-from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict, with_hub_ids
 
 __all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -312,11 +312,11 @@ def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
 
 _TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(with_hub_ids({
     "hvit3_tiny.in1k": _cfg(url=_TSINGHUA.format("f0c7c73ceabe49b7b161")),
     "hvit3_small.in1k": _cfg(url=_TSINGHUA.format("3eeab8621a7f43929a87")),
     "hvit3_base.in1k": _cfg(url=_TSINGHUA.format("1d0d7fb840254275b29d")),
-})
+}))
 
 
 @register_model

@@ -17,7 +17,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
-from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict, with_hub_ids
 
 __all__ = ["ViT3"]
 
@@ -214,11 +214,11 @@ def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
 
 _TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(with_hub_ids({
     "vit3_tiny.in1k": _cfg(url=_TSINGHUA.format("e12d1bd1c20c4e06a2da")),
     "vit3_small.in1k": _cfg(url=_TSINGHUA.format("4ab59ca54b474dff9b70")),
     "vit3_base.in1k": _cfg(url=_TSINGHUA.format("c9e9bb09f85d449ab8cf")),
-})
+}))
 
 
 @register_model
