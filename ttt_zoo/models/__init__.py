@@ -1,7 +1,9 @@
 from .vit3 import ViT3
 from .hvit3 import HViT3, HViT3Backbone
+from .dit import DiT
+from . import dit3  # noqa: F401
 
-__all__ = ["ViT3", "HViT3", "HViT3Backbone"]
+__all__ = ["ViT3", "HViT3", "HViT3Backbone", "DiT"]
 
 #: timm module names of our model files (timm.list_models(module=...))
-MODEL_MODULES = ("vit3", "hvit3")
+MODEL_MODULES = ("vit3", "hvit3", "dit", "dit3")
