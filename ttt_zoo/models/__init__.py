@@ -2,8 +2,9 @@ from .vit3 import ViT3
 from .hvit3 import HViT3, HViT3Backbone
 from .dit import DiT
 from . import dit3  # noqa: F401
+from .dit5 import linearize_dit
 
-__all__ = ["ViT3", "HViT3", "HViT3Backbone", "DiT"]
+__all__ = ["ViT3", "HViT3", "HViT3Backbone", "DiT", "linearize_dit"]
 
 #: timm module names of our model files (timm.list_models(module=...))
-MODEL_MODULES = ("vit3", "hvit3", "dit", "dit3")
+MODEL_MODULES = ("vit3", "hvit3", "dit", "dit3", "dit5")

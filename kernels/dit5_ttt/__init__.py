@@ -1,0 +1,3 @@
+from .reference import mlp_ttt_reference
+
+__all__ = ["mlp_ttt_reference"]
