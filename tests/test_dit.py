@@ -191,3 +191,12 @@ def test_clear_errors():
         model.load_state_dict(checkpoint_filter_fn(_tiny(hidden_size=32).state_dict(), model))
     with pytest.raises(TypeError):
         timm.create_model("dit3_s_2", not_an_arg=1)
+
+
+def test_registered_names_and_zoo_listing():
+    import ttt_zoo
+    names = [f"{fam}_{s}_{p}" for fam in ("dit", "dit3", "dit5") for s in ("s", "b", "l", "xl") for p in (2, 4, 8)]
+    assert set(names) <= set(timm.list_models())
+    # diffusion models are listed on request only: timm's classifier suite cannot apply to forward(x, t, y)
+    assert not set(names) & set(ttt_zoo.list_zoo_models())
+    assert set(names) <= set(ttt_zoo.list_zoo_models(include_diffusion=True))

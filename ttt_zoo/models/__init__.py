@@ -8,3 +8,6 @@ __all__ = ["ViT3", "HViT3", "HViT3Backbone", "DiT", "linearize_dit"]
 
 #: timm module names of our model files (timm.list_models(module=...))
 MODEL_MODULES = ("vit3", "hvit3", "dit", "dit3", "dit5")
+#: the diffusion models among them: forward(x, t, y), not image classifiers, so timm's classifier test suite
+#: (tools/timm_suite) cannot apply; list_zoo_models() leaves them out unless include_diffusion=True
+DIFFUSION_MODULES = ("dit", "dit3", "dit5")
