@@ -1,7 +1,7 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
-from .dit5_ttt import mlp_ttt_reference
+from .dit5_ttt import mlp_ttt, mlp_ttt_reference
 
 register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
@@ -16,11 +16,6 @@ def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):
 def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
     """ViT3 3x3 depthwise-conv inner step + apply; see ``vit3_ttt.reference.dwconv_ttt_reference``."""
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
-
-
-def mlp_ttt(q, k, v, w1, w2, scale, backend=None):
-    """DiT5 2-layer SiLU-MLP regression inner step + apply; see ``dit5_ttt.reference.mlp_ttt_reference``."""
-    return get_op("dit5_mlp_ttt", q.device, backend)(q, k, v, w1, w2, scale)
 
 
 __all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt", "mlp_ttt", "mlp_ttt_reference",

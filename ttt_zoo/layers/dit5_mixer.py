@@ -51,8 +51,8 @@ class DiT5MixedAttention(TTTMixer):
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation
-        self.na_backend = na_backend
-        self.backend = backend
+        self.na_backend: Optional[str] = na_backend
+        self.backend: Optional[str] = backend
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.qk_scale_ttt = nn.Parameter(torch.ones(1, 1, dim, 2))
@@ -87,7 +87,9 @@ class DiT5MixedAttention(TTTMixer):
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = q.shape
         h, w = feat_size
-        q, k, v = [t.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4) for t in (q, k, v)]
+        q = q.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
+        k = k.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
+        v = v.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.na_backend)
         return out.permute(0, 2, 3, 1, 4).reshape(b, n, c)
 

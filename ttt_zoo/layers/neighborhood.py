@@ -43,11 +43,13 @@ def neighborhood_indices(length: int, kernel_size: int, dilation: int = 1,
 def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int,
                                     dilation: int = 1, scale: Optional[float] = None) -> torch.Tensor:
     """Pure-PyTorch 2-D NA.  q, k, v: (B, heads, H, W, d) -> (B, heads, H, W, d).  ``scale`` defaults to d^-0.5."""
-    if q.dim() != 5 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        raise ValueError(f"neighbourhood attention expects q, k, v of shape (B, heads, H, W, d), got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not torch.jit.is_scripting():
+        if q.dim() != 5 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+            raise ValueError(f"neighbourhood attention expects q, k, v of shape (B, heads, H, W, d), got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     h, w = q.shape[2], q.shape[3]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5
     ih = neighborhood_indices(h, kernel_size, dilation, q.device)
     iw = neighborhood_indices(w, kernel_size, dilation, q.device)
     rows, cols = ih[:, None, :, None], iw[None, :, None, :]  # -> (H, W, ks, ks) windows
@@ -105,15 +107,17 @@ def neighborhood_attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               backend: Optional[str] = None) -> torch.Tensor:
     """2-D NA on (B, heads, H, W, d).  ``backend``: ``'torch'``, ``'natten'`` (error if unusable) or ``None``
     (natten when available and verified, else torch)."""
-    if backend not in (None, "torch", "natten"):
-        raise ValueError(f"backend must be None, 'torch' or 'natten', got {backend!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if backend != "torch":
-        # validates the sizes with a clear error before natten sees them
-        neighborhood_indices(min(q.shape[2], q.shape[3]), kernel_size, dilation)
-        if natten_available(q.device, q.dtype, kernel_size, dilation):
-            return _natten_na2d(q, k, v, kernel_size, dilation, scale)
-        if backend == "natten":
-            raise RuntimeError("backend='natten' was requested but natten is not installed or does not match the "
-                               "PyTorch neighbourhood attention on this device/dtype; use backend='torch'.")
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5
+    if not torch.jit.is_scripting():
+        if backend not in (None, "torch", "natten"):
+            raise ValueError(f"backend must be None, 'torch' or 'natten', got '{backend}'")
+        if backend != "torch":
+            # validates the sizes with a clear error before natten sees them
+            neighborhood_indices(min(q.shape[2], q.shape[3]), kernel_size, dilation)
+            if natten_available(q.device, q.dtype, kernel_size, dilation):
+                return _natten_na2d(q, k, v, kernel_size, dilation, scale)
+            if backend == "natten":
+                raise RuntimeError("backend='natten' was requested but natten is not installed or does not match "
+                                   "the PyTorch neighbourhood attention on this device/dtype; use backend='torch'.")
     return neighborhood_attention_2d_torch(q, k, v, kernel_size, dilation, scale)

@@ -60,7 +60,14 @@ def sincos_pos_embed_2d(dim: int, feat_size: Tuple[int, int], dtype: torch.dtype
 
 
 @register_notrace_function
-def _runtime_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int],
+def timestep_features(t: torch.Tensor, dim: int, weight: torch.Tensor) -> torch.Tensor:
+    """The sinusoid in float64 for float64 weights, else in float32 (the official numbers), cast to the weights."""
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return timestep_embedding(t, dim, dtype=dtype).to(weight.dtype)
+
+
+@register_notrace_function
+def runtime_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int],
                        feat_size: Tuple[int, int]) -> torch.Tensor:
     """The stored table at the built size; a freshly computed one for any other grid."""
     if feat_size[0] == grid_size[0] and feat_size[1] == grid_size[1]:
@@ -69,7 +76,7 @@ def _runtime_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int],
 
 
 @register_notrace_function
-def _check_conditioning(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, num_labels: int,
+def check_conditioning(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, num_labels: int,
                         model_name: str) -> None:
     b = x.shape[0]
     if t.dim() != 1 or t.shape[0] != b:
@@ -100,9 +107,7 @@ class TimestepEmbedder(nn.Module):
         )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        wdtype = self.mlp[0].weight.dtype
-        dtype = torch.float64 if wdtype == torch.float64 else torch.float32
-        return self.mlp(timestep_embedding(t, self.frequency_embedding_size, dtype=dtype).to(wdtype))
+        return self.mlp(timestep_features(t, self.frequency_embedding_size, self.mlp[0].weight))
 
 
 class LabelEmbedder(nn.Module):
@@ -265,11 +270,12 @@ class DiT(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (B, in_chans, H, W), t (B,) timesteps (may be fractional), y (B,) int labels -> (B, out_channels, H, W)."""
-        check_image(x, self.in_chans, self.patch_size, self.patch_size, type(self).__name__)
-        _check_conditioning(x, t, y, self.y_embedder.embedding_table.num_embeddings, type(self).__name__)
+        if not torch.jit.is_scripting():
+            check_image(x, self.in_chans, self.patch_size, self.patch_size, "DiT")
+            check_conditioning(x, t, y, self.y_embedder.embedding_table.num_embeddings, "DiT")
         x = self.x_embedder(x)  # B, h, w, D
         feat_size = (x.shape[1], x.shape[2])
-        x = x.flatten(1, 2) + _runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
+        x = x.flatten(1, 2) + runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
         c = self.t_embedder(t) + self.y_embedder(y)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
