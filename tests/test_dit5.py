@@ -156,8 +156,9 @@ def test_linearize_dit_inherits_every_tensor_exactly():
         assert torch.isfinite(new(x, t, y)).all()
     # the released path: a timm-built softmax DiT
     with torch.device("meta"):
-        _, names = linearize_dit(timm.create_model("dit_s_2"))
-    assert len(names) == 12 * 8
+        dit5, names = linearize_dit(timm.create_model("dit_s_2"))
+    assert len(names) == 12 * 8 and dit5.pretrained_cfg["architecture"] == "dit5_s_2"
+    assert sum(p.numel() for p in dit5.parameters()) == DIT5_PARAMS["s"][0]
 
 
 def test_linearize_rejects_non_softmax_dit():

@@ -55,8 +55,16 @@ def linearize_dit(model: DiT, kernel_size: int = 5, dilation: int = 1) -> Tuple[
     if unexpected:
         raise RuntimeError(f"linearize_dit: source tensors with no place in DiT5: {unexpected[:5]}")
     new.train(model.training)
-    new.pretrained_cfg = dict(getattr(model, "pretrained_cfg", {}) or {}, architecture="dit5_linearized")
+    arch = str((getattr(model, "pretrained_cfg", None) or {}).get("architecture", "dit"))
+    new.pretrained_cfg = dict(dit5_cfg_for(arch))
     return new, sorted(missing)
+
+
+def dit5_cfg_for(softmax_arch: str) -> Dict[str, Any]:
+    """The dit5_* pretrained cfg matching a dit_* architecture name (a generic one for custom sizes)."""
+    name = "dit5_" + softmax_arch[len("dit_"):] if softmax_arch.startswith("dit_") else ""
+    cfg = default_cfgs[name].default.to_dict() if name in default_cfgs else _cfg()
+    return dict(cfg, architecture=name or "dit5")
 
 
 def dit5_param_groups(model: nn.Module, lr: float, multiplier: float = DIT5_LR_MULTIPLIER,
