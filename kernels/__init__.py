@@ -5,9 +5,11 @@ import torch
 
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
+from .dit5_ttt import mlp_ttt, mlp_ttt_reference
 
 register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
+register_op("dit5_mlp_ttt", mlp_ttt_reference)
 
 
 def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -26,5 +28,5 @@ def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tens
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 
-__all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
+__all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt", "mlp_ttt", "mlp_ttt_reference",
            "swiglu_ttt_reference", "dwconv_ttt_reference"]

@@ -19,11 +19,15 @@ from .models import *  # noqa: F401,F403,E402
 
 
 
-def list_zoo_models():
-    """Names of every model ttt_zoo registers with timm (timm records the registering module's short name)."""
+def list_zoo_models(include_diffusion: bool = False):
+    """Names of the models ttt_zoo registers with timm (timm records the registering module's short name).
+
+    By default the image models only (what timm's own test suite checks); ``include_diffusion=True`` adds the
+    diffusion transformers (dit, dit3, dit5), whose forward is ``(x, t, y)``."""
     import timm
-    from .models import MODEL_MODULES
-    return sorted(n for m in MODEL_MODULES for n in timm.list_models(module=m))
+    from .models import DIFFUSION_MODULES, MODEL_MODULES
+    modules = [m for m in MODEL_MODULES if include_diffusion or m not in DIFFUSION_MODULES]
+    return sorted(n for m in modules for n in timm.list_models(module=m))
 
 
 def create_model(model_name: str, pretrained: bool = False, **kwargs):

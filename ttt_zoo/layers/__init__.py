@@ -1,7 +1,10 @@
 from .mixer import TTTMixer, create_mixer, list_mixers, register_mixer
 from .vit3_ttt import ViT3TTT
+from .attention import SoftmaxAttention
+from .dit5_mixer import DiT5MixedAttention
+from .neighborhood import neighborhood_attention_2d
 from .block import TTTBlock, TokenMlp, map_to_tokens, tokens_to_map
 from .rope import apply_rope_2d, rope_2d_tables
 
-__all__ = ["TTTMixer", "create_mixer", "list_mixers", "register_mixer", "ViT3TTT", "TTTBlock", "TokenMlp",
+__all__ = ["TTTMixer", "create_mixer", "list_mixers", "register_mixer", "ViT3TTT", "SoftmaxAttention", "DiT5MixedAttention", "neighborhood_attention_2d", "TTTBlock", "TokenMlp",
            "map_to_tokens", "tokens_to_map", "apply_rope_2d", "rope_2d_tables"]

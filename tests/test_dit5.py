@@ -1,0 +1,182 @@
+"""DiT5: neighbourhood attention (natten border rule), the regression inner step, fixture parity, parameter
+counts, and linearize_dit's exact inheritance."""
+import importlib.util
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+from fixtures import load_fixture
+from ttt_zoo.kernels import mlp_ttt_reference
+from ttt_zoo.layers.neighborhood import (neighborhood_attention_2d, neighborhood_attention_2d_torch,
+                                         neighborhood_indices)
+from ttt_zoo.models import DiT, linearize_dit
+from ttt_zoo.models.dit import checkpoint_filter_fn
+from ttt_zoo.models.dit5 import dit5_param_groups
+
+# spec §6 table: params at input_size 32, 1000 classes
+DIT5_PARAMS = {
+    "s": (33_663_776, 33_645_440, 33_848_576),
+    "b": (131_913_248, 131_876_480, 132_282_368),
+    "l": (461_838_368, 461_789_312, 462_330_368),
+    "xl": (680_548_640, 680_493_440, 681_102_080),
+}
+
+
+@pytest.mark.parametrize("size", list(DIT5_PARAMS))
+def test_dit5_official_param_counts(size):
+    for patch, expected in zip((2, 4, 8), DIT5_PARAMS[size]):
+        with torch.device("meta"):
+            model = timm.create_model(f"dit5_{size}_{patch}")
+        n = sum(p.numel() for p in model.parameters())
+        assert n == expected, f"dit5_{size}_{patch}: {n} != official {expected}"
+
+
+def _naive_na(q, k, v, ks, dil, scale):
+    """Loop over queries; window per axis from the natten rule written out directly."""
+    b, nh, h, w, d = q.shape
+
+    def window(i, length):
+        r = i % dil
+        group = list(range(r, length, dil))  # the dilated sub-grid containing i
+        j = group.index(i)
+        start = min(max(j - ks // 2, 0), len(group) - ks)
+        return group[start:start + ks]
+
+    out = torch.empty_like(q)
+    for i in range(h):
+        for j in range(w):
+            keys = [(r, c) for r in window(i, h) for c in window(j, w)]  # row-major in the window
+            kk = torch.stack([k[:, :, r, c] for r, c in keys], dim=2)  # b, nh, K, d
+            vv = torch.stack([v[:, :, r, c] for r, c in keys], dim=2)
+            a = ((q[:, :, i, j, None, :] * scale) * kk).sum(-1).softmax(-1)
+            out[:, :, i, j] = (a[..., None] * vv).sum(-2)
+    return out
+
+
+@pytest.mark.parametrize("ks,dil,shape", [(5, 1, (6, 9)), (3, 1, (5, 3)), (5, 1, (5, 5)), (3, 2, (7, 8))])
+def test_neighborhood_attention_matches_naive(ks, dil, shape):
+    q, k, v = (torch.randn(2, 2, *shape, 8, dtype=torch.float64) for _ in range(3))
+    out = neighborhood_attention_2d_torch(q, k, v, ks, dil, 0.3)
+    torch.testing.assert_close(out, _naive_na(q, k, v, ks, dil, 0.3), rtol=1e-12, atol=1e-12)
+
+
+def test_neighborhood_indices_border_rule():
+    # length 8, kernel 5: windows start at clamp(i - 2, 0, 3)
+    starts = neighborhood_indices(8, 5)[:, 0].tolist()
+    assert starts == [0, 0, 0, 1, 2, 3, 3, 3]
+    assert (neighborhood_indices(8, 5).diff(dim=1) == 1).all()
+
+
+def test_neighborhood_window_larger_than_map_errors():
+    q = torch.randn(1, 1, 4, 8, 8)
+    with pytest.raises(ValueError, match="smaller than the neighbourhood window"):
+        neighborhood_attention_2d(q, q, q, 5)
+    with pytest.raises(ValueError, match="odd kernel_size"):
+        neighborhood_attention_2d(q, q, q, 4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("natten") is None, reason="natten not installed")
+def test_natten_matches_torch():
+    q, k, v = (torch.randn(2, 2, 9, 11, 16) for _ in range(3))
+    out = neighborhood_attention_2d(q, k, v, 5, backend="natten")
+    torch.testing.assert_close(out, neighborhood_attention_2d_torch(q, k, v, 5), rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_ttt_step_equals_autograd():
+    b, nh, n, d, scale = 2, 3, 10, 4, 0.5
+    q, k, v = (torch.randn(b, nh, n, d, dtype=torch.float64) for _ in range(3))
+    w1, w2 = (torch.randn(1, nh, d, d, dtype=torch.float64) * 0.5 for _ in range(2))
+    # per-sample copies; the summed loss gives each copy its own sample's gradient
+    p1 = w1.expand(b, -1, -1, -1).clone().requires_grad_()
+    p2 = w2.expand(b, -1, -1, -1).clone().requires_grad_()
+    loss = (scale / (2 * n)) * ((F.silu(k @ p1) @ p2 - v) ** 2).sum()
+    g1, g2 = torch.autograd.grad(loss, (p1, p2))
+    ref = F.silu(q @ (p1 - g1)) @ (p2 - g2)
+    torch.testing.assert_close(mlp_ttt_reference(q, k, v, w1, w2, scale), ref.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _tiny5(**kw):
+    args = dict(input_size=16, patch_size=2, in_chans=4, hidden_size=64, depth=2, num_heads=2, num_classes=10,
+                mixer="dit5_mixed")
+    args.update(kw)
+    return DiT(**args)
+
+
+def test_dit5_matches_official():
+    t, state, meta, tol = load_fixture("dit5_model_tiny")
+    model = _tiny5().eval()
+    model.load_state_dict(checkpoint_filter_fn({"model": state}, model), strict=True)
+    with torch.no_grad():
+        out = model(t["input.x"], t["input.t"], t["input.y"])
+    torch.testing.assert_close(out, t["output"], **tol)
+    with torch.no_grad():  # float64 runs too and agrees
+        out64 = model.double()(t["input.x"].double(), t["input.t"], t["input.y"])
+    torch.testing.assert_close(out64, t["output"].double(), **tol)
+
+
+def test_dit5_non_square_and_small_latent_error():
+    model = _tiny5().eval()
+    t, y = torch.tensor([3, 700]), torch.tensor([1, 10])
+    with torch.no_grad():
+        assert model(torch.randn(2, 4, 10, 14), t, y).shape == (2, 8, 10, 14)
+        with pytest.raises(ValueError, match="smaller than the neighbourhood window"):
+            model(torch.randn(2, 4, 8, 14), t, y)  # 4 x 7 token map < 5 x 5 window
+
+
+def _softmax_tiny():
+    model = DiT(input_size=16, patch_size=2, in_chans=4, hidden_size=64, depth=2, num_heads=2, num_classes=10,
+                mixer="softmax")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_linearize_dit_inherits_every_tensor_exactly():
+    src = _softmax_tiny().eval()
+    new, new_names = linearize_dit(src)
+    per_block = ["attn.w1", "attn.w2", "attn.qk_scale_ttt", "attn.qk_offset_ttt", "attn.q_conv2d.weight",
+                 "attn.q_conv2d.bias", "attn.k_conv2d.weight", "attn.k_conv2d.bias"]
+    assert new_names == sorted(f"blocks.{i}.{n}" for i in range(2) for n in per_block)
+    src_sd, new_sd = src.state_dict(), new.state_dict()
+    assert set(new_sd) == set(src_sd) | set(new_names)
+    for name, tensor in src_sd.items():
+        assert torch.equal(new_sd[name], tensor), name
+        assert new_sd[name].data_ptr() != tensor.data_ptr()  # a copy, not shared storage
+    for blk in new.blocks:
+        assert torch.equal(blk.attn.qk_scale_ttt, torch.ones_like(blk.attn.qk_scale_ttt))
+        assert torch.equal(blk.attn.qk_offset_ttt, torch.zeros_like(blk.attn.qk_offset_ttt))
+        assert 0 < blk.attn.w1.std() < 0.05
+    assert not new.training and not new.pos_embed.requires_grad
+    x, t, y = torch.randn(2, 4, 16, 16), torch.tensor([10, 900]), torch.tensor([0, 10])
+    with torch.no_grad():
+        assert torch.isfinite(new(x, t, y)).all()
+    # the released path: a timm-built softmax DiT
+    with torch.device("meta"):
+        dit5, names = linearize_dit(timm.create_model("dit_s_2"))
+    assert len(names) == 12 * 8 and dit5.pretrained_cfg["architecture"] == "dit5_s_2"
+    assert sum(p.numel() for p in dit5.parameters()) == DIT5_PARAMS["s"][0]
+
+
+def test_linearize_rejects_non_softmax_dit():
+    with pytest.raises(TypeError, match="softmax DiT"):
+        linearize_dit(_tiny5())
+
+
+def test_dit5_param_groups_double_lr_for_inner_weights():
+    new, new_names = linearize_dit(_softmax_tiny())
+    base, boosted = dit5_param_groups(new, lr=1e-4)
+    assert boosted["lr"] == pytest.approx(2e-4) and base["lr"] == pytest.approx(1e-4)
+    boosted_ids = {id(p) for p in boosted["params"]}
+    expected = {id(p) for n, p in new.named_parameters() if n.endswith(("attn.w1", "attn.w2"))}
+    assert boosted_ids == expected and len(expected) == 4
+    trainable = [p for p in new.parameters() if p.requires_grad]
+    assert len(base["params"]) + len(boosted["params"]) == len(trainable)
+    assert all(p is not new.pos_embed for p in base["params"])
+    # or boost every newly initialised parameter
+    _, all_new = dit5_param_groups(new, lr=1e-4, names=new_names)
+    assert len(all_new["params"]) == len(new_names)
+    torch.optim.AdamW(dit5_param_groups(new, lr=1e-4))  # accepted by an optimizer
