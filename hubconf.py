@@ -25,5 +25,5 @@ def _entry(name):
     return entry
 
 
-for _name in _ttt_zoo.list_zoo_models():
+for _name in _ttt_zoo.list_zoo_models(include_diffusion=True):
     globals()[_name] = _entry(_name)

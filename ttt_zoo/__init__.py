@@ -36,7 +36,7 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
     import timm
     base = model_name.split(".")[0]
     if not model_name.startswith(("hf-hub:", "local-dir:")) and base not in timm.list_models():
-        close = difflib.get_close_matches(base, list_zoo_models(), n=3)
+        close = difflib.get_close_matches(base, list_zoo_models(include_diffusion=True), n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(f"Unknown model {model_name!r}.{hint} Run `ttt-zoo list` for every registered model.")
     return timm.create_model(model_name, pretrained=pretrained, **kwargs)

@@ -13,18 +13,23 @@ ASSET_IMAGE = os.path.join(os.path.dirname(__file__), "assets", "chelsea.jpg")
 
 
 def model_stats(name: str, img_size: int = 224) -> Dict[str, float]:
-    """Parameters and GFLOPs (multiply-accumulates, as the papers count them) at ``img_size``, on the meta device."""
+    """Parameters and GFLOPs (multiply-accumulates, as the papers count them) on the meta device.
+
+    Image models are measured at ``img_size``; diffusion models (``forward(x, t, y)``) at their configured latent size.
+    """
     import timm
     from torch.utils.flop_counter import FlopCounterMode
+    from .hub import example_inputs
     with torch.device("meta"):
         model = timm.create_model(name)
     model.eval()
     params = sum(p.numel() for p in model.parameters())
-    in_chans = getattr(model, "in_chans", 3)
-    x = torch.empty(1, in_chans, img_size, img_size, device="meta")
+    inputs = example_inputs(model, 1, device="meta")
+    if len(inputs) == 1:
+        inputs = (torch.empty(1, getattr(model, "in_chans", 3), img_size, img_size, device="meta"),)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(x)
-    return dict(params=params, gflops=counter.get_total_flops() / 2 / 1e9)
+        model(*inputs)
+    return dict(params=params, gflops=counter.get_total_flops() / 2 / 1e9, input=list(inputs[0].shape[1:]))
 
 
 def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained: bool = False):
@@ -44,14 +49,14 @@ def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained
 
 def _cmd_list(args) -> int:
     from . import list_zoo_models
-    names = [n for n in list_zoo_models() if not args.filter or args.filter in n]
-    print(f"{'model':<28}{'params (M)':>12}{'GFLOPs@' + str(args.img_size):>14}")
+    names = [n for n in list_zoo_models(include_diffusion=True) if not args.filter or args.filter in n]
+    print(f"{'model':<22}{'params (M)':>12}{'GFLOPs':>10}  input")
     for n in names:
         try:
             s = model_stats(n, args.img_size)
-            print(f"{n:<28}{s['params'] / 1e6:>12.3f}{s['gflops']:>14.2f}")
+            print(f"{n:<22}{s['params'] / 1e6:>12.3f}{s['gflops']:>10.2f}  {'x'.join(map(str, s['input']))}")
         except Exception as e:  # noqa: BLE001 - report and continue
-            print(f"{n:<28}  (not an image classifier at this size: {type(e).__name__})")
+            print(f"{n:<22}  (could not be measured: {type(e).__name__}: {e})")
     return 0
 
 
