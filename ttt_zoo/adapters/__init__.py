@@ -1,0 +1,1 @@
+"""Adapters for detection and segmentation frameworks (mmdet, mmseg)."""
