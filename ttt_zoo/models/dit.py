@@ -24,7 +24,7 @@ from timm.layers import PatchEmbed, register_notrace_function, to_2tuple
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_to_map
-from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict, with_hub_ids
 
 __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn"]
 
@@ -347,7 +347,7 @@ def dit_args(size: str, patch_size: int) -> Dict[str, Any]:
 
 _FAIR = "https://dl.fbaipublicfiles.com/DiT/models/{}"
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(with_hub_ids({
     "dit_xl_2.in1k_256": dit_cfg(url=_FAIR.format("DiT-XL-2-256x256.pt")),
     "dit_xl_2.in1k_512": dit_cfg(url=_FAIR.format("DiT-XL-2-512x512.pt"), input_size=64),
     # the softmax DiT-S/2 the DiT5 authors linearise from (Transformer-to-TTT README)
@@ -356,7 +356,7 @@ default_cfgs = generate_default_cfgs({
     "dit_l_2": dit_cfg(), "dit_l_4": dit_cfg(), "dit_l_8": dit_cfg(),
     "dit_b_2": dit_cfg(), "dit_b_4": dit_cfg(), "dit_b_8": dit_cfg(),
     "dit_s_4": dit_cfg(), "dit_s_8": dit_cfg(),
-})
+}))
 
 
 def _dit(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:

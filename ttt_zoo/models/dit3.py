@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 from timm.models import generate_default_cfgs, register_model
 
+from ._common import with_hub_ids
 from .dit import DiT, checkpoint_filter_fn, create_dit, dit_args, dit_cfg
 
 __all__ = ["checkpoint_filter_fn"]
@@ -24,7 +25,7 @@ def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
                    origin_url="https://github.com/LeapLabTHU/ViTTT", **kwargs)
 
 
-default_cfgs = generate_default_cfgs({
+default_cfgs = generate_default_cfgs(with_hub_ids({
     # released 256px ImageNet models (retrained by the authors; FID-50K 39.44 / 65.25 / 120.82, README)
     "dit3_b_2.in1k_256": _cfg(url=_TSINGHUA.format("c68d33055c6b44f39584")),
     "dit3_b_4.in1k_256": _cfg(url=_TSINGHUA.format("49a2ea7a60624a8a94f3")),
@@ -32,7 +33,7 @@ default_cfgs = generate_default_cfgs({
     "dit3_s_2": _cfg(), "dit3_s_4": _cfg(), "dit3_s_8": _cfg(),
     "dit3_l_2": _cfg(), "dit3_l_4": _cfg(), "dit3_l_8": _cfg(),
     "dit3_xl_2": _cfg(), "dit3_xl_4": _cfg(), "dit3_xl_8": _cfg(),
-})
+}))
 
 
 def _dit3(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:
