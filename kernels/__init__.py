@@ -1,9 +1,11 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
+from .t5_ttt import t5_swiglu_ttt_reference
 
 register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
+register_op("t5_swiglu_ttt", t5_swiglu_ttt_reference)
 
 
 def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):
@@ -16,5 +18,11 @@ def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 
+def t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=None):
+    """T5 3-matrix SwiGLU inner step + apply; see ``t5_ttt.reference.t5_swiglu_ttt_reference``."""
+    return get_op("t5_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, w3, scale)
+
+
 __all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
-           "swiglu_ttt_reference", "dwconv_ttt_reference"]
+           "swiglu_ttt_reference", "dwconv_ttt_reference",
+           "t5_swiglu_ttt", "t5_swiglu_ttt_reference"]
