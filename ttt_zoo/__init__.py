@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 from . import kernels  # noqa: F401  (ttt_zoo.kernels, shipped from the top-level kernels/ folder)
 from . import layers, models  # noqa: F401
 from .models import *  # noqa: F401,F403
+from .linearize import linearize, param_groups  # noqa: E402  (ttt_zoo.linearize is the function)
 
 
 
@@ -14,4 +15,4 @@ def list_zoo_models():
     return sorted(n for m in MODEL_MODULES for n in timm.list_models(module=m))
 
 
-__all__ = ["layers", "models", "kernels", "list_zoo_models", "__version__"]
+__all__ = ["layers", "models", "kernels", "list_zoo_models", "linearize", "param_groups", "__version__"]
