@@ -149,3 +149,23 @@ def test_inner_param_names():
     m = T5TTT(16, 2)
     assert [n for n, _ in m.ttt_parameters()] == [
         "w1", "w2", "w3", "q_conv2d.weight", "q_conv2d.bias", "k_conv2d.weight", "k_conv2d.bias"]
+
+
+def test_features_only_and_pruned_norm():
+    model = timm.create_model("t5_tiny", features_only=True, depth=4, img_size=32, out_indices=(1, 3)).eval()
+    feats = model(torch.randn(1, 3, 32, 48))
+    assert [tuple(f.shape) for f in feats] == [(1, 192, 2, 3), (1, 192, 2, 3)]
+    m = T5(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    m.prune_intermediate_layers(1, prune_norm=True, prune_head=True)
+    assert isinstance(m.norm, torch.nn.Identity) and m.num_classes == 0
+
+
+def test_grad_checkpointing_same_output():
+    m = T5(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, na_kernel=3).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    ref = m(x)
+    m.set_grad_checkpointing(True)
+    out = m(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    assert m.blocks[0].attn.w3.grad is not None and m.pos_embed.grad is not None

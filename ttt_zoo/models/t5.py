@@ -128,7 +128,7 @@ class T5(nn.Module):
             if global_pool not in ("avg", ""):
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
-        ref = self.norm.weight
+        ref = self.pos_embed  # (the final norm may have been pruned away)
         self.head = (nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
                      if num_classes > 0 else nn.Identity())
         self.head.train(self.training)
