@@ -1,4 +1,6 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
+from timm.layers import register_notrace_function
+
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
 from .t5_ttt import t5_swiglu_ttt_reference
@@ -18,6 +20,7 @@ def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
 def t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=None):
     """T5 3-matrix SwiGLU inner step + apply; see ``t5_ttt.reference.t5_swiglu_ttt_reference``."""
     return get_op("t5_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, w3, scale)

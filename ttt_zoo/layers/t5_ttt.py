@@ -20,6 +20,7 @@ from .mixer import TTTMixer, register_mixer
 __all__ = ["T5TTT", "key_instance_norm", "neighborhood_attention_2d", "neighborhood_indices"]
 
 
+@register_notrace_function
 def key_instance_norm(k: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
     """Per sample and channel, normalise (B, N, C) keys over the N tokens: (k - mean) / sqrt(var + eps)."""
     kf = k.float() if k.dtype in (torch.float16, torch.bfloat16) else k
