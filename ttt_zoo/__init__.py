@@ -16,6 +16,7 @@ if _ilu.find_spec(__name__ + ".kernels") is None:  # pragma: no cover - source c
 from . import kernels  # noqa: F401,E402  (ttt_zoo.kernels, shipped from the top-level kernels/ folder)
 from . import layers, models  # noqa: F401,E402
 from .models import *  # noqa: F401,F403,E402
+from .linearize import linearize, param_groups  # noqa: E402  (ttt_zoo.linearize is the function)
 
 
 
@@ -42,4 +43,5 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
     return timm.create_model(model_name, pretrained=pretrained, **kwargs)
 
 
-__all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "__version__"]
+__all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "linearize", "param_groups",
+           "__version__"]
