@@ -224,7 +224,7 @@ class TimmDense(_FreezeMixin, nn.Module):
             self.out_channels = self.pyramid.out_channels
         else:
             self.pyramid = None
-            self.norms = nn.ModuleList([LayerNorm2d(info[i]["num_chs"]) for i in self.out_indices])
+            self.norms = nn.ModuleList([LayerNorm2d(info[i]["num_chs"], eps=1e-5) for i in self.out_indices])
             self.out_channels = [info[i]["num_chs"] for i in self.out_indices]
         self.model_name = model_name
         self.frozen_stages = frozen_stages

@@ -1,0 +1,231 @@
+"""OpenMMLab integration: registries, safe checkpoint loading, and real smoke training of the configs.
+
+Each smoke test takes a real config from configs_det/ or configs_seg/, shrinks the backbone/shapes, writes its own
+synthetic dataset (COCO with polygon masks / ADE20K layout), trains 2 iterations with mmdet's or mmseg's own
+tools/train.py, validates (CocoMetric / IoUMetric), saves a checkpoint, then reloads it with our tools/mm_test.py.
+Skipped when the OpenMMLab stack is not installed (`make openmmlab`).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+pytest.importorskip("mmcv.ops", reason="OpenMMLab stack not installed (make openmmlab)")
+pytest.importorskip("mmdet", reason="mmdet not installed (make openmmlab)")
+pytest.importorskip("mmseg", reason="mmseg not installed (make openmmlab)")
+cv2 = pytest.importorskip("cv2")
+
+from fixtures import load_fixture  # noqa: E402
+
+pytestmark = pytest.mark.mm
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(embed_dim=[32, 32, 32, 32], depths=[1, 1, 1, 1])
+
+
+def _run(args, cwd):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout + proc.stderr
+
+
+def _tiny_cls_checkpoint(path):
+    """A tiny H-ViT3 classification checkpoint (official layout {'model': ...}) for init_cfg."""
+    model = timm.create_model("hvit3_tiny", num_heads=(1, 1, 1, 1), **TINY)
+    torch.save({"model": model.state_dict()}, path)
+    return model
+
+
+def test_registered_in_both_registries():
+    import ttt_zoo.adapters.mmdet  # noqa: F401
+    from mmdet.registry import MODELS as DET
+    from mmseg.registry import MODELS as SEG
+    from ttt_zoo.adapters import HViT3Dense, TimmDense
+    for reg in (DET, SEG):
+        assert reg.get("TTTHViT3") is HViT3Dense and reg.get("TTTTimm") is TimmDense
+    model = DET.build(dict(type="TTTHViT3", **TINY, frozen_stages=1))
+    assert isinstance(model, HViT3Dense) and not model.patch_embed.conv[0].conv.weight.requires_grad
+
+
+def test_mmengine_layout_loads_through_registry_and_reproduces_fixture(tmp_path):
+    import ttt_zoo.adapters.mmseg  # noqa: F401
+    from mmseg.registry import MODELS
+    t, state, meta, tol = load_fixture("det_backbone_tiny")
+    path = tmp_path / "upernet_vittt_tiny.pth"
+    torch.save({"meta": {"mmseg_version": "1.2.2", "iter": 160000},
+                "state_dict": {"backbone." + k: v for k, v in state.items()}}, path)
+    kw = json.loads(meta["constructor_kwargs"])
+    model = MODELS.build(dict(type="TTTHViT3", embed_dim=kw["dim"], depths=kw["depths"], drop_path_rate=0.0,
+                              init_cfg=dict(type="Pretrained", checkpoint=str(path)))).double().eval()
+    model.init_weights()
+    with torch.no_grad():
+        outs = model(t["input.x"])
+    for i in range(4):
+        torch.testing.assert_close(outs[i], t[f"output.{i}"], **tol)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo unpickled",))
+
+
+def test_mmengine_loader_is_safe(tmp_path):
+    import ttt_zoo.adapters.mmdet  # noqa: F401
+    from mmengine.runner.checkpoint import load_checkpoint
+    from mmengine.logging import HistoryBuffer
+    net = torch.nn.Linear(2, 2)
+    ok = tmp_path / "ok.pth"
+    buf = HistoryBuffer()
+    buf.update(1.5)
+    torch.save({"meta": {"epoch": 1}, "state_dict": net.state_dict(), "message_hub": {"log_scalars": {"loss": buf}},
+                "np": np.float64(2.0), "arr": np.zeros(3)}, ok)
+    load_checkpoint(torch.nn.Linear(2, 2), str(ok))  # mmengine's own types and numpy: fine
+    bad = tmp_path / "bad.pth"
+    torch.save({"state_dict": net.state_dict(), "x": _Evil()}, bad)
+    with pytest.raises(RuntimeError, match="--trust-checkpoint"):
+        load_checkpoint(torch.nn.Linear(2, 2), str(bad))
+
+
+# ---------------------------------------------------------------- synthetic datasets
+def _coco(root, split, n, rng):
+    """COCO instances with polygon masks: rectangles and triangles on noise, 2 of the 80 COCO classes."""
+    os.makedirs(os.path.join(root, f"{split}2017"), exist_ok=True)
+    images, anns = [], []
+    for i in range(n):
+        h, w = 96, 128
+        img = rng.integers(0, 60, (h, w, 3), dtype=np.uint8)
+        for j in range(2):
+            x0, y0 = int(rng.integers(4, w // 2)), int(rng.integers(4, h // 2))
+            bw, bh = int(rng.integers(24, w // 2 - 4)), int(rng.integers(24, h // 2 - 4))
+            if j == 0:
+                poly = [x0, y0, x0 + bw, y0, x0 + bw, y0 + bh, x0, y0 + bh]
+            else:
+                poly = [x0, y0 + bh, x0 + bw // 2, y0, x0 + bw, y0 + bh]
+            pts = np.array(poly, np.int32).reshape(-1, 2)
+            cv2.fillPoly(img, [pts], (200, 60 + 120 * j, 40))
+            area = float(cv2.contourArea(pts.astype(np.float32)))
+            anns.append(dict(id=len(anns) + 1, image_id=i + 1, category_id=(1, 3)[j], segmentation=[poly],
+                             area=area, bbox=[x0, y0, bw, bh], iscrowd=0))
+        name = f"{i:06d}.jpg"
+        cv2.imwrite(os.path.join(root, f"{split}2017", name), img)
+        images.append(dict(id=i + 1, file_name=name, height=h, width=w))
+    os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
+    with open(os.path.join(root, "annotations", f"instances_{split}2017.json"), "w") as f:
+        json.dump(dict(images=images, annotations=anns,
+                       categories=[dict(id=1, name="person"), dict(id=3, name="car")]), f)
+
+
+def _ade(root, split, n, rng):
+    """ADE20K layout: images/<split>/*.jpg, annotations/<split>/*.png (0 = ignore, 1..150 = classes)."""
+    for sub in ("images", "annotations"):
+        os.makedirs(os.path.join(root, sub, split), exist_ok=True)
+    for i in range(n):
+        seg = np.zeros((64, 80), np.uint8)
+        seg[:, :40] = 1 + rng.integers(0, 150)
+        seg[20:50, 30:70] = 1 + rng.integers(0, 150)
+        img = (seg[..., None] * np.array([1, 3, 7]) % 255).astype(np.uint8) + rng.integers(0, 20, (64, 80, 3)).astype(np.uint8)
+        cv2.imwrite(os.path.join(root, "images", split, f"ADE_{split}_{i:08d}.jpg"), img)
+        cv2.imwrite(os.path.join(root, "annotations", split, f"ADE_{split}_{i:08d}.png"), seg)
+
+
+def _train_and_test(tmp_path, config, pkg):
+    work = tmp_path / "work"
+    train = os.path.join(os.path.dirname(__import__(pkg).__file__), ".mim", "tools", "train.py")
+    log = _run([train, str(config), "--work-dir", str(work)], cwd=tmp_path)  # the package's own train.py
+    ckpts = sorted(p for p in os.listdir(work) if p.endswith(".pth"))
+    assert ckpts, f"no checkpoint saved in {work}: {os.listdir(work)}"
+    out = _run([os.path.join(ROOT, "tools", "mm_test.py"), str(config), str(work / ckpts[-1]),
+                "--work-dir", str(tmp_path / "test")], cwd=tmp_path)  # our wrapper, reloading the checkpoint
+    return log, out, work / ckpts[-1]
+
+
+def test_mask_rcnn_hvit3_smoke_train(tmp_path):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "coco"
+    _coco(str(data), "train", 2, rng)
+    _coco(str(data), "val", 2, rng)
+    init = tmp_path / "hvit3_tiny_cls.pth"
+    _tiny_cls_checkpoint(init)
+    small = [(128, 96), (128, 80)]
+    cfg = tmp_path / "mask_rcnn_smoke.py"
+    cfg.write_text(f"""
+_base_ = {os.path.join(ROOT, 'configs_det', 'mask-rcnn_hvit3-t_fpn_1x_coco.py')!r}
+data_root = {str(data) + '/'!r}
+model = dict(backbone=dict(embed_dim={TINY['embed_dim']}, depths={TINY['depths']}, frozen_stages=0,
+                           use_checkpoint=False, init_cfg=dict(type='Pretrained', checkpoint={str(init)!r})),
+             neck=dict(in_channels={TINY['embed_dim']}, out_channels=32),
+             rpn_head=dict(in_channels=32, feat_channels=32),
+             roi_head=dict(bbox_roi_extractor=dict(out_channels=32), bbox_head=dict(in_channels=32, fc_out_channels=64),
+                           mask_roi_extractor=dict(out_channels=32), mask_head=dict(in_channels=32, conv_out_channels=32)))
+train_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='RandomFlip', prob=0.5), dict(type='RandomChoiceResize', scales={small}, keep_ratio=True),
+    dict(type='PackDetInputs')]
+test_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='Resize', scale=(128, 96), keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))]
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val2017.json')
+test_evaluator = val_evaluator
+train_cfg = dict(max_epochs=2, val_interval=2)
+optim_wrapper = dict(type='OptimWrapper')  # AmpOptimWrapper needs a GPU
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
+""")
+    log, out, ckpt = _train_and_test(tmp_path, cfg, "mmdet")
+    assert "Iter(train) [1/1]" in log or "Epoch(train)  [2][1/1]" in log, log[-3000:]
+    assert "coco/bbox_mAP" in log and "coco/segm_mAP" in log, log[-3000:]
+    assert "coco/bbox_mAP" in out and "coco/segm_mAP" in out, out[-3000:]
+    sd = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    init_sd = torch.load(init, weights_only=True)["model"]
+    # frozen stem kept its pretrained weights, trained stages moved away from them
+    k = "patch_embed.conv.0.conv.weight"
+    assert torch.equal(sd["backbone." + k], init_sd[k])
+    k = "layers.3.blocks.0.attn.qkv.weight"
+    assert not torch.equal(sd["backbone." + k], init_sd[k])
+
+
+def test_upernet_hvit3_smoke_train(tmp_path):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "ade"
+    _ade(str(data), "training", 2, rng)
+    _ade(str(data), "validation", 2, rng)
+    cfg = tmp_path / "upernet_smoke.py"
+    cfg.write_text(f"""
+_base_ = {os.path.join(ROOT, 'configs_seg', 'upernet_hvit3-t_160k_ade20k-512x512.py')!r}
+data_root = {str(data)!r}
+crop_size = (64, 64)
+model = dict(data_preprocessor=dict(size=crop_size),
+             backbone=dict(embed_dim={TINY['embed_dim']}, depths={TINY['depths']}, init_cfg=None),
+             decode_head=dict(in_channels={TINY['embed_dim']}, channels=32),
+             auxiliary_head=dict(in_channels=32, channels=16))
+train_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='RandomResize', scale=(128, 64), ratio_range=(0.5, 2.0), keep_ratio=True),
+    dict(type='RandomCrop', crop_size=crop_size, cat_max_ratio=0.75), dict(type='RandomFlip', prob=0.5),
+    dict(type='PhotoMetricDistortion'), dict(type='PackSegInputs')]
+test_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='Resize', scale=(128, 64), keep_ratio=True),
+    dict(type='LoadAnnotations', reduce_zero_label=True), dict(type='PackSegInputs')]
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+train_cfg = dict(max_iters=2, val_interval=2)
+optim_wrapper = dict(type='OptimWrapper')  # AmpOptimWrapper needs a GPU
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
+""")
+    log, out, ckpt = _train_and_test(tmp_path, cfg, "mmseg")
+    assert "Iter(train) [2/2]" in log, log[-3000:]
+    assert "mIoU" in log and "mIoU" in out, out[-3000:]
