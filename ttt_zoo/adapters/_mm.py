@@ -10,6 +10,7 @@ anything else are refused with an error that names the one explicit opt-in for t
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, List
 
 import torch
@@ -39,7 +40,16 @@ def mmengine_safe_globals() -> List[Any]:
         from numpy.core.multiarray import _reconstruct, scalar
     dtypes = [type(np.dtype(t)) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
                                           "uint8", "bool")]
-    return [HistoryBuffer, _reconstruct, scalar, np.ndarray, np.dtype, *dtypes]
+    return [HistoryBuffer, _reconstruct, scalar, np.ndarray, np.dtype, *dtypes, bytes,
+            (_history_getattr, "builtins.getattr")]
+
+
+def _history_getattr(obj: Any, name: str) -> Any:
+    """``getattr`` restricted to HistoryBuffer's public statistics methods (pickled as bound methods)."""
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if (obj is HistoryBuffer or isinstance(obj, HistoryBuffer)) and not name.startswith("_"):
+        return getattr(obj, name)
+    raise pickle.UnpicklingError(f"getattr({type(obj).__name__}, {name!r}) is not allowed in a checkpoint")
 
 
 def _safe_load_from_local(filename: str, map_location=None):
