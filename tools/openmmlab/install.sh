@@ -25,7 +25,7 @@ if [ -z "$whl" ]; then
   echo "[openmmlab] building mmcv $MMCV_VERSION for $key (about 11 min on 2 cores)"
   start=$(date +%s)
   "${PIP[@]}" download -q --no-deps --no-binary :all: "mmcv==$MMCV_VERSION" -d "$CACHE/sdist"
-  # build in a kept source tree: an interrupted build resumes (ninja) instead of starting over
+  # build in a source tree under the cache (removed after a successful build)
   src="$CACHE/src-$key/mmcv-$MMCV_VERSION"
   [ -d "$src" ] || { mkdir -p "$CACHE/src-$key" && tar -xzf "$CACHE/sdist/mmcv-$MMCV_VERSION.tar.gz" -C "$CACHE/src-$key"; }
   TTT_ZOO_REAL_CXX="${CXX:-c++}" CXX="$HERE/cxx20" MMCV_WITH_OPS=1 FORCE_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" \
