@@ -258,11 +258,15 @@ def _configs(folder):
 
 def _shallow_backbone(registry, cfg):
     """The config's backbone with one block per stage (channels, which the heads depend on, are unchanged)."""
+    from ttt_zoo import list_zoo_models
     cfg = dict(cfg, init_cfg=None)
     if cfg["type"] == "TTTHViT3":
         cfg["depths"] = [1, 1, 1, 1]
-    else:
-        cfg["model_kwargs"] = dict(cfg.get("model_kwargs") or {}, depth=1)
+        return registry.build(cfg)
+    if cfg["model_name"] not in list_zoo_models():
+        pytest.skip(f"{cfg['model_name']} is not in this build of ttt_zoo")
+    hierarchical = cfg["model_name"].startswith("hvit3") or "_h_" in cfg["model_name"]
+    cfg["model_kwargs"] = dict(cfg.get("model_kwargs") or {}, **(dict(depths=[1, 1, 1, 1]) if hierarchical else dict(depth=1)))
     return registry.build(cfg)
 
 
