@@ -21,6 +21,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+include mk/openmmlab.mk
+
 demo: venv
 	$(VENV)/bin/ttt-zoo demo
 

@@ -1,0 +1,13 @@
+# Mask R-CNN + FPN, H-ViT3-B backbone, 3x schedule (36 epochs), COCO. Spec §7 recipe.
+_base_ = './_base_/mask-rcnn_ttt_fpn_coco.py'
+model = dict(
+    backbone=dict(arch='base', drop_path_rate=0.6,
+                  init_cfg=dict(type='Pretrained', checkpoint='data/H-ViTTT-B.pth')),
+    neck=dict(in_channels=[96, 192, 448, 640]))
+
+max_epochs = 36
+train_cfg = dict(max_epochs=max_epochs)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.001, by_epoch=False, begin=0, end=1000),
+    dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[27, 33], gamma=0.1),
+]

@@ -1,0 +1,82 @@
+"""Registration of the dense backbones with mmdet / mmseg, and a safe mmengine checkpoint loader.
+
+mmengine 0.10.7 reads checkpoints (``load_from``, ``resume``) with a bare ``torch.load``; under torch >= 2.6 that
+is ``weights_only=True`` and fails on the logging objects mmengine itself pickles.  :func:`install_safe_loader`
+replaces the local-file loader with ``torch.load(weights_only=True)`` plus an allow-list of the plain data
+types mmengine writes (numpy arrays/scalars, ``HistoryBuffer``): no code from the file runs.  Files holding
+anything else are refused with an error that names the one explicit opt-in for trusted files:
+``tools/mm_train.py --trust-checkpoint`` (or :func:`allow_unsafe_checkpoints` in a script).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, List
+
+import torch
+
+from .dense import HViT3Dense, TimmDense
+
+__all__ = ["register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals"]
+
+BACKBONES = {"TTTHViT3": HViT3Dense, "TTTTimm": TimmDense}
+_UNSAFE = {"on": False}
+
+
+def register(registry) -> None:
+    """Add our backbones to an mmengine ``MODELS`` registry (idempotent)."""
+    for name, cls in BACKBONES.items():
+        if registry.get(name) is not cls:
+            registry.register_module(name=name, module=cls, force=True)
+
+
+def mmengine_safe_globals() -> List[Any]:
+    """Classes/functions an mmengine checkpoint may hold besides tensors and containers (all plain data)."""
+    import numpy as np
+    from mmengine.logging.history_buffer import HistoryBuffer
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [type(np.dtype(t)) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
+                                          "uint8", "bool")]
+    return [HistoryBuffer, _reconstruct, scalar, np.ndarray, np.dtype, *dtypes, bytes,
+            (_history_getattr, "builtins.getattr")]
+
+
+def _history_getattr(obj: Any, name: str) -> Any:
+    """``getattr`` restricted to HistoryBuffer's public statistics methods (pickled as bound methods)."""
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if (obj is HistoryBuffer or isinstance(obj, HistoryBuffer)) and not name.startswith("_"):
+        return getattr(obj, name)
+    raise pickle.UnpicklingError(f"getattr({type(obj).__name__}, {name!r}) is not allowed in a checkpoint")
+
+
+def _safe_load_from_local(filename: str, map_location=None):
+    filename = os.path.expanduser(filename)
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(f"{filename} can not be found.")
+    if _UNSAFE["on"]:
+        return torch.load(filename, map_location=map_location, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(mmengine_safe_globals()):
+            return torch.load(filename, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"Refusing to unpickle {filename!r}: it holds objects outside the safe allow-list "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Re-save its tensors "
+            f"(dict(state_dict=...)), or, only for a file you trust, pass --trust-checkpoint to tools/mm_train.py / "
+            f"tools/mm_test.py (or call ttt_zoo.adapters.allow_unsafe_checkpoints()).") from e
+
+
+def install_safe_loader() -> None:
+    """Make mmengine read local checkpoints with ``weights_only=True`` (idempotent)."""
+    from mmengine.runner.checkpoint import CheckpointLoader
+    CheckpointLoader.register_scheme(prefixes="", loader=_safe_load_from_local, force=True)
+
+
+def allow_unsafe_checkpoints() -> None:
+    """Explicit opt-in, for trusted files only: later mmengine checkpoint loads in this process unpickle
+    arbitrary objects.  Never called on import."""
+    install_safe_loader()
+    _UNSAFE["on"] = True
