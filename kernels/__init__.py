@@ -1,9 +1,11 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
 from .dispatch import available_ops, get_op, register_op, resolve_backend
-from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
+from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_reference,
+                       swiglu_ttt_torch)
 
-register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
-register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
+register_op("vit3_swiglu_ttt", swiglu_ttt_torch, naive_impl=swiglu_ttt_reference)
+register_op("vit3_dwconv_ttt", dwconv_ttt_torch, naive_impl=dwconv_ttt_reference)
+register_op("vit3_qkv_ttt", qkv_ttt_torch, naive_impl=qkv_ttt_naive)
 
 
 def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):
@@ -16,5 +18,15 @@ def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 
-__all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
-           "swiglu_ttt_reference", "dwconv_ttt_reference"]
+def vit3_qkv_ttt(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+                 cos=None, sin=None, backend=None):
+    """ViT3 mixer core: qkv projection (+ optional RoPE on the SwiGLU q, k), both inner steps, concat.
+
+    (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
+    """
+    return get_op("vit3_qkv_ttt", x.device, backend)(x, weight, bias, w1, w2, w3, feat_size, heads, scale,
+                                                     normalize_grad, cos, sin)
+
+
+__all__ = ["vit3_qkv_ttt", "available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
+           "swiglu_ttt_reference", "dwconv_ttt_reference", "swiglu_ttt_torch", "dwconv_ttt_torch"]

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
+from ttt_zoo.kernels import vit3_qkv_ttt
 from .mixer import TTTMixer, register_mixer
-from .rope import apply_rope_2d, rope_2d_tables
+from .rope import rope_2d_tables
 
 __all__ = ["ViT3TTT"]
 
@@ -59,21 +59,14 @@ class ViT3TTT(TTTMixer):
                 trunc_normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        b, n, c = x.shape
-        h, w = feat_size
-        d, heads = self.head_dim, self.num_heads
-        q1, k1, v1, q2, k2, v2 = torch.split(self.qkv(x), [c, c, c, d, d, d], dim=-1)
+        cos: Optional[torch.Tensor] = None
+        sin: Optional[torch.Tensor] = None
         if self.use_rope:
-            cos, sin = rope_2d_tables((h, w), c, self.rope_base, device=x.device)
-            q1 = apply_rope_2d(q1.reshape(b, h, w, c), cos, sin)
-            k1 = apply_rope_2d(k1.reshape(b, h, w, c), cos, sin)
-        q1, k1, v1 = (t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1))
-        x1 = swiglu_ttt(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad, backend=self.backend)
-        x1 = x1.transpose(1, 2).reshape(b, n, c)
-        q2, k2, v2 = (t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2))
-        x2 = dwconv_ttt(q2, k2, v2, self.w3, self.scale, self.normalize_grad, backend=self.backend)
-        x2 = x2.flatten(2).transpose(1, 2)
-        return self.proj_drop(self.proj(torch.cat([x1, x2], dim=-1)))
+            cos, sin = rope_2d_tables(feat_size, self.dim, self.rope_base, device=x.device)
+        # qkv projection + RoPE + both inner steps in one op; its backward recomputes the projection output
+        y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size, self.num_heads,
+                         self.scale, self.normalize_grad, cos, sin, backend=self.backend)
+        return self.proj_drop(self.proj(y))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"
