@@ -3,9 +3,13 @@ from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_reference,
                        swiglu_ttt_torch)
 
-register_op("vit3_swiglu_ttt", swiglu_ttt_torch, naive_impl=swiglu_ttt_reference)
-register_op("vit3_dwconv_ttt", dwconv_ttt_torch, naive_impl=dwconv_ttt_reference)
-register_op("vit3_qkv_ttt", qkv_ttt_torch, naive_impl=qkv_ttt_naive)
+from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
+
+# torch: recomputing PyTorch path (any device); triton: the ttt_zoo::vit3_* custom ops (Triton kernels on CUDA);
+# torch_naive: the plain reference under autograd.  Without Triton installed, forcing 'triton' raises.
+register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op if HAS_TRITON else None, swiglu_ttt_reference)
+register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON else None, dwconv_ttt_reference)
+register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
 
 
 def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):

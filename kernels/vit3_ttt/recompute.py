@@ -16,6 +16,7 @@ Backward (dO given):
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Tuple
 
 import torch
@@ -128,7 +129,7 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     no im2col copy and no loop over taps.
     """
     b, d, h, w = x.shape
-    xp = F.pad(x, (1, 1, 1, 1))
+    xp = F.pad(x, (1, 1, 1, 1)).contiguous()  # as_strided needs known strides (also under torch.compile)
     s = xp.stride()
     win = xp.as_strided((b, d, 3, h, 3, w), (s[0], s[1], s[2], s[2], s[3], s[3]))
     return (win * e[:, :, None, :, None, :]).sum((3, 5))
@@ -169,19 +170,36 @@ def dwconv_bwd(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
 
 
 # ---------------------------------------------------------------------------------------------- autograd glue
+def _autocast(device: torch.device, enabled: bool = False, dtype=None):
+    """Autocast context for ``device`` (off by default: the inner step chooses its own precision)."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    if not enabled:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _autocast_state(device: torch.device):
+    if device.type not in ("cpu", "cuda"):
+        return False, None
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
 def make_function(name: str, fwd, bwd, n_weights: int):
     """An autograd.Function calling ``fwd``/``bwd`` (shared by the torch and Triton paths)."""
 
     def forward(ctx, q, k, v, *rest):
         weights, (scale, normalize_grad) = rest[:n_weights], rest[n_weights:]
-        out, g = fwd(q, k, v, *weights, scale, normalize_grad)
+        with _autocast(q.device):
+            out, g = fwd(q, k, v, *weights, scale, normalize_grad)
         ctx.save_for_backward(q, k, v, *weights, g)
         ctx.scale, ctx.normalize_grad = scale, normalize_grad
         return out
 
     def backward(ctx, do):
         saved = ctx.saved_tensors
-        grads = bwd(do.contiguous(), *saved, ctx.scale, ctx.normalize_grad)
+        with _autocast(do.device):
+            grads = bwd(do.contiguous(), *saved, ctx.scale, ctx.normalize_grad)
         return (*grads, None, None)
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
@@ -235,13 +253,16 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
     """
 
     def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad):
+        # the projection follows the caller's autocast (replayed in the backward); the inner steps do not
         (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
         b, n, c = x.shape
-        x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
-        x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
-        out = torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
+        with _autocast(x.device):
+            x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
+            x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
+            out = torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
         ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin)
         ctx.args = (feat_size, heads, scale, normalize_grad)
+        ctx.amp = _autocast_state(x.device)
         return out
 
     def backward(ctx, dout):
@@ -250,8 +271,9 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
         b, n, c = x.shape
         h, w = feat_size
         d = c // heads
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(x.device, *ctx.amp):
             (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             dq1, dk1, dv1, dw1, dw2 = swiglu_b(dx1, q1, k1, v1, w1, w2, g1, scale, normalize_grad)
             del q1, k1, v1
@@ -264,10 +286,10 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
                 dk1 = _rope(dk1.reshape(b, h, w, c), cos, -sin).reshape(b, n, c)
             dqkv = torch.cat([dq1, dk1, dv1] + [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)], dim=-1)
             del dq1, dk1, dv1, dq2, dk2, dv2
-            dqkv = dqkv.to(weight.dtype)
+        with torch.no_grad(), _autocast(x.device, *ctx.amp):  # projection backward in the forward's precision
             dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-            dweight = dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c).to(weight.dtype)
-            dbias = dqkv.sum((0, 1)) if bias is not None else None
+            dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
+            dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
         return dx, dweight, dbias, dw1, dw2, dw3, None, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})

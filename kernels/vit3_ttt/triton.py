@@ -33,9 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .recompute import normalize_columns, normalize_columns_bwd
+from .recompute import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
+from .reference import compute_dtype
 
-__all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton"]
+__all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
+           "dwconv_ttt_triton", "qkv_ttt_triton"]
 
 BLOCK_N = 64      # tokens per tile
 TILES = 4         # tiles reduced per program in the reduction kernels
@@ -217,7 +219,10 @@ def _grid_chunks(n: int) -> int:
 
 
 def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True):
-    """Triton forward: (out (B, heads, N, d) in q's dtype, raw inner gradient G (B, heads, d, 2d) fp32)."""
+    """Triton forward: (out (B, heads, N, d) in q's dtype, raw inner gradient G (B, heads, d, 2d)).
+
+    ``out`` is a transposed view of a (B, N, heads, d) buffer, so merging the heads afterwards is free.
+    """
     _check(q, k, v, w1, w2)
     b, h, n, d = q.shape
     bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
@@ -233,7 +238,7 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     out = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # heads-merged layout
     _swiglu_apply[(b * h, triton.cdiv(n, BLOCK_N))](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
                                                     BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
-    return out, g
+    return out, g.to(compute_dtype(q.dtype))
 
 
 def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
@@ -336,7 +341,7 @@ def dwconv_fwd_triton(q, k, v, w3, scale: float, normalize_grad: bool = True):
         raise ValueError(f"w3 must be (d, 1, 3, 3) = ({d}, 1, 3, 3), got {tuple(w3.shape)}")
     g = _taps_triton(k, v) * (-scale / (h * w))
     w3n = w3.float().reshape(1, d, 3, 3) - (normalize_columns(g, (-2, -1)) if normalize_grad else g)
-    return _dwconv_triton(q, w3n), g
+    return _dwconv_triton(q, w3n), g.to(compute_dtype(q.dtype))
 
 
 def dwconv_bwd_triton(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
@@ -351,3 +356,24 @@ def dwconv_bwd_triton(do, q, k, v, w3, g, scale: float, normalize_grad: bool = T
     dk = _dwconv_triton(v, dg.flip(-2, -1), c).to(q.dtype)
     dv = _dwconv_triton(k, dg, c).to(q.dtype)
     return dq, dk, dv, dwn.sum(0).reshape(d, 1, 3, 3).to(w3.dtype)
+
+
+# ---------------------------------------------------------------- differentiable entry points (no custom op)
+SwiGLUTTTTriton = make_function("SwiGLUTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, 2)
+DWConvTTTTriton = make_function("DWConvTTTTriton", dwconv_fwd_triton, dwconv_bwd_triton, 1)
+QKVTTTTriton = make_qkv_function("QKVTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, dwconv_fwd_triton,
+                                 dwconv_bwd_triton)
+
+
+def swiglu_ttt_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    return SwiGLUTTTTriton.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
+
+
+def dwconv_ttt_triton(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    return DWConvTTTTriton.apply(q, k, v, w3, float(scale), bool(normalize_grad))
+
+
+def qkv_ttt_triton(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+                   cos=None, sin=None) -> torch.Tensor:
+    return QKVTTTTriton.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
+                              int(heads), float(scale), bool(normalize_grad))
