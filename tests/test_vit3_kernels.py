@@ -37,7 +37,7 @@ def test_swiglu_gradcheck(normalize, per_sample):
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_dwconv_gradcheck(normalize):
-    inputs = _leaves((2, 3, 4, 6), (2, 3, 4, 6), (2, 3, 4, 6), (3, 1, 3, 3))
+    inputs = _leaves((2, 2, 3, 4), (2, 2, 3, 4), (2, 2, 3, 4), (2, 1, 3, 3))
     assert torch.autograd.gradcheck(lambda *a: dwconv_ttt_torch(*a, 0.7, normalize), inputs)
 
 
@@ -133,11 +133,11 @@ def test_dispatch_backends(monkeypatch):
 
 def test_custom_ops_are_registered_and_differentiable():
     assert hasattr(torch.ops.ttt_zoo, "vit3_swiglu_fwd") and hasattr(torch.ops.ttt_zoo, "vit3_dwconv_bwd")
-    b, h, n, d = 2, 2, 7, 5
+    b, h, n, d = 2, 2, 5, 4
     inputs = _leaves((b, h, n, d), (b, h, n, d), (b, h, n, d)) + _leaves((1, h, d, d), (1, h, d, d), scale=0.3)
-    assert torch.autograd.gradcheck(lambda *a: ops.swiglu_ttt_op(*a, 0.7), inputs)
-    inputs = _leaves((2, 3, 4, 5), (2, 3, 4, 5), (2, 3, 4, 5), (3, 1, 3, 3))
-    assert torch.autograd.gradcheck(lambda *a: ops.dwconv_ttt_op(*a, 0.7), inputs)
+    assert torch.autograd.gradcheck(lambda *a: ops.swiglu_ttt_op(*a, 0.7), inputs, fast_mode=True)
+    inputs = _leaves((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4), (2, 1, 3, 3))
+    assert torch.autograd.gradcheck(lambda *a: ops.dwconv_ttt_op(*a, 0.7), inputs, fast_mode=True)
     # the fake (meta) kernels agree with the real ones on shapes/dtypes
     torch.library.opcheck(torch.ops.ttt_zoo.vit3_swiglu_fwd.default,
                           [torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
@@ -178,6 +178,6 @@ def test_public_wrappers_match_reference():
     torch.testing.assert_close(dwconv_ttt(q, k, v, w3, 1 / 3, backend="triton"),
                                dwconv_ttt_reference(q, k, v, w3, 1 / 3))
     x = torch.randn(1, 6, 16)
-    wt, w1, w2, w3 = torch.randn(3 * 16 + 24, 16), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), torch.randn(8, 1, 3, 3)
+    wt, w1, w2, w3 = [torch.randn(*s) * 0.2 for s in ((3 * 16 + 24, 16), (1, 2, 8, 8), (1, 2, 8, 8), (8, 1, 3, 3))]
     torch.testing.assert_close(vit3_qkv_ttt(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3),
-                               qkv_ttt_naive(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3))
+                               qkv_ttt_naive(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3), atol=1e-5, rtol=1e-4)

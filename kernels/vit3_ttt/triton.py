@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import recompute as R
 from .recompute import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
 from .reference import compute_dtype
 
@@ -42,6 +43,7 @@ __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwcon
 BLOCK_N = 64      # tokens per tile
 TILES = 4         # tiles reduced per program in the reduction kernels
 BLOCK_P = 256     # pixels per tile in the conv kernels
+MAX_D = 64        # on a GPU, head dims above this run the PyTorch path (a 128-padded d x d set overflows SMEM)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -225,6 +227,8 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     """
     _check(q, k, v, w1, w2)
     b, h, n, d = q.shape
+    if q.is_cuda and d > MAX_D:
+        return R.swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
     bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
@@ -244,6 +248,8 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
 def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
     """Triton backward: (dq, dk, dv, dw1, dw2); recomputes every N x d intermediate from q, k, v and G."""
     b, h, n, d = q.shape
+    if q.is_cuda and d > MAX_D:
+        return R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)
     bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
     g = g.float()
     w = torch.cat([w1, w2], dim=-1).float()
