@@ -1,4 +1,9 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
+from typing import Optional, Tuple
+
+import torch
+from timm.layers import register_notrace_function
+
 from .dispatch import available_ops, get_op, register_op, resolve_backend
 from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_reference,
                        swiglu_ttt_torch)
@@ -12,18 +17,27 @@ register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON els
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
 
 
-def swiglu_ttt(q, k, v, w1, w2, scale, normalize_grad=True, backend=None):
+def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 SwiGLU inner step + apply; see ``vit3_ttt.reference.swiglu_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return swiglu_ttt_reference(q, k, v, w1, w2, scale, normalize_grad)
     return get_op("vit3_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, scale, normalize_grad)
 
 
-def dwconv_ttt(q, k, v, w3, scale, normalize_grad=True, backend=None):
+def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 3x3 depthwise-conv inner step + apply; see ``vit3_ttt.reference.dwconv_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return dwconv_ttt_reference(q, k, v, w3, scale, normalize_grad)
     return get_op("vit3_dwconv_ttt", q.device, backend)(q, k, v, w3, scale, normalize_grad)
 
 
-def vit3_qkv_ttt(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-                 cos=None, sin=None, backend=None):
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                 w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
+                 normalize_grad: bool = True, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                 backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 mixer core: qkv projection (+ optional RoPE on the SwiGLU q, k), both inner steps, concat.
 
     (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
