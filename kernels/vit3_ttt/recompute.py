@@ -280,12 +280,20 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
             dx2 = dout[..., c:].transpose(1, 2).reshape(b, d, h, w)
             dq2, dk2, dv2, dw3 = dwconv_b(dx2, q2, k2, v2, w3, g3, scale, normalize_grad)
             del q2, k2, v2
-            dq1, dk1, dv1 = [t.transpose(1, 2).reshape(b, n, c) for t in (dq1, dk1, dv1)]
-            if cos is not None:  # RoPE is a rotation: its transpose turns by -angle
-                dq1 = _rope(dq1.reshape(b, h, w, c), cos, -sin).reshape(b, n, c)
-                dk1 = _rope(dk1.reshape(b, h, w, c), cos, -sin).reshape(b, n, c)
-            dqkv = torch.cat([dq1, dk1, dv1] + [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)], dim=-1)
-            del dq1, dk1, dv1, dq2, dk2, dv2
+            # assemble d(qkv) in place: no head-merge copies next to the concatenated buffer
+            dqkv = dq1.new_empty(b, n, 3 * c + 3 * d)
+            parts = [dq1, dk1, dv1]
+            del dq1, dk1, dv1
+            for i in range(3):
+                dst = dqkv[..., i * c:(i + 1) * c]
+                if cos is not None and i < 2:  # RoPE is a rotation: its transpose turns by -angle
+                    dst.copy_(_rope(parts[i].transpose(1, 2).reshape(b, h, w, c), cos, -sin).reshape(b, n, c))
+                else:
+                    dst.unflatten(-1, (heads, d)).copy_(parts[i].transpose(1, 2))
+                parts[i] = None
+            for i, t in enumerate((dq2, dk2, dv2)):
+                dqkv[..., 3 * c + i * d:3 * c + (i + 1) * d].copy_(t.flatten(2).transpose(1, 2))
+            del dq2, dk2, dv2
         with torch.no_grad(), _autocast(x.device, *ctx.amp):  # projection backward in the forward's precision
             dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
             dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
