@@ -1,16 +1,22 @@
 """TTT ops (installed as ``ttt_zoo.kernels``): one folder per op with its reference and kernels."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import register_notrace_function
 
 from .dispatch import available_ops, get_op, register_op, resolve_backend
-from .vit3_ttt import dwconv_ttt_reference, swiglu_ttt_reference
-from .dit5_ttt import mlp_ttt, mlp_ttt_reference
-from .t5_ttt import t5_swiglu_ttt_reference
+from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_reference,
+                       swiglu_ttt_torch)
 
-register_op("vit3_swiglu_ttt", swiglu_ttt_reference)
-register_op("vit3_dwconv_ttt", dwconv_ttt_reference)
+from .dit5_ttt import mlp_ttt, mlp_ttt_reference  # noqa: E402
+from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
+from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
+
+# torch: recomputing PyTorch path (any device); triton: the ttt_zoo::vit3_* custom ops (Triton kernels on CUDA);
+# torch_naive: the plain reference under autograd.  Without Triton installed, forcing 'triton' raises.
+register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op if HAS_TRITON else None, swiglu_ttt_reference)
+register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON else None, dwconv_ttt_reference)
+register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
 register_op("dit5_mlp_ttt", mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_reference)
 
@@ -37,6 +43,17 @@ def t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=None):
     return get_op("t5_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, w3, scale)
 
 
-__all__ = ["available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
-           "swiglu_ttt_reference", "dwconv_ttt_reference", "mlp_ttt", "mlp_ttt_reference",
-           "t5_swiglu_ttt", "t5_swiglu_ttt_reference"]
+def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                 w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
+                 normalize_grad: bool = True, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 mixer core: qkv projection (+ optional RoPE on the SwiGLU q, k), both inner steps, concat.
+
+    (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
+    """
+    return get_op("vit3_qkv_ttt", x.device, backend)(x, weight, bias, w1, w2, w3, feat_size, heads, scale,
+                                                     normalize_grad, cos, sin)
+
+
+__all__ = ["vit3_qkv_ttt", "mlp_ttt", "mlp_ttt_reference", "t5_swiglu_ttt", "t5_swiglu_ttt_reference", "available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
+           "swiglu_ttt_reference", "dwconv_ttt_reference", "swiglu_ttt_torch", "dwconv_ttt_torch"]

@@ -6,6 +6,9 @@ _TMP_HOME = tempfile.mkdtemp(prefix="ttt_zoo_test_home_")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", os.path.join(_TMP_HOME, "hf"))
 os.environ["TORCH_HOME"] = os.path.join(_TMP_HOME, "torch")
+# no GPU: run Triton kernels in the interpreter (must be set before triton is first imported)
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

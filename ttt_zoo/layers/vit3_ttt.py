@@ -6,14 +6,14 @@ import torch
 from torch import nn
 from timm.layers import register_notrace_function, trunc_normal_
 
-from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
+from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt, vit3_qkv_ttt
 from .mixer import TTTMixer, register_mixer
 from .rope import apply_rope_2d, rope_2d_tables
 
 __all__ = ["ViT3TTT"]
 
 # the ops and RoPE tables are leaves for torch.fx (they branch on devices and shapes)
-for _fn in (swiglu_ttt, dwconv_ttt, rope_2d_tables, apply_rope_2d):
+for _fn in (swiglu_ttt, dwconv_ttt, vit3_qkv_ttt, rope_2d_tables, apply_rope_2d):
     register_notrace_function(_fn)
 
 
@@ -62,6 +62,20 @@ class ViT3TTT(TTTMixer):
                 trunc_normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._forward_unfused(x, feat_size)
+        cos: Optional[torch.Tensor] = None
+        sin: Optional[torch.Tensor] = None
+        if self.use_rope:
+            cos, sin = rope_2d_tables(feat_size, self.dim, self.rope_base, device=x.device)
+        # qkv projection + RoPE + both inner steps in one op, whose backward recomputes the projection output
+        # instead of storing it (the naive path, backend='torch_naive', stores everything)
+        y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size, self.num_heads,
+                         self.scale, self.normalize_grad, cos, sin, backend=self.backend)
+        return self.proj_drop(self.proj(y))
+
+    def _forward_unfused(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """Step-by-step form (TorchScript): projection, split, RoPE, the two inner ops, concat, proj."""
         b, n, c = x.shape[0], x.shape[1], x.shape[2]
         h, w = feat_size[0], feat_size[1]
         d, heads = self.head_dim, self.num_heads

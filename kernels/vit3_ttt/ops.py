@@ -1,0 +1,173 @@
+"""The ViT3 inner-step primitives as ``torch.library`` custom ops (``ttt_zoo::vit3_*``).
+
+Each op has a PyTorch kernel for every device (the recomputing path of ``recompute.py``), a Triton kernel for CUDA
+(when Triton imports), and a fake (meta) implementation giving output shapes, dtypes and strides, so that
+``torch.compile`` treats the ops as opaque nodes and meta-device models build and run.  The forward ops are
+differentiable through ``register_autograd`` (their backward is the matching ``*_bwd`` op).
+
+    out, g = torch.ops.ttt_zoo.vit3_swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
+    dq, dk, dv, dw1, dw2 = torch.ops.ttt_zoo.vit3_swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)
+    out, g = torch.ops.ttt_zoo.vit3_dwconv_fwd(q, k, v, w3, scale, normalize_grad)
+    dq, dk, dv, dw3 = torch.ops.ttt_zoo.vit3_dwconv_bwd(do, q, k, v, w3, g, scale, normalize_grad)
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import recompute as R
+from .recompute import make_function, make_qkv_function
+from .reference import compute_dtype
+
+# Triton is optional (without it CUDA tensors run the PyTorch kernel) and imported lazily: CPU users never pay for
+# it, and tests can set TRITON_INTERPRET=1 before the kernels are decorated.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _t():
+    from . import triton as T
+    return T
+
+__all__ = ["HAS_TRITON", "swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
+
+
+def _uses_triton(t: Tensor) -> bool:
+    return HAS_TRITON and t.device.type == "cuda"
+
+
+# --------------------------------------------------------------------------------------------------- SwiGLU
+@torch.library.custom_op("ttt_zoo::vit3_swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, scale: float,
+                  normalize_grad: bool) -> Tuple[Tensor, Tensor]:
+    return R.swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
+
+
+@swiglu_fwd_op.register_kernel("cuda")
+def _(q, k, v, w1, w2, scale, normalize_grad):
+    impl = _t().swiglu_fwd_triton if HAS_TRITON else R.swiglu_fwd
+    return impl(q, k, v, w1, w2, scale, normalize_grad)
+
+
+@swiglu_fwd_op.register_fake
+def _(q, k, v, w1, w2, scale, normalize_grad):
+    b, h, n, d = q.shape
+    if _uses_triton(q):  # the Triton kernel writes a heads-merged (B, N, heads, d) buffer
+        out = q.new_empty(b, n, h, d).transpose(1, 2)
+    else:
+        out = q.new_empty(b, h, n, d)
+    return out, q.new_empty(b, h, d, 2 * d, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("ttt_zoo::vit3_swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, g: Tensor, scale: float,
+                  normalize_grad: bool) -> List[Tensor]:
+    return [t.contiguous() for t in R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)]
+
+
+@swiglu_bwd_op.register_kernel("cuda")
+def _(do, q, k, v, w1, w2, g, scale, normalize_grad):
+    impl = _t().swiglu_bwd_triton if HAS_TRITON else R.swiglu_bwd
+    return [t.contiguous() if i > 2 else t for i, t in enumerate(impl(do, q, k, v, w1, w2, g, scale, normalize_grad))]
+
+
+@swiglu_bwd_op.register_fake
+def _(do, q, k, v, w1, w2, g, scale, normalize_grad):
+    b, h, n, d = q.shape
+    if _uses_triton(q):
+        grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
+    else:
+        grads = [q.new_empty(b, h, n, d) for _ in range(3)]
+    return grads + [torch.empty_like(w1, memory_format=torch.contiguous_format),
+                    torch.empty_like(w2, memory_format=torch.contiguous_format)]
+
+
+def _swiglu_setup(ctx, inputs, output):
+    q, k, v, w1, w2, scale, normalize_grad = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, output[1])
+    ctx.scale, ctx.normalize_grad = scale, normalize_grad
+
+
+def _swiglu_backward(ctx, dout, dg):
+    q, k, v, w1, w2, g = ctx.saved_tensors
+    grads = swiglu_bwd_op(dout.contiguous(), q, k, v, w1, w2, g, ctx.scale, ctx.normalize_grad)
+    return (*grads, None, None)
+
+
+swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+# ----------------------------------------------------------------------------------------------------- conv
+@torch.library.custom_op("ttt_zoo::vit3_dwconv_fwd", mutates_args=())
+def dwconv_fwd_op(q: Tensor, k: Tensor, v: Tensor, w3: Tensor, scale: float,
+                  normalize_grad: bool) -> Tuple[Tensor, Tensor]:
+    return R.dwconv_fwd(q, k, v, w3, scale, normalize_grad)
+
+
+@dwconv_fwd_op.register_kernel("cuda")
+def _(q, k, v, w3, scale, normalize_grad):
+    impl = _t().dwconv_fwd_triton if HAS_TRITON else R.dwconv_fwd
+    return impl(q, k, v, w3, scale, normalize_grad)
+
+
+@dwconv_fwd_op.register_fake
+def _(q, k, v, w3, scale, normalize_grad):
+    b, d, h, w = q.shape
+    return q.new_empty(b, d, h, w), q.new_empty(b, d, 3, 3, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("ttt_zoo::vit3_dwconv_bwd", mutates_args=())
+def dwconv_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w3: Tensor, g: Tensor, scale: float,
+                  normalize_grad: bool) -> List[Tensor]:
+    return [t.contiguous() for t in R.dwconv_bwd(do, q, k, v, w3, g, scale, normalize_grad)]
+
+
+@dwconv_bwd_op.register_kernel("cuda")
+def _(do, q, k, v, w3, g, scale, normalize_grad):
+    impl = _t().dwconv_bwd_triton if HAS_TRITON else R.dwconv_bwd
+    return [t.contiguous() for t in impl(do, q, k, v, w3, g, scale, normalize_grad)]
+
+
+@dwconv_bwd_op.register_fake
+def _(do, q, k, v, w3, g, scale, normalize_grad):
+    b, d, h, w = q.shape
+    return [q.new_empty(b, d, h, w) for _ in range(3)] + [torch.empty_like(w3, memory_format=torch.contiguous_format)]
+
+
+def _dwconv_setup(ctx, inputs, output):
+    q, k, v, w3, scale, normalize_grad = inputs
+    ctx.save_for_backward(q, k, v, w3, output[1])
+    ctx.scale, ctx.normalize_grad = scale, normalize_grad
+
+
+def _dwconv_backward(ctx, dout, dg):
+    q, k, v, w3, g = ctx.saved_tensors
+    grads = dwconv_bwd_op(dout.contiguous(), q, k, v, w3, g, ctx.scale, ctx.normalize_grad)
+    return (*grads, None, None)
+
+
+dwconv_fwd_op.register_autograd(_dwconv_backward, setup_context=_dwconv_setup)
+
+
+# --------------------------------------------------------------------------------------------- public entry
+def swiglu_ttt_op(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> Tensor:
+    """SwiGLU inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    return swiglu_fwd_op(q, k, v, w1, w2, float(scale), bool(normalize_grad))[0]
+
+
+def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True) -> Tensor:
+    """3x3 depthwise-conv inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    return dwconv_fwd_op(q, k, v, w3, float(scale), bool(normalize_grad))[0]
+
+
+QKVTTTOps = make_qkv_function("QKVTTTOps", swiglu_fwd_op, swiglu_bwd_op, dwconv_fwd_op, dwconv_bwd_op)
+
+
+def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+               cos=None, sin=None) -> Tensor:
+    """ViT3 mixer core (projection + both inner steps) whose inner steps are the custom ops."""
+    return QKVTTTOps.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
+                           int(heads), float(scale), bool(normalize_grad))
+

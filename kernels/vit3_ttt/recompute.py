@@ -1,0 +1,324 @@
+"""Lean PyTorch path of the ViT3 inner step: analytic backward that recomputes instead of storing.
+
+Same math as ``reference.py`` (see there and spec §1), but wrapped in ``torch.autograd.Function`` so that autograd
+stores only the inputs (q, k, v, the initial weights) and the d x 2d pre-normalisation gradient per (batch, head).
+Every N x d intermediate (k W, sigmoid, the SwiGLU derivative, q W', ...) is recomputed in the backward.
+
+The pieces (``*_fwd`` / ``*_bwd``) are plain functions so the Triton path and the torch.library ops reuse them.
+
+SwiGLU branch, per (batch, head), c = -scale / N, W = [W1 | W2] (d x 2d):
+    z = k W,  A = [v * silu(z2), v * z1 * silu'(z2)],  G = c k^T A,  G^ = G / (||G[:, j]|| + 1),  W' = W - G^
+    out = (q W1') * silu(q W2')
+Backward (dO given):
+    dy = [dO * silu(y2), dO * y1 * silu'(y2)],  dq = dy W'^T,  dW' = q^T dy
+    dG = normbwd(G, -dW'),  dA = c k dG,  dk = c A dG^T + dz W^T,  dW = dW' + k^T dz
+    dv = dA1 silu(z2) + dA2 z1 silu'(z2),  dz1 = dA2 v silu'(z2),  dz2 = dA1 v silu'(z2) + dA2 v z1 silu''(z2)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .reference import compute_dtype
+
+__all__ = [
+    "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
+    "normalize_columns", "normalize_columns_bwd", "make_function", "make_qkv_function", "qkv_ttt_torch",
+    "qkv_ttt_naive",
+]
+
+
+def normalize_columns(g: torch.Tensor, dim=-2) -> torch.Tensor:
+    """g / (||g|| + 1), norm over ``dim`` (rows of a d x d gradient, or the 3x3 taps)."""
+    return g / (torch.linalg.vector_norm(g, dim=dim, keepdim=True) + 1.0)
+
+
+def normalize_columns_bwd(g: torch.Tensor, dghat: torch.Tensor, dim=-2) -> torch.Tensor:
+    """Backward of :func:`normalize_columns`: dg = dg^/(n+1) - g <dg^, g> / (n (n+1)^2), with 0 where n = 0."""
+    n = torch.linalg.vector_norm(g, dim=dim, keepdim=True)
+    dot = (dghat * g).sum(dim=dim, keepdim=True)
+    coef = torch.where(n > 0, dot / (n.clamp_min(torch.finfo(n.dtype).tiny) * (n + 1.0) ** 2), torch.zeros_like(n))
+    return dghat / (n + 1.0) - g * coef
+
+
+def _silu_parts(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    s = torch.sigmoid(z)
+    return z * s, s * (1.0 + z * (1.0 - s))  # silu(z), silu'(z)
+
+
+def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum a per-sample weight gradient over the batch when the weight was broadcast (leading dim 1)."""
+    if like.shape[0] == 1 and t.shape[0] != 1:
+        t = t.sum(0, keepdim=True)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------- SwiGLU branch
+def swiglu_update(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """Raw inner gradient G = c k^T [v silu(z2), v z1 silu'(z2)], (B, heads, d, 2d), in k's dtype."""
+    d = k.shape[-1]
+    z = k @ w
+    z1, z2 = z[..., :d], z[..., d:]
+    silu, dsilu = _silu_parts(z2)
+    a = torch.cat([v * silu, v * z1 * dsilu], dim=-1)
+    return (k.transpose(-2, -1) @ a) * (-scale / k.shape[-2])
+
+
+def swiglu_fwd(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out in q's dtype, raw inner gradient G in the compute dtype)."""
+    out_dt = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    w = torch.cat([w1, w2], dim=-1).to(dt)
+    d = q.shape[-1]
+    g = swiglu_update(k, v, w, scale)
+    wn = w - (normalize_columns(g) if normalize_grad else g)
+    y = q @ wn
+    out = y[..., :d] * F.silu(y[..., d:])
+    return out.to(out_dt), g
+
+
+def swiglu_bwd(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
+    """Gradients (dq, dk, dv, dw1, dw2) from the saved inputs and the raw inner gradient ``g``."""
+    in_dt, w_dt = q.dtype, w1.dtype
+    dt = compute_dtype(q.dtype)
+    do, q, k, v, g = do.to(dt), q.to(dt), k.to(dt), v.to(dt), g.to(dt)
+    w = torch.cat([w1, w2], dim=-1).to(dt)
+    d, n = q.shape[-1], q.shape[-2]
+    c = -scale / n
+    # apply step: out = y1 * silu(y2), y = q W'
+    wn = w - (normalize_columns(g) if normalize_grad else g)
+    y = q @ wn
+    silu_y, dsilu_y = _silu_parts(y[..., d:])
+    dy = torch.cat([do * silu_y, do * y[..., :d] * dsilu_y], dim=-1)
+    del y, silu_y, dsilu_y
+    dq = dy @ wn.transpose(-2, -1)
+    dwn = q.transpose(-2, -1) @ dy
+    del dy
+    dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
+    # update step: G = c k^T A(z = k W)
+    z = k @ w
+    z1, z2 = z[..., :d], z[..., d:]
+    s = torch.sigmoid(z2)
+    silu = z2 * s
+    dsilu = s * (1.0 + z2 * (1.0 - s))
+    d2silu = s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s))
+    vz1 = v * z1
+    a = torch.cat([v * silu, vz1 * dsilu], dim=-1)
+    da = (k @ dg) * c
+    dk = (a @ dg.transpose(-2, -1)) * c
+    del a
+    da1, da2 = da[..., :d], da[..., d:]
+    dv = da1 * silu + da2 * z1 * dsilu
+    dz = torch.cat([da2 * v * dsilu, da1 * v * dsilu + da2 * vz1 * d2silu], dim=-1)
+    del z, s, silu, dsilu, d2silu, vz1, da
+    dk = dk + dz @ w.transpose(-2, -1)
+    dw = dwn + k.transpose(-2, -1) @ dz
+    dw1, dw2 = _reduce_to(dw[..., :d], w1), _reduce_to(dw[..., d:], w2)
+    return dq.to(in_dt), dk.to(in_dt), dv.to(in_dt), dw1.to(w_dt), dw2.to(w_dt)
+
+
+# ------------------------------------------------------------------------------------------------- conv branch
+def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """t[b, c, i, j] = sum_{y,x} xpad[b, c, y+i, x+j] e[b, c, y, x] (3x3 taps, zero padding 1) -> (B, d, 3, 3).
+
+    One strided view of the padded map (row taps i, rows y, column taps j, columns x) times e, reduced over y, x:
+    no im2col copy and no loop over taps.
+    """
+    b, d, h, w = x.shape
+    xp = F.pad(x, (1, 1, 1, 1)).contiguous()  # as_strided needs known strides (also under torch.compile)
+    s = xp.stride()
+    win = xp.as_strided((b, d, 3, h, 3, w), (s[0], s[1], s[2], s[2], s[3], s[3]))
+    return (win * e[:, :, None, :, None, :]).sum((3, 5))
+
+
+def _dwconv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-sample depthwise 3x3 cross-correlation, x (B, d, H, W), w (B, d, 3, 3)."""
+    b, d, h, wd = x.shape
+    return F.conv2d(x.reshape(1, b * d, h, wd), w.reshape(b * d, 1, 3, 3), padding=1, groups=b * d).reshape(b, d, h, wd)
+
+
+def dwconv_fwd(q, k, v, w3, scale: float, normalize_grad: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out in q's dtype, raw inner gradient G (B, d, 3, 3) in the compute dtype)."""
+    out_dt = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    b, d, h, w = k.shape
+    g = _taps(k, v) * (-scale / (h * w))
+    w3n = w3.to(dt).reshape(1, d, 3, 3) - (normalize_columns(g, (-2, -1)) if normalize_grad else g)
+    out = _dwconv(q, w3n)
+    return out.to(out_dt), g
+
+
+def dwconv_bwd(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
+    in_dt, w_dt = q.dtype, w3.dtype
+    dt = compute_dtype(q.dtype)
+    do, q, k, v, g = do.to(dt), q.to(dt), k.to(dt), v.to(dt), g.to(dt)
+    b, d, h, w = k.shape
+    c = -scale / (h * w)
+    w3n = w3.to(dt).reshape(1, d, 3, 3) - (normalize_columns(g, (-2, -1)) if normalize_grad else g)
+    dq = _dwconv(do, w3n.flip(-2, -1).expand(b, d, 3, 3))
+    dwn = _taps(q, do)
+    dg = normalize_columns_bwd(g, -dwn, (-2, -1)) if normalize_grad else -dwn
+    dk = _dwconv(v, dg.flip(-2, -1)) * c
+    dv = _dwconv(k, dg) * c
+    dw3 = dwn.sum(0).reshape(d, 1, 3, 3)
+    return dq.to(in_dt), dk.to(in_dt), dv.to(in_dt), dw3.to(w_dt)
+
+
+# ---------------------------------------------------------------------------------------------- autograd glue
+def _autocast(device: torch.device, enabled: bool = False, dtype=None):
+    """Autocast context for ``device`` (off by default: the inner step chooses its own precision)."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    if not enabled:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _autocast_state(device: torch.device):
+    if device.type not in ("cpu", "cuda"):
+        return False, None
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def make_function(name: str, fwd, bwd, n_weights: int):
+    """An autograd.Function calling ``fwd``/``bwd`` (shared by the torch and Triton paths)."""
+
+    def forward(ctx, q, k, v, *rest):
+        weights, (scale, normalize_grad) = rest[:n_weights], rest[n_weights:]
+        with _autocast(q.device):
+            out, g = fwd(q, k, v, *weights, scale, normalize_grad)
+        ctx.save_for_backward(q, k, v, *weights, g)
+        ctx.scale, ctx.normalize_grad = scale, normalize_grad
+        return out
+
+    def backward(ctx, do):
+        saved = ctx.saved_tensors
+        with _autocast(do.device):
+            grads = bwd(do.contiguous(), *saved, ctx.scale, ctx.normalize_grad)
+        return (*grads, None, None)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+SwiGLUTTT = make_function("SwiGLUTTT", swiglu_fwd, swiglu_bwd, 2)
+DWConvTTT = make_function("DWConvTTT", dwconv_fwd, dwconv_bwd, 1)
+
+
+def swiglu_ttt_torch(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    """ViT3 SwiGLU inner step + apply (same signature as ``swiglu_ttt_reference``), recomputing backward."""
+    return SwiGLUTTT.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
+
+
+def dwconv_ttt_torch(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    """ViT3 3x3 depthwise-conv inner step + apply (same signature as ``dwconv_ttt_reference``)."""
+    return DWConvTTT.apply(q, k, v, w3, float(scale), bool(normalize_grad))
+
+
+# ------------------------------------------------------------------------------- qkv projection + both branches
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xr = x.to(dt).unflatten(-1, (-1, 2))
+    re, im = xr[..., 0], xr[..., 1]
+    cos, sin = cos.to(dt), sin.to(dt)
+    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2).to(x.dtype)
+
+
+def _qkv_split(x, weight, bias, feat_size, heads, cos, sin):
+    """qkv projection -> SwiGLU-branch q, k, v (B, heads, N, d) and conv-branch q, k, v (B, d, H, W) views."""
+    b, n, c = x.shape
+    h, w = feat_size
+    d = c // heads
+    q1, k1, v1, q2, k2, v2 = torch.split(F.linear(x, weight, bias), [c, c, c, d, d, d], dim=-1)
+    if cos is not None:
+        q1 = _rope(q1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+        k1 = _rope(k1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+    t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
+    t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
+    return t1, t2
+
+
+def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
+    """autograd.Function for ``[swiglu_ttt | dwconv_ttt](split(x W^T + b))`` that stores only x and small tensors.
+
+    Saved per block: the projection input x (B, N, C) (which the projection would store anyway), the weights, and the
+    raw inner gradients (B, heads, d, 2d) and (B, d, 3, 3).  The backward recomputes the projection (one GEMM), the
+    RoPE and the inner steps, so the (B, N, 3C + 3d) projection output and every inner intermediate never outlive
+    the block's forward.
+    """
+
+    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad):
+        # the projection follows the caller's autocast (replayed in the backward); the inner steps do not
+        (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        b, n, c = x.shape
+        with _autocast(x.device):
+            x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
+            x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
+            out = torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
+        ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin)
+        ctx.args = (feat_size, heads, scale, normalize_grad)
+        ctx.amp = _autocast_state(x.device)
+        return out
+
+    def backward(ctx, dout):
+        x, weight, bias, w1, w2, w3, g1, g3, cos, sin = ctx.saved_tensors
+        feat_size, heads, scale, normalize_grad = ctx.args
+        b, n, c = x.shape
+        h, w = feat_size
+        d = c // heads
+        with torch.no_grad(), _autocast(x.device, *ctx.amp):
+            (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        with torch.no_grad(), _autocast(x.device):
+            dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
+            dq1, dk1, dv1, dw1, dw2 = swiglu_b(dx1, q1, k1, v1, w1, w2, g1, scale, normalize_grad)
+            del q1, k1, v1
+            dx2 = dout[..., c:].transpose(1, 2).reshape(b, d, h, w)
+            dq2, dk2, dv2, dw3 = dwconv_b(dx2, q2, k2, v2, w3, g3, scale, normalize_grad)
+            del q2, k2, v2
+            # assemble d(qkv) in place: no head-merge copies next to the concatenated buffer
+            dqkv = dq1.new_empty(b, n, 3 * c + 3 * d)
+            parts = [dq1, dk1, dv1]
+            del dq1, dk1, dv1
+            for i in range(3):
+                dst = dqkv[..., i * c:(i + 1) * c]
+                if cos is not None and i < 2:  # RoPE is a rotation: its transpose turns by -angle
+                    dst.copy_(_rope(parts[i].transpose(1, 2).reshape(b, h, w, c), cos, -sin).reshape(b, n, c))
+                else:
+                    dst.unflatten(-1, (heads, d)).copy_(parts[i].transpose(1, 2))
+                parts[i] = None
+            for i, t in enumerate((dq2, dk2, dv2)):
+                dqkv[..., 3 * c + i * d:3 * c + (i + 1) * d].copy_(t.flatten(2).transpose(1, 2))
+            del dq2, dk2, dv2
+        with torch.no_grad(), _autocast(x.device, *ctx.amp):  # projection backward in the forward's precision
+            dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+            dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
+            dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
+        return dx, dweight, dbias, dw1, dw2, dw3, None, None, None, None, None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+QKVTTT = make_qkv_function("QKVTTT", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_bwd)
+
+
+def qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+                  cos=None, sin=None) -> torch.Tensor:
+    """Reference composition (plain autograd): projection, split, RoPE, both reference inner steps, concat."""
+    from .reference import dwconv_ttt_reference, swiglu_ttt_reference
+    b, n, c = x.shape
+    (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+    x1 = swiglu_ttt_reference(q1, k1, v1, w1, w2, scale, normalize_grad)
+    x2 = dwconv_ttt_reference(q2, k2, v2, w3, scale, normalize_grad)
+    return torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
+
+
+def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+                  cos=None, sin=None) -> torch.Tensor:
+    """Projection + both inner steps with the recomputing backward; (B, N, C) -> (B, N, C + d)."""
+    return QKVTTT.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
+                        int(heads), float(scale), bool(normalize_grad))

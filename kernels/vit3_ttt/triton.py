@@ -1,0 +1,385 @@
+"""Triton kernels of the ViT3 inner step (SwiGLU branch and 3x3 depthwise-conv branch), forward and backward.
+
+Same math and the same ``*_fwd`` / ``*_bwd`` contract as ``recompute.py`` (which documents the formulas); the
+d x d / 3 x 3 algebra between kernels (summing per-chunk partials, column normalisation and its backward, W - G^)
+runs in PyTorch on tiny tensors.  Inputs may be any strided view (the qkv split is never copied); loads are upcast
+to float32, every product and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for
+fp16/bf16 inputs), and results are stored in the input dtype.  Nothing of size N x d x d and no per-token weight is
+ever written to memory.
+
+SwiGLU branch, per (batch, head) with N tokens of head dim d (D = d padded to a power of two >= 16):
+  fwd kernel 1 ``_swiglu_update``: z = k [W1|W2], the SwiGLU derivative and k^T A, fused per token tile; each
+      program reduces TILES tiles and writes one fp32 partial of G (2 d^2); partials are summed in PyTorch.
+  fwd kernel 2 ``_swiglu_apply``: y = q W', out = y1 silu(y2), fused; reads q once, writes out once.
+  bwd kernel 3 ``_swiglu_apply_bwd``: recomputes y = q W', writes dq, reduces dW' = q^T dy into partials.
+  bwd kernel 4 ``_swiglu_update_bwd``: recomputes z = k W, silu, silu', silu'' and A, writes dk and dv, reduces
+      dW = k^T dz into partials.
+  Saved for backward: q, k, v (the inputs) and G (2 d^2 fp32).  Extra memory per (batch, head): G, the normalised
+  W' (2 d^2 each) and the partials (2 d^2 per chunk of TILES * BLOCK_N tokens), all fp32; O(N d) only for the
+  output / input gradients themselves.
+
+3x3 depthwise-conv branch, per (batch, channel) map of H x W pixels:
+  ``_taps``: t[i, j] = sum_p xpad[p + (i, j)] e[p] for all 9 taps in one pass over the map (fp32 partials).
+  ``_dwconv``: out[p] = sum_taps w[tap] x[p + tap] with zero padding, one pass.
+  fwd: G = c taps(k, v); out = dwconv(q, w3 - G^).  bwd (recomputes nothing large, saves only G, 9 floats):
+  dq = dwconv(dO, flip(w3')), dW' = taps(q, dO), dk = c dwconv(v, flip(dG)), dv = c dwconv(k, dG).
+  Extra memory per (batch, channel): 9 fp32 per chunk of partials plus G and w3' (9 each).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import recompute as R
+from .recompute import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
+from .reference import compute_dtype
+
+__all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
+           "dwconv_ttt_triton", "qkv_ttt_triton"]
+
+BLOCK_N = 64      # tokens per tile
+TILES = 4         # tiles reduced per program in the reduction kernels
+BLOCK_P = 256     # pixels per tile in the conv kernels
+MAX_D = 64        # on a GPU, head dims above this run the PyTorch path (a 128-padded d x d set overflows SMEM)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# --------------------------------------------------------------------------------------------- SwiGLU kernels
+@triton.jit
+def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
+    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
+    return tl.load(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_mat(ptr, base, offs_d, sr, sc, d_max):
+    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
+    return tl.load(ptr + base + offs_d[:, None] * sr + offs_d[None, :] * sc, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_mat(ptr, base, val, offs_d, d_max):
+    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
+    tl.store(ptr + base + offs_d[:, None] * d_max + offs_d[None, :], val, mask=m)
+
+
+@triton.jit
+def _swiglu_update(K, V, W1, W2, P1, P2,
+                   skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
+                   H, N, D, n_chunks,
+                   TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    pid, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    w1 = _load_mat(W1, b * swb + h * swh, offs_d, swr, swc, D)
+    w2 = _load_mat(W2, b * swb + h * swh, offs_d, swr, swc, D)
+    g1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    g2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    for t in range(TILES):
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
+        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
+        z1 = tl.dot(k, w1, input_precision=PREC)
+        z2 = tl.dot(k, w2, input_precision=PREC)
+        s = tl.sigmoid(z2)
+        a1 = v * z2 * s
+        a2 = v * z1 * s * (1.0 + z2 * (1.0 - s))
+        kt = tl.trans(k)
+        g1 += tl.dot(kt, a1, input_precision=PREC)
+        g2 += tl.dot(kt, a2, input_precision=PREC)
+    base = (pid * n_chunks + chunk) * D * D
+    _store_mat(P1, base, g1, offs_d, D)
+    _store_mat(P2, base, g2, offs_d, D)
+
+
+@triton.jit
+def _swiglu_apply(Q, W1, W2, O,
+                  sqb, sqh, sqn, sqd, sob, soh, son, sod,
+                  H, N, D,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    pid, tile = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w1 = _load_mat(W1, pid * D * D, offs_d, D, 1, D)
+    w2 = _load_mat(W2, pid * D * D, offs_d, D, 1, D)
+    q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+    y1 = tl.dot(q, w1, input_precision=PREC)
+    y2 = tl.dot(q, w2, input_precision=PREC)
+    out = y1 * y2 * tl.sigmoid(y2)
+    m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+    tl.store(O + b * sob + h * soh + offs_n[:, None] * son + offs_d[None, :] * sod, out.to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_apply_bwd(Q, DO, W1, W2, DQ, P1, P2,
+                      sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sgb, sgh, sgn, sgd,
+                      H, N, D, n_chunks,
+                      TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    pid, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    w1 = _load_mat(W1, pid * D * D, offs_d, D, 1, D)
+    w2 = _load_mat(W2, pid * D * D, offs_d, D, 1, D)
+    dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    for t in range(TILES):
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+        do = _load_tile(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D)
+        y1 = tl.dot(q, w1, input_precision=PREC)
+        y2 = tl.dot(q, w2, input_precision=PREC)
+        s = tl.sigmoid(y2)
+        dy1 = do * y2 * s
+        dy2 = do * y1 * s * (1.0 + y2 * (1.0 - s))
+        dq = tl.dot(dy1, tl.trans(w1), input_precision=PREC) + tl.dot(dy2, tl.trans(w2), input_precision=PREC)
+        m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+        tl.store(DQ + b * sgb + h * sgh + offs_n[:, None] * sgn + offs_d[None, :] * sgd,
+                 dq.to(DQ.dtype.element_ty), mask=m)
+        qt = tl.trans(q)
+        dw1 += tl.dot(qt, dy1, input_precision=PREC)
+        dw2 += tl.dot(qt, dy2, input_precision=PREC)
+    base = (pid * n_chunks + chunk) * D * D
+    _store_mat(P1, base, dw1, offs_d, D)
+    _store_mat(P2, base, dw2, offs_d, D)
+
+
+@triton.jit
+def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
+                       skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
+                       sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+                       H, N, D, n_chunks, c,
+                       TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    pid, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    w1 = _load_mat(W1, b * swb + h * swh, offs_d, swr, swc, D)
+    w2 = _load_mat(W2, b * swb + h * swh, offs_d, swr, swc, D)
+    dg1 = _load_mat(DG1, pid * D * D, offs_d, D, 1, D) * c
+    dg2 = _load_mat(DG2, pid * D * D, offs_d, D, 1, D) * c
+    dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    for t in range(TILES):
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
+        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
+        z1 = tl.dot(k, w1, input_precision=PREC)
+        z2 = tl.dot(k, w2, input_precision=PREC)
+        s = tl.sigmoid(z2)
+        silu = z2 * s
+        dsilu = s * (1.0 + z2 * (1.0 - s))
+        d2silu = s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s))
+        da1 = tl.dot(k, dg1, input_precision=PREC)
+        da2 = tl.dot(k, dg2, input_precision=PREC)
+        dz1 = da2 * v * dsilu
+        dz2 = da1 * v * dsilu + da2 * v * z1 * d2silu
+        dk = tl.dot(v * silu, tl.trans(dg1), input_precision=PREC)
+        dk += tl.dot(v * z1 * dsilu, tl.trans(dg2), input_precision=PREC)
+        dk += tl.dot(dz1, tl.trans(w1), input_precision=PREC)
+        dk += tl.dot(dz2, tl.trans(w2), input_precision=PREC)
+        dv = da1 * silu + da2 * z1 * dsilu
+        m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+        tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
+                 dk.to(DK.dtype.element_ty), mask=m)
+        tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :] * sdvd,
+                 dv.to(DV.dtype.element_ty), mask=m)
+        kt = tl.trans(k)
+        dw1 += tl.dot(kt, dz1, input_precision=PREC)
+        dw2 += tl.dot(kt, dz2, input_precision=PREC)
+    base = (pid * n_chunks + chunk) * D * D
+    _store_mat(P1, base, dw1, offs_d, D)
+    _store_mat(P2, base, dw2, offs_d, D)
+
+
+def _wstrides(w: torch.Tensor) -> Tuple[int, int, int, int]:
+    sb = 0 if w.shape[0] == 1 else w.stride(0)  # (1, heads, d, d) broadcasts over the batch
+    return sb, w.stride(1), w.stride(2), w.stride(3)
+
+
+def _check(q, k, v, w1, w2):
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share a (B, heads, N, d) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, h, _, d = q.shape
+    for name, w in (("w1", w1), ("w2", w2)):
+        if w.dim() != 4 or w.shape[1:] != (h, d, d) or w.shape[0] not in (1, b):
+            raise ValueError(f"{name} must be (1 or B, heads, d, d) = (1 or {b}, {h}, {d}, {d}), got {tuple(w.shape)}")
+
+
+def _grid_chunks(n: int) -> int:
+    return triton.cdiv(n, TILES * BLOCK_N)
+
+
+def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True):
+    """Triton forward: (out (B, heads, N, d) in q's dtype, raw inner gradient G (B, heads, d, 2d)).
+
+    ``out`` is a transposed view of a (B, N, heads, d) buffer, so merging the heads afterwards is free.
+    """
+    _check(q, k, v, w1, w2)
+    b, h, n, d = q.shape
+    if q.is_cuda and d > MAX_D:
+        return R.swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
+    bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
+    p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
+    p2 = torch.empty_like(p1)
+    _swiglu_update[(b * h, chunks)](k, v, w1, w2, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1), h, n, d, chunks,
+                                    TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    g = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d) * (-scale / n)
+    wn = torch.cat([w1, w2], dim=-1).float() - (normalize_columns(g) if normalize_grad else g)
+    wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
+    if wn1.shape[0] != b:
+        wn1, wn2 = wn1.expand(b, -1, -1, -1).contiguous(), wn2.expand(b, -1, -1, -1).contiguous()
+    out = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # heads-merged layout
+    _swiglu_apply[(b * h, triton.cdiv(n, BLOCK_N))](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
+                                                    BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    return out, g.to(compute_dtype(q.dtype))
+
+
+def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
+    """Triton backward: (dq, dk, dv, dw1, dw2); recomputes every N x d intermediate from q, k, v and G."""
+    b, h, n, d = q.shape
+    if q.is_cuda and d > MAX_D:
+        return R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)
+    bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
+    g = g.float()
+    w = torch.cat([w1, w2], dim=-1).float()
+    wn = w - (normalize_columns(g) if normalize_grad else g)
+    if wn.shape[0] != b:
+        wn = wn.expand(b, -1, -1, -1)
+    wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
+    dq = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
+    p2 = torch.empty_like(p1)
+    _swiglu_apply_bwd[(b * h, chunks)](q, do, wn1, wn2, dq, p1, p2, *q.stride(), *do.stride(), *dq.stride(),
+                                       h, n, d, chunks, TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    dwn = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
+    dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
+    dg1, dg2 = dg[..., :d].contiguous(), dg[..., d:].contiguous()
+    dk = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    dv = torch.empty_like(dk)
+    _swiglu_update_bwd[(b * h, chunks)](k, v, w1, w2, dg1, dg2, dk, dv, p1, p2, *k.stride(), *v.stride(),
+                                        *_wstrides(w1), *dk.stride(), *dv.stride(), h, n, d, chunks, -scale / n,
+                                        TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    dw = dwn + torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
+    if w1.shape[0] == 1:
+        dw = dw.sum(0, keepdim=True)
+    return dq, dk, dv, dw[..., :d].to(w1.dtype), dw[..., d:].to(w2.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- conv kernels
+@triton.jit
+def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
+          TILES: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Partial t[i, j] = sum_p x[p + (i-1, j-1)] e[p] over TILES pixel tiles; writes 9 fp32 (padded to 16)."""
+    pid, chunk = tl.program_id(0), tl.program_id(1)
+    b, c = pid // C, pid % C
+    offs_t = tl.arange(0, 16)
+    acc = tl.zeros((16,), dtype=tl.float32)
+    ti, tj = offs_t // 3 - 1, offs_t % 3 - 1
+    for t in range(TILES):
+        offs_p = (chunk * TILES + t) * BLOCK_P + tl.arange(0, BLOCK_P)
+        y, x = offs_p // Ww, offs_p % Ww
+        pm = offs_p < Hh * Ww
+        e = tl.load(E + b * seb + c * sec + y * seh + x * sew, mask=pm, other=0.0).to(tl.float32)
+        yy = y[:, None] + ti[None, :]
+        xx = x[:, None] + tj[None, :]
+        m = pm[:, None] & (offs_t[None, :] < 9) & (yy >= 0) & (yy < Hh) & (xx >= 0) & (xx < Ww)
+        xs = tl.load(X + b * sxb + c * sxc + yy * sxh + xx * sxw, mask=m, other=0.0).to(tl.float32)
+        acc += tl.sum(xs * e[:, None], axis=0)
+    tl.store(P + (pid * n_chunks + chunk) * 16 + offs_t, acc)
+
+
+@triton.jit
+def _dwconv(X, Wt, O, sxb, sxc, sxh, sxw, sob, soc, soh, sow, C, Hh, Ww, alpha,
+            BLOCK_P: tl.constexpr):
+    """out[p] = alpha * sum_taps w[b, c, tap] x[p + tap - 1] (zero padding), w (B, C, 16) fp32, taps 0..8."""
+    pid, tile = tl.program_id(0), tl.program_id(1)
+    b, c = pid // C, pid % C
+    offs_t = tl.arange(0, 16)
+    w = tl.load(Wt + pid * 16 + offs_t)
+    ti, tj = offs_t // 3 - 1, offs_t % 3 - 1
+    offs_p = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    y, x = offs_p // Ww, offs_p % Ww
+    pm = offs_p < Hh * Ww
+    yy = y[:, None] + ti[None, :]
+    xx = x[:, None] + tj[None, :]
+    m = pm[:, None] & (offs_t[None, :] < 9) & (yy >= 0) & (yy < Hh) & (xx >= 0) & (xx < Ww)
+    xs = tl.load(X + b * sxb + c * sxc + yy * sxh + xx * sxw, mask=m, other=0.0).to(tl.float32)
+    out = tl.sum(xs * w[None, :], axis=1) * alpha
+    tl.store(O + b * sob + c * soc + y * soh + x * sow, out.to(O.dtype.element_ty), mask=pm)
+
+
+def _taps_triton(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    b, c, h, w = x.shape
+    chunks = triton.cdiv(h * w, TILES * BLOCK_P)
+    p = torch.empty(b * c, chunks, 16, device=x.device, dtype=torch.float32)
+    _taps[(b * c, chunks)](x, e, p, *x.stride(), *e.stride(), c, h, w, chunks, TILES=TILES, BLOCK_P=BLOCK_P)
+    return p.sum(1)[:, :9].reshape(b, c, 3, 3)
+
+
+def _dwconv_triton(x: torch.Tensor, wt: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    b, c, h, w = x.shape
+    w16 = torch.zeros(b * c, 16, device=x.device, dtype=torch.float32)
+    w16[:, :9] = wt.float().expand(b, c, 3, 3).reshape(b * c, 9)
+    out = torch.empty(b, c, h, w, device=x.device, dtype=x.dtype)
+    _dwconv[(b * c, triton.cdiv(h * w, BLOCK_P))](x, w16, out, *x.stride(), *out.stride(), c, h, w, alpha,
+                                                   BLOCK_P=BLOCK_P)
+    return out
+
+
+def dwconv_fwd_triton(q, k, v, w3, scale: float, normalize_grad: bool = True):
+    """Triton forward: (out (B, d, H, W) in q's dtype, raw inner gradient G (B, d, 3, 3) fp32)."""
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share a (B, d, H, W) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, d, h, w = q.shape
+    if w3.shape != (d, 1, 3, 3):
+        raise ValueError(f"w3 must be (d, 1, 3, 3) = ({d}, 1, 3, 3), got {tuple(w3.shape)}")
+    g = _taps_triton(k, v) * (-scale / (h * w))
+    w3n = w3.float().reshape(1, d, 3, 3) - (normalize_columns(g, (-2, -1)) if normalize_grad else g)
+    return _dwconv_triton(q, w3n), g.to(compute_dtype(q.dtype))
+
+
+def dwconv_bwd_triton(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
+    """Triton backward: (dq, dk, dv, dw3); every map gradient is one depthwise pass."""
+    b, d, h, w = q.shape
+    c = -scale / (h * w)
+    g = g.float()
+    w3n = w3.float().reshape(1, d, 3, 3) - (normalize_columns(g, (-2, -1)) if normalize_grad else g)
+    dq = _dwconv_triton(do, w3n.flip(-2, -1)).to(q.dtype)
+    dwn = _taps_triton(q, do)
+    dg = normalize_columns_bwd(g, -dwn, (-2, -1)) if normalize_grad else -dwn
+    dk = _dwconv_triton(v, dg.flip(-2, -1), c).to(q.dtype)
+    dv = _dwconv_triton(k, dg, c).to(q.dtype)
+    return dq, dk, dv, dwn.sum(0).reshape(d, 1, 3, 3).to(w3.dtype)
+
+
+# ---------------------------------------------------------------- differentiable entry points (no custom op)
+SwiGLUTTTTriton = make_function("SwiGLUTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, 2)
+DWConvTTTTriton = make_function("DWConvTTTTriton", dwconv_fwd_triton, dwconv_bwd_triton, 1)
+QKVTTTTriton = make_qkv_function("QKVTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, dwconv_fwd_triton,
+                                 dwconv_bwd_triton)
+
+
+def swiglu_ttt_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    return SwiGLUTTTTriton.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
+
+
+def dwconv_ttt_triton(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+    return DWConvTTTTriton.apply(q, k, v, w3, float(scale), bool(normalize_grad))
+
+
+def qkv_ttt_triton(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+                   cos=None, sin=None) -> torch.Tensor:
+    return QKVTTTTriton.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
+                              int(heads), float(scale), bool(normalize_grad))

@@ -1,0 +1,183 @@
+"""The recomputing PyTorch path of the ViT3 inner step: analytic backward vs. gradcheck and vs. the naive reference
+under autograd; the dispatch (backends, torch.compile, meta device) and the ttt_zoo::vit3_* custom ops."""
+import pytest
+import torch
+
+from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
+from ttt_zoo.kernels.vit3_ttt import ops
+from ttt_zoo.kernels.vit3_ttt.recompute import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd,
+                                                 qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_torch)
+from ttt_zoo.kernels.vit3_ttt.reference import dwconv_ttt_reference, swiglu_ttt_reference
+from ttt_zoo.layers import ViT3TTT
+from ttt_zoo.layers.rope import rope_2d_tables
+
+
+def _leaves(*shapes, dtype=torch.float64, scale=1.0):
+    return [(torch.randn(*s, dtype=dtype) * scale).requires_grad_() for s in shapes]
+
+
+def _grads_close(f_new, f_ref, inputs, **tol):
+    out_new, out_ref = f_new(*inputs), f_ref(*inputs)
+    torch.testing.assert_close(out_new, out_ref, **tol)
+    do = torch.randn_like(out_ref)
+    g_new = torch.autograd.grad(out_new, inputs, do)
+    g_ref = torch.autograd.grad(out_ref, inputs, do)
+    for a, b in zip(g_new, g_ref):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_swiglu_gradcheck(normalize, per_sample):
+    b, h, n, d = 2, 2, 7, 5
+    wb = b if per_sample else 1
+    inputs = _leaves((b, h, n, d), (b, h, n, d), (b, h, n, d)) + _leaves((wb, h, d, d), (wb, h, d, d), scale=0.3)
+    assert torch.autograd.gradcheck(lambda *a: swiglu_ttt_torch(*a, 0.7, normalize), inputs)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_dwconv_gradcheck(normalize):
+    inputs = _leaves((2, 2, 3, 4), (2, 2, 3, 4), (2, 2, 3, 4), (2, 1, 3, 3))
+    assert torch.autograd.gradcheck(lambda *a: dwconv_ttt_torch(*a, 0.7, normalize), inputs)
+
+
+def test_column_norm_bwd_at_zero_column():
+    # a zero column (norm 0) must give the autograd subgradient of torch's norm, not NaN
+    g = torch.randn(3, 4, dtype=torch.float64)
+    g[:, 1] = 0
+    g.requires_grad_()
+    dghat = torch.randn(3, 4, dtype=torch.float64)
+    (ref,) = torch.autograd.grad(normalize_columns(g), g, dghat)
+    torch.testing.assert_close(normalize_columns_bwd(g.detach(), dghat), ref)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_qkv_gradcheck(rope):
+    b, heads, d, h, w = 2, 2, 4, 3, 4
+    c = heads * d
+    x, weight, bias = _leaves((b, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,), scale=0.5)
+    w1, w2, w3 = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
+    cos, sin = [t.double() for t in rope_2d_tables((h, w), c)] if rope else (None, None)
+    f = lambda *a: qkv_ttt_torch(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, weight, bias, w1, w2, w3), fast_mode=True)
+    torch.testing.assert_close(f(x, weight, bias, w1, w2, w3),
+                               qkv_ttt_naive(x, weight, bias, w1, w2, w3, (h, w), heads, 0.7, True, cos, sin))
+
+
+def test_qkv_without_bias_gradcheck():
+    b, heads, d, h, w = 1, 2, 4, 2, 3
+    c = heads * d
+    x, weight = _leaves((b, h * w, c), (3 * c + 3 * d, c), scale=0.5)
+    w1, w2, w3 = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
+    f = lambda x, wt, w1, w2, w3: qkv_ttt_torch(x, wt, None, w1, w2, w3, (h, w), heads, 0.7)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, weight, w1, w2, w3), fast_mode=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 6, 49, 32), (3, 2, 20, 72)])
+def test_swiglu_matches_naive_float32(shape):
+    b, h, n, d = shape
+    inputs = _leaves(shape, shape, shape, dtype=torch.float32) + _leaves((1, h, d, d), (1, h, d, d),
+                                                                            dtype=torch.float32, scale=0.02)
+    _grads_close(lambda *a: swiglu_ttt_torch(*a, 1 / 3), lambda *a: swiglu_ttt_reference(*a, 1 / 3), inputs,
+                 atol=1e-5, rtol=1e-4)
+
+
+def test_dwconv_matches_naive_float32():
+    inputs = _leaves((3, 32, 5, 9), (3, 32, 5, 9), (3, 32, 5, 9), dtype=torch.float32) + _leaves(
+        (32, 1, 3, 3), dtype=torch.float32, scale=0.02)
+    _grads_close(lambda *a: dwconv_ttt_torch(*a, 1 / 3), lambda *a: dwconv_ttt_reference(*a, 1 / 3), inputs,
+                 atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_mixer_backends_agree(rope):
+    # the whole mixer (projection, RoPE, both branches, proj): recomputing path vs. naive autograd, float32
+    torch.manual_seed(0)
+    m = ViT3TTT(64, num_heads=2, rope=rope)
+    x = torch.randn(2, 5 * 7, 64, requires_grad=True)
+    outs, grads = {}, {}
+    for backend in ("torch", "torch_naive", "triton"):
+        m.backend = backend
+        out = m(x, (5, 7))
+        outs[backend] = out
+        grads[backend] = torch.autograd.grad(out.square().sum(), [x] + list(m.parameters()))
+    for backend in ("torch", "triton"):  # 'triton' on CPU: the custom ops with their PyTorch kernels
+        torch.testing.assert_close(outs[backend], outs["torch_naive"], atol=1e-5, rtol=1e-4)
+        for a, b in zip(grads[backend], grads["torch_naive"]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_low_precision_inputs_compute_in_float32():
+    q, k, v = [torch.randn(1, 2, 9, 8) for _ in range(3)]
+    w1, w2 = [torch.randn(1, 2, 8, 8) * 0.1 for _ in range(2)]
+    ref = swiglu_ttt_reference(q, k, v, w1, w2, 1 / 3)
+    half = [t.half().requires_grad_() for t in (q, k, v, w1, w2)]
+    out = swiglu_ttt_torch(*half, 1 / 3)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    out.float().sum().backward()
+    assert all(t.grad.dtype == torch.float16 and torch.isfinite(t.grad).all() for t in half)
+
+
+def test_dispatch_backends(monkeypatch):
+    dev = torch.device("cpu")
+    assert get_op("vit3_swiglu_ttt", dev) is swiglu_ttt_torch
+    assert get_op("vit3_swiglu_ttt", dev, "torch_naive") is swiglu_ttt_reference
+    monkeypatch.setenv("TTT_ZOO_BACKEND", "torch_naive")
+    assert get_op("vit3_dwconv_ttt", dev) is dwconv_ttt_reference
+    monkeypatch.setenv("TTT_ZOO_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="TTT_ZOO_BACKEND"):
+        get_op("vit3_dwconv_ttt", dev)
+    assert available_ops()["vit3_qkv_ttt"]["torch_naive"]
+
+
+def test_custom_ops_are_registered_and_differentiable():
+    assert hasattr(torch.ops.ttt_zoo, "vit3_swiglu_fwd") and hasattr(torch.ops.ttt_zoo, "vit3_dwconv_bwd")
+    b, h, n, d = 2, 2, 5, 4
+    inputs = _leaves((b, h, n, d), (b, h, n, d), (b, h, n, d)) + _leaves((1, h, d, d), (1, h, d, d), scale=0.3)
+    assert torch.autograd.gradcheck(lambda *a: ops.swiglu_ttt_op(*a, 0.7), inputs, fast_mode=True)
+    inputs = _leaves((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4), (2, 1, 3, 3))
+    assert torch.autograd.gradcheck(lambda *a: ops.dwconv_ttt_op(*a, 0.7), inputs, fast_mode=True)
+    # the fake (meta) kernels agree with the real ones on shapes/dtypes
+    torch.library.opcheck(torch.ops.ttt_zoo.vit3_swiglu_fwd.default,
+                          [torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
+                           torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), 0.5, True],
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dispatch_under_torch_compile(backend):
+    torch._dynamo.reset()
+    m = ViT3TTT(32, num_heads=2, backend=backend)
+    x = torch.randn(1, 12, 32, requires_grad=True)
+    fn = torch.compile(lambda t: m(t, (3, 4)), backend="aot_eager", fullgraph=True)
+    out = fn(x)
+    gx = torch.autograd.grad(out.square().sum(), x)[0]
+    ref = m(x, (3, 4))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, torch.autograd.grad(ref.square().sum(), x)[0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "torch_naive"])
+def test_meta_device(backend):
+    with torch.device("meta"):
+        m = ViT3TTT(64, num_heads=2, backend=backend, rope=True)
+        x = torch.randn(2, 4 * 6, 64, requires_grad=True)
+    out = m(x, (4, 6))
+    assert out.device.type == "meta" and out.shape == (2, 24, 64)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and m.w1.grad.shape == m.w1.shape and m.qkv.weight.grad.device.type == "meta"
+
+
+def test_public_wrappers_match_reference():
+    q, k, v = [torch.randn(2, 3, 10, 8) for _ in range(3)]
+    w1, w2 = [torch.randn(1, 3, 8, 8) * 0.1 for _ in range(2)]
+    torch.testing.assert_close(swiglu_ttt(q, k, v, w1, w2, 1 / 3), swiglu_ttt_reference(q, k, v, w1, w2, 1 / 3))
+    q, k, v = [torch.randn(2, 8, 3, 5) for _ in range(3)]
+    w3 = torch.randn(8, 1, 3, 3)
+    torch.testing.assert_close(dwconv_ttt(q, k, v, w3, 1 / 3, backend="triton"),
+                               dwconv_ttt_reference(q, k, v, w3, 1 / 3))
+    x = torch.randn(1, 6, 16)
+    wt, w1, w2, w3 = [torch.randn(*s) * 0.2 for s in ((3 * 16 + 24, 16), (1, 2, 8, 8), (1, 2, 8, 8), (8, 1, 3, 3))]
+    torch.testing.assert_close(vit3_qkv_ttt(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3),
+                               qkv_ttt_naive(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,133 @@
+"""CPU latency and memory of ViT3-T (naive reference path vs. the recomputing path) next to timm's DeiT-T.
+
+Every (model, resolution, mode) runs in a FRESH subprocess, so one configuration's allocator state cannot leak into
+another's numbers.  Memory is the growth of the process's peak resident set during the measured call:
+``ru_maxrss`` after the first call minus the current RSS (``/proc/self/statm``) just before it, with the model and the
+input already built.  That is what a user sees ("training grows my process by X"), covers every allocator
+(PyTorch's CPU allocator is plain malloc), and needs no tracing hooks that would slow the run.  Latency is the
+median of ``--reps`` further calls.  All configurations run side by side in one invocation; the table goes to
+``tools/results/cpu_bench.md``.
+
+    python tools/bench_cpu.py                      # 224, 512, 1024; fwd and fwd+bwd; batch 1
+    python tools/bench_cpu.py --res 224 --reps 2   # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [  # label, timm model name, TTT_ZOO_BACKEND
+    ("ViT3-T naive (reference autograd)", "vit3_tiny", "torch_naive"),
+    ("ViT3-T recompute (new torch path)", "vit3_tiny", "torch"),
+    ("DeiT-T (timm, SDPA)", "deit_tiny_patch16_224", None),
+]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def worker(model_name: str, res: int, mode: str, reps: int, threads: int) -> dict:
+    import torch
+    import timm
+    import ttt_zoo  # noqa: F401  (registers the models)
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    kw = dict(dynamic_img_size=True) if model_name.startswith("deit") else {}
+    model = timm.create_model(model_name, num_classes=1000, **kw)
+    x = torch.randn(1, 3, res, res)
+    model.train(mode == "fwd+bwd")
+
+    def step():
+        if mode == "fwd":
+            with torch.no_grad():
+                model(x)
+        else:
+            model(x).float().sum().backward()
+            model.zero_grad(set_to_none=True)
+
+    base = _rss_mb()
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return dict(mem_mb=peak - base, ms=1e3 * statistics.median(times) if times else 1e3 * first,
+                params_m=sum(p.numel() for p in model.parameters()) / 1e6)
+
+
+def run_one(model_name: str, backend, res: int, mode: str, reps: int, threads: int) -> dict:
+    env = dict(os.environ)
+    env.pop("TTT_ZOO_BACKEND", None)
+    if backend:
+        env["TTT_ZOO_BACKEND"] = backend
+    cmd = [sys.executable, __file__, "--worker", model_name, str(res), mode, str(reps), str(threads)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"{model_name} {backend} {res} {mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--res", type=int, nargs="+", default=[224, 512, 1024])
+    ap.add_argument("--reps", type=int, default=2, help="timed calls after the measured first call")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(ROOT, "tools", "results", "cpu_bench.md"))
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        name, res, mode, reps, threads = a.worker
+        print(json.dumps(worker(name, int(res), mode, int(reps), int(threads))))
+        return
+
+    rows = []
+    for res in a.res:
+        for label, name, backend in CONFIGS:
+            r = {m: run_one(name, backend, res, m, a.reps, a.threads) for m in ("fwd", "fwd+bwd")}
+            rows.append((res, label, r))
+            print(f"{res:5d}  {label:36s} fwd {r['fwd']['ms']:8.1f} ms {r['fwd']['mem_mb']:7.1f} MB | "
+                  f"fwd+bwd {r['fwd+bwd']['ms']:8.1f} ms {r['fwd+bwd']['mem_mb']:7.1f} MB", flush=True)
+
+    import torch
+    lines = [
+        "# CPU benchmark: ViT3-T (naive vs. recomputing torch path) vs. DeiT-T",
+        "",
+        f"`python tools/bench_cpu.py --res {' '.join(map(str, a.res))} --reps {a.reps} --threads {a.threads}`; "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {a.threads} threads, batch 1, "
+        "float32. Each cell is a fresh subprocess. Memory = peak RSS growth during the first call (model and "
+        f"input already built); time = median of {a.reps} later calls (shared machine: expect noise of 10-30%).",
+        "",
+        "| res | model / path | params (M) | fwd ms | fwd MB | fwd+bwd ms | fwd+bwd MB | fwd+bwd MB / DeiT-T |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for res in a.res:
+        deit = [r for rr, l, r in rows if rr == res and l.startswith("DeiT")][0]
+        for rr, label, r in rows:
+            if rr != res:
+                continue
+            lines.append(f"| {res} | {label} | {r['fwd']['params_m']:.2f} | {r['fwd']['ms']:.0f} | "
+                         f"{r['fwd']['mem_mb']:.0f} | {r['fwd+bwd']['ms']:.0f} | {r['fwd+bwd']['mem_mb']:.0f} | "
+                         f"{r['fwd+bwd']['mem_mb'] / max(deit['fwd+bwd']['mem_mb'], 1e-9):.2f} |")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
