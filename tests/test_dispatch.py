@@ -6,9 +6,11 @@ from ttt_zoo import kernels
 from ttt_zoo.kernels import get_op, resolve_backend, swiglu_ttt_reference
 
 
-def test_cpu_and_meta_use_reference():
+def test_cpu_and_meta_use_pytorch_paths():
+    from ttt_zoo.kernels import swiglu_ttt_torch
     assert resolve_backend(None, torch.device("cpu")) == "torch"
-    assert get_op("vit3_swiglu_ttt", torch.device("meta")) is swiglu_ttt_reference
+    assert get_op("vit3_swiglu_ttt", torch.device("meta")) is swiglu_ttt_torch
+    assert get_op("vit3_swiglu_ttt", torch.device("cpu"), "torch_naive") is swiglu_ttt_reference
 
 
 def test_env_and_argument_force_backend(monkeypatch):
