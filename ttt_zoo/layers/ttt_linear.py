@@ -130,14 +130,11 @@ class TTTLinearMixer(TTTMixer):
         if pb is None:
             pb = torch.zeros(3 * c, device=x.device, dtype=self.lr_proj.bias.dtype)
         bias = torch.cat([pb, self.lr_proj.bias], 0)
-        if self.qk_mode == "shared":
-            u = F.linear(self._conv(x, feat_size), weight, bias)
-        else:
-            u = F.linear(x, weight, bias)
+        src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
+        u = F.linear(src, weight, bias)
         u_qk, u_g, u_v, logits = torch.split(u, [c, c, c, self.num_heads], dim=-1)
         if self.proj_per_direction:
             # the backward direction's q/k, v and lr projections run on the flipped sequence (same values)
-            src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
             ub = F.linear(src.flip(1), torch.cat([weight[:c], weight[2 * c:]], 0),
                           torch.cat([bias[:c], bias[2 * c:]], 0)).flip(1)
             u_qk, u_v, logits = torch.split(ub, [c, c, self.num_heads], dim=-1)
