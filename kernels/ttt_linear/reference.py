@@ -81,6 +81,7 @@ def ttt_linear_reference(
         ln_w, ln_b: (heads, d) per-head inner LayerNorm (unused when ``ln_residual=False``).
         mini_batch: tokens per gradient step; a shorter last mini-batch uses ``tau[:r]``.
         return_grad_norm: also return ``||grad_W l_t||_F = ||k_t|| * ||g_t||`` per token, (B, heads, N).
+    fp16/bf16 inputs are computed in float32 (state, LayerNorm statistics) and the output cast back.
     Returns:
         (out (B, heads, N, d), grad_norm or None)
     """
@@ -94,6 +95,9 @@ def ttt_linear_reference(
     if w0.shape[-3:] != (heads, d, d) or b0.shape[-3:] != (heads, 1, d):
         raise ValueError(f"w0 must be (B|1, {heads}, {d}, {d}) and b0 (B|1, {heads}, 1, {d}); "
                          f"got {tuple(w0.shape)} and {tuple(b0.shape)}")
+    out_dtype = q.dtype
+    cd = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32  # low precision: fp32 state
+    q, k, v, lr, tau, w0, b0, ln_w, ln_b = (t.to(cd) for t in (q, k, v, lr, tau, w0, b0, ln_w, ln_b))
     lnw = ln_w.view(1, heads, 1, d)
     lnb = ln_b.view(1, heads, 1, d)
     w, b = w0, b0
@@ -112,7 +116,7 @@ def ttt_linear_reference(
         step = eta[..., -1, :, None] * g  # last row of eta: the state carried on
         w = w - kc.transpose(-1, -2) @ step
         b = b - step.sum(-2, keepdim=True)
-    out = torch.cat(outs, dim=2)
+    out = torch.cat(outs, dim=2).to(out_dtype)
     return out, (torch.cat(norms, dim=2) if return_grad_norm else None)
 
 

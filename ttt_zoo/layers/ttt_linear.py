@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.layers import trunc_normal_
+from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import token_tau, ttt_linear_bidir
 from .mixer import TTTMixer, register_mixer
@@ -21,6 +21,23 @@ from .mixer import TTTMixer, register_mixer
 __all__ = ["TTTLinearMixer"]
 
 _W0_MODES = ("shared", "separate", "frozen")
+
+
+@register_notrace_function
+def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> None:
+    if x.shape[1] != feat_size[0] * feat_size[1]:
+        raise ValueError(f"{name}: {x.shape[1]} tokens do not fill a feature map of {tuple(feat_size)}; "
+                         f"pass feat_size=(H, W) with H * W == N.")
+
+
+@register_notrace_function
+def _bidir_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int,
+                ln_residual: bool, rope_theta: Optional[float], return_grad_norm: bool, backend: Optional[str]
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # one leaf for fx: the scan loops over mini-batches in Python
+    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, 1e-6,
+                            return_grad_norm, backend)
 _QK_MODES = ("shared", "conv_q")
 
 
@@ -121,10 +138,8 @@ class TTTLinearMixer(TTTMixer):
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
-        b, n, c = x.shape
-        if n != feat_size[0] * feat_size[1]:
-            raise ValueError(f"{type(self).__name__}: {n} tokens do not fill a feature map of {tuple(feat_size)}; "
-                             f"pass feat_size=(H, W) with H * W == N.")
+        c = x.shape[2]
+        _check_tokens(x, feat_size, "TTTLinearMixer")
         weight = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
         pb = self.proj.bias
         if pb is None:
@@ -147,10 +162,10 @@ class TTTLinearMixer(TTTMixer):
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         dt = q.dtype
-        return ttt_linear_bidir(
+        return _bidir_scan(
             q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
             self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
-            self.rope_theta if self.inner_rope else None, 1e-6, return_grad_norm, self.backend)
+            self.rope_theta if self.inner_rope else None, return_grad_norm, self.backend)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
