@@ -98,7 +98,8 @@ def main() -> None:
         f"`python tools/bench_visionttt.py {' '.join(sys.argv[1:])}`; device: {dev}; torch {torch.__version__}; "
         f"batch 1, float32, inference (no grad), median of {args.iters} forwards after a warm-up.",
         "Vision-TTT runs the pure-PyTorch reference scan (Python loop over mini-batches, no fused kernel); "
-        "DeiT runs timm's attention (`dynamic_img_size=True`).",
+        "DeiT runs timm's attention (`dynamic_img_size=True`), i.e. fused `F.scaled_dot_product_attention`, "
+        "whose memory is linear in the tokens too; its time is quadratic.",
         "Peak memory: " + ("`torch.cuda.max_memory_allocated` above the allocation before the forward." if device == "cuda"
                            else "rise of the process's peak RSS over its RSS before the first forward (CPU)."),
         "",

@@ -97,7 +97,8 @@ def ttt_linear_reference(
                          f"got {tuple(w0.shape)} and {tuple(b0.shape)}")
     out_dtype = q.dtype
     cd = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32  # low precision: fp32 state
-    q, k, v, lr, tau, w0, b0, ln_w, ln_b = (t.to(cd) for t in (q, k, v, lr, tau, w0, b0, ln_w, ln_b))
+    q, k, v, lr, tau = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd)
+    w0, b0, ln_w, ln_b = w0.to(cd), b0.to(cd), ln_w.to(cd), ln_b.to(cd)
     lnw = ln_w.view(1, heads, 1, d)
     lnb = ln_b.view(1, heads, 1, d)
     w, b = w0, b0
