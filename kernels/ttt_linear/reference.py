@@ -101,22 +101,39 @@ def ttt_linear_reference(
     w0, b0, ln_w, ln_b = w0.to(cd), b0.to(cd), ln_w.to(cd), ln_b.to(cd)
     lnw = ln_w.view(1, heads, 1, d)
     lnb = ln_b.view(1, heads, 1, d)
-    w, b = w0, b0
+    # full mini-batches form one group, a shorter last one a second; inside a group only the state recursion
+    # runs chunk by chunk, the outputs of all its chunks are formed at once afterwards
+    w = w0.expand(bsz, heads, d, d)
+    b = b0.expand(bsz, heads, 1, d)
+    full = n // mini_batch * mini_batch
+    groups = [(0, full, mini_batch)] if full else []
+    if n > full:
+        groups.append((full, n, n - full))
     outs, norms = [], []
-    for s in range(0, n, mini_batch):
-        e = min(s + mini_batch, n)
-        c = e - s
-        qc, kc, vc, lc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], lr[:, :, s:e]
-        z = kc @ w + b
-        g = ln_l2_grad(z, vc - kc, lnw, lnb, eps) if ln_residual else z - vc
-        eta = torch.tril(tau[:c, None] * lc[..., None, :])  # (B, h, c, c), eta_ij = tau_i lr_j, j <= i
-        z_bar = qc @ w + b - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ g
-        outs.append(qc + _layer_norm(z_bar, lnw, lnb, eps) if ln_residual else z_bar)
+    for s, e, c in groups:
+        nc = (e - s) // c
+        qg = q[:, :, s:e].reshape(bsz, heads, nc, c, d)
+        kg = k[:, :, s:e].reshape(bsz, heads, nc, c, d)
+        tg = (v[:, :, s:e] - k[:, :, s:e] if ln_residual else v[:, :, s:e]).reshape(bsz, heads, nc, c, d)
+        eta = torch.tril(tau[:c, None] * lr[:, :, s:e].reshape(bsz, heads, nc, 1, c))  # eta_ij = tau_i lr_j, j<=i
+        eta_last = eta[..., -1, :, None]  # (B, h, nc, c, 1): the last row carries the state on
+        ws, bs, gs = [], [], []
+        for i in range(nc):
+            kc = kg[:, :, i]
+            z = kc @ w + b
+            g = ln_l2_grad(z, tg[:, :, i], lnw, lnb, eps) if ln_residual else z - tg[:, :, i]
+            ws.append(w)
+            bs.append(b)
+            gs.append(g)
+            step = eta_last[:, :, i] * g
+            w = w - kc.transpose(-1, -2) @ step
+            b = b - step.sum(-2, keepdim=True)
+        wg, bg, gg = torch.stack(ws, 2), torch.stack(bs, 2), torch.stack(gs, 2)
+        z_bar = qg @ wg + bg - (eta * (qg @ kg.transpose(-1, -2) + 1.0)) @ gg
+        o = qg + _layer_norm(z_bar, lnw[:, :, None], lnb[:, :, None], eps) if ln_residual else z_bar
+        outs.append(o.reshape(bsz, heads, e - s, d))
         if return_grad_norm:
-            norms.append(kc.norm(dim=-1) * g.norm(dim=-1))
-        step = eta[..., -1, :, None] * g  # last row of eta: the state carried on
-        w = w - kc.transpose(-1, -2) @ step
-        b = b - step.sum(-2, keepdim=True)
+            norms.append((kg.norm(dim=-1) * gg.norm(dim=-1)).reshape(bsz, heads, e - s))
     out = torch.cat(outs, dim=2).to(out_dtype)
     return out, (torch.cat(norms, dim=2) if return_grad_norm else None)
 
