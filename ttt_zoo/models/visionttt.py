@@ -9,6 +9,7 @@ whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official V
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -68,6 +69,11 @@ def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float]
         for i in range(depth)])
 
 
+def _factory_device(device: Optional[Union[str, torch.device]]):
+    """Create parameters directly on ``device`` (timm passes ``device=``/``dtype=`` to constructors)."""
+    return torch.device(device) if device is not None else contextlib.nullcontext()
+
+
 def _reset_inner(model: nn.Module) -> None:
     for m in model.modules():
         if hasattr(m, "reset_inner_parameters"):
@@ -102,32 +108,37 @@ class VisionTTT(nn.Module):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            device: Optional[Union[str, torch.device]] = None,
+            dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '' for VisionTTT, got {global_pool!r}")
-        self.num_classes = num_classes
-        self.global_pool = global_pool
-        self.in_chans = in_chans
-        self.patch_size = patch_size
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.output_fmt = "NHWC"
-        self.grad_checkpointing = False
+        with _factory_device(device):
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' for VisionTTT, got {global_pool!r}")
+            self.num_classes = num_classes
+            self.global_pool = global_pool
+            self.in_chans = in_chans
+            self.patch_size = patch_size
+            self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+            self.output_fmt = "NHWC"
+            self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                                      embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
-        self.grid_size = tuple(self.patch_embed.grid_size)
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size[0] * self.grid_size[1], embed_dim))
-        self.pos_drop = nn.Dropout(pos_drop_rate)
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
-        self.blocks = _make_blocks(embed_dim, depth, head_dim, dpr, proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs)
-        self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        trunc_normal_(self.pos_embed, std=0.02)
-        self.apply(_init_weights)
-        _reset_inner(self)
+            self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
+                                          embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
+            self.grid_size = tuple(self.patch_embed.grid_size)
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size[0] * self.grid_size[1], embed_dim))
+            self.pos_drop = nn.Dropout(pos_drop_rate)
+            dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+            self.blocks = _make_blocks(embed_dim, depth, head_dim, dpr, proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs)
+            self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
+            self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+            self.head_drop = nn.Dropout(drop_rate)
+            self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+            trunc_normal_(self.pos_embed, std=0.02)
+            self.apply(_init_weights)
+            _reset_inner(self)
+        if dtype is not None:
+            self.to(dtype=dtype)
 
     # ----- timm model API -----
     @torch.jit.ignore
@@ -302,39 +313,44 @@ class VisionTTTH(nn.Module):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            device: Optional[Union[str, torch.device]] = None,
+            dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '' for VisionTTTH, got {global_pool!r}")
-        if len(head_dim) != len(depths):
-            raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
-        self.num_classes = num_classes
-        self.global_pool = global_pool
-        self.in_chans = in_chans
-        self.num_stages = len(depths)
-        dims = [embed_dim * 2 ** i for i in range(self.num_stages)]
-        self.embed_dim = dims
-        self.num_features = self.head_hidden_size = dims[-1]
-        self.output_fmt = "NHWC"
-        self.grad_checkpointing = False
+        with _factory_device(device):
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' for VisionTTTH, got {global_pool!r}")
+            if len(head_dim) != len(depths):
+                raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
+            self.num_classes = num_classes
+            self.global_pool = global_pool
+            self.in_chans = in_chans
+            self.num_stages = len(depths)
+            dims = [embed_dim * 2 ** i for i in range(self.num_stages)]
+            self.embed_dim = dims
+            self.num_features = self.head_hidden_size = dims[-1]
+            self.output_fmt = "NHWC"
+            self.grad_checkpointing = False
 
-        self.patch_embed = nn.Sequential()
-        self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
-        self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
-        dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(VisionTTTStage(
-                dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
-                proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.LayerNorm(self.num_features)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(_init_weights)
-        _reset_inner(self)
+            self.patch_embed = nn.Sequential()
+            self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
+            self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
+            dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
+            self.layers = nn.ModuleList()
+            self.feature_info = []
+            for i in range(self.num_stages):
+                start = sum(depths[:i])
+                self.layers.append(VisionTTTStage(
+                    dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
+                    proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs))
+                self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+            self.norm = nn.LayerNorm(self.num_features)
+            self.head_drop = nn.Dropout(drop_rate)
+            self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+            self.apply(_init_weights)
+            _reset_inner(self)
+        if dtype is not None:
+            self.to(dtype=dtype)
 
     # ----- timm model API -----
     @torch.jit.ignore
