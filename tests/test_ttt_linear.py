@@ -265,3 +265,13 @@ def test_mixer_interface_and_errors():
         create_mixer("ttt_linear", 96, head_dim=64)
     with pytest.raises(ValueError, match="qk_mode"):
         create_mixer("ttt_linear", 64, qk_mode="x")
+
+
+def test_low_precision_inputs_use_fp32_state():
+    q, k, v, lr, tau, ln_w, ln_b, r = _inputs(1, 2, 40, 32, 16)
+    args = [t.float() for t in (q, k, v, lr, tau, 0.3 * r(1, 2, 32, 32), 0.3 * r(1, 2, 1, 32), ln_w, ln_b)]
+    ref, _ = ttt_linear_reference(*args)
+    low = [t.bfloat16() if i < 3 else t for i, t in enumerate(args)]
+    out, _ = ttt_linear_reference(*low)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
