@@ -10,6 +10,8 @@ from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qk
 
 from .dit5_ttt import mlp_ttt, mlp_ttt_reference  # noqa: E402
 from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
+from .ttt_linear import inner_rope, token_tau, ttt_linear_reference  # noqa: E402
+from .ttt_linear import ttt_linear_bidir as _ttt_linear_bidir  # noqa: E402
 from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
 
 # torch: recomputing PyTorch path (any device); triton: the ttt_zoo::vit3_* custom ops (Triton kernels on CUDA);
@@ -19,6 +21,7 @@ register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON els
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
 register_op("dit5_mlp_ttt", mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_reference)
+register_op("ttt_linear", ttt_linear_reference)
 
 
 def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -55,5 +58,23 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                                                      normalize_grad, cos, sin)
 
 
-__all__ = ["vit3_qkv_ttt", "mlp_ttt", "mlp_ttt_reference", "t5_swiglu_ttt", "t5_swiglu_ttt_reference", "available_ops", "get_op", "register_op", "resolve_backend", "swiglu_ttt", "dwconv_ttt",
-           "swiglu_ttt_reference", "dwconv_ttt_reference", "swiglu_ttt_torch", "dwconv_ttt_torch"]
+def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
+               return_grad_norm=False, backend=None):
+    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.reference.ttt_linear_reference``."""
+    return get_op("ttt_linear", q.device, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
+                                                    eps, return_grad_norm)
+
+
+def ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, rope_theta=10000.0,
+                     eps=1e-6, return_grad_norm=False, backend=None):
+    """Forward + flipped TTT-Linear scans stacked on the batch axis, summed (Vision-TTT Eq. 12)."""
+    scan = get_op("ttt_linear", q.device, backend)
+    return _ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
+                             scan=scan, return_grad_norm=return_grad_norm)
+
+
+__all__ = ["available_ops", "get_op", "register_op", "resolve_backend",
+           "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
+           "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "t5_swiglu_ttt",
+           "t5_swiglu_ttt_reference", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "inner_rope",
+           "token_tau"]

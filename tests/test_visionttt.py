@@ -1,0 +1,159 @@
+"""Vision-TTT models: parameter counts and FLOPs against the paper/spec, any input size, timm API, GMM."""
+import pytest
+import timm
+import torch
+from timm.layers import resample_abs_pos_embed
+from torch.utils.flop_counter import FlopCounterMode
+
+import ttt_zoo
+from ttt_zoo.models import VisionTTT, gradient_magnitude_map
+from ttt_zoo.models.visionttt import checkpoint_filter_fn
+
+from test_ttt_linear import _randomize, naive_mixer
+
+PLAIN = ["visionttt_tiny", "visionttt_small", "visionttt_base"]
+HIER = ["visionttt_h_tiny", "visionttt_h_small", "visionttt_h_base"]
+# spec §2.3 table (plain; the spec counts a (T+1) x D position embedding, ours is T x D: D fewer) and
+# spec §2.4 variant A' (head dim 32 everywhere, biases) / variant B (head dims 32, 64, 64, 64)
+SPEC_PARAMS_M = {"visionttt_tiny": 5.907, "visionttt_small": 22.444, "visionttt_base": 87.409,
+                 "visionttt_h_tiny": 28.54, "visionttt_h_small": 50.11, "visionttt_h_base": 88.61}
+SPEC_PARAMS_B_M = {"visionttt_h_tiny": 28.64, "visionttt_h_small": 50.33, "visionttt_h_base": 88.88}
+PAPER_GFLOPS = {"visionttt_tiny": 1.44, "visionttt_small": 5.3, "visionttt_base": 20.3,
+                "visionttt_h_tiny": 5.6, "visionttt_h_small": 10.8, "visionttt_h_base": 18.8}
+
+
+def _meta(name, **kwargs):
+    with torch.device("meta"):
+        return timm.create_model(name, **kwargs)
+
+
+def _params_m(model):
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def _gmacs(model, size=(224, 224)):
+    """MACs in G, as the papers count them (FlopCounterMode counts 2 FLOPs per MAC); run on the meta device."""
+    model = model.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(torch.empty(1, 3, *size, device="meta"))
+    return fc.get_total_flops() / 2e9
+
+
+def test_registered_names():
+    names = ttt_zoo.list_zoo_models()
+    for n in PLAIN + HIER:
+        assert n in names
+    assert not [n for n in names if n.startswith(("vittt_", "h_vittt_"))]
+
+
+@pytest.mark.parametrize("name", PLAIN + HIER)
+def test_param_counts(name):
+    assert abs(_params_m(_meta(name)) - SPEC_PARAMS_M[name]) < 0.05
+
+
+@pytest.mark.parametrize("name", HIER)
+def test_param_counts_head_dim_variant_b(name):
+    m = _meta(name, head_dim=(32, 64, 64, 64))
+    assert abs(_params_m(m) - SPEC_PARAMS_B_M[name]) < 0.05
+    assert [s.blocks[0].attn.head_dim for s in m.layers] == [32, 64, 64, 64]
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", ["visionttt_tiny", "visionttt_h_tiny"] + [
+    pytest.param(n, marks=SLOW) for n in ("visionttt_small", "visionttt_base", "visionttt_h_small", "visionttt_h_base")])
+def test_gflops_match_paper(name):
+    """With the projections run once per scan direction (as the paper counts), within 3% of the paper."""
+    m = _meta(name, mixer_kwargs=dict(proj_per_direction=True))
+    g = _gmacs(m)
+    assert abs(g / PAPER_GFLOPS[name] - 1) < 0.03, g
+
+
+def test_gflops_default_saves_the_duplicate_projections():
+    """The default projects once and flips: exactly 2 * N * D * (D + heads) MACs per block fewer (Vittt-T)."""
+    g_paper = _gmacs(_meta("visionttt_tiny", mixer_kwargs=dict(proj_per_direction=True)))
+    g_fast = _gmacs(_meta("visionttt_tiny"))
+    n, d, heads = 196, 192, 3
+    assert abs((g_paper - g_fast) * 1e9 - 12 * n * d * (2 * d + heads)) < 1e3
+
+
+@pytest.mark.parametrize("name,size,grid", [("visionttt_tiny", (224, 320), (14, 20)),
+                                            ("visionttt_h_tiny", (224, 320), (7, 10)),
+                                            ("visionttt_h_tiny", (100, 150), (4, 5))])
+def test_non_square_inputs(name, size, grid):
+    m = timm.create_model(name, num_classes=10).eval()
+    x = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        f = m.forward_features(x)
+        y = m.forward_head(f)
+    assert f.shape[1:3] == grid and y.shape == (2, 10) and torch.isfinite(y).all()
+
+
+def test_pos_embed_resampled_for_other_sizes():
+    m = timm.create_model("visionttt_tiny", num_classes=0, depth=1).eval()
+    x = torch.randn(1, 3, 160, 224)
+    seen = {}
+    m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.update(x=args[0]))
+    with torch.no_grad():
+        m(x)
+        patches = m.patch_embed(x).flatten(1, 2)
+    pos = resample_abs_pos_embed(m.pos_embed, new_size=[10, 14], old_size=[14, 14], num_prefix_tokens=0)
+    assert torch.allclose(seen["x"], patches + pos, atol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    m = timm.create_model("visionttt_tiny", depth=1)
+    with pytest.raises(ValueError, match="input channels"):
+        m(torch.randn(1, 1, 224, 224))
+    with pytest.raises(ValueError, match="divisible by its patch size"):
+        m(torch.randn(1, 3, 200, 224))
+    with pytest.raises(TypeError):
+        timm.create_model("visionttt_tiny", not_an_option=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        timm.create_model("visionttt_h_tiny", head_dim=(32, 64))
+
+
+def test_features_and_intermediates():
+    m = timm.create_model("visionttt_h_tiny", features_only=True, depths=(1, 1, 1, 1)).eval()
+    with torch.no_grad():
+        feats = m(torch.randn(1, 3, 96, 128))
+    assert [tuple(f.shape[1:]) for f in feats] == [(96, 24, 32), (192, 12, 16), (384, 6, 8), (768, 3, 4)]
+    m = timm.create_model("visionttt_tiny", depth=4).eval()
+    with torch.no_grad():
+        out, inter = m.forward_intermediates(torch.randn(1, 3, 64, 96), indices=2)
+    assert out.shape == (1, 4, 6, 192) and [tuple(t.shape) for t in inter] == [(1, 192, 4, 6)] * 2
+
+
+def test_checkpoint_filter_resamples_pos_embed():
+    src = timm.create_model("visionttt_tiny", depth=1, img_size=160)
+    sd = dict(src.state_dict())
+    sd["pos_embed"] = torch.cat([torch.zeros(1, 1, 192), sd["pos_embed"]], 1)  # a (T+1) x D embedding
+    dst = timm.create_model("visionttt_tiny", depth=1)
+    out = checkpoint_filter_fn(sd, dst)
+    assert out["pos_embed"].shape == dst.pos_embed.shape
+    dst.load_state_dict(out)
+    bad = dict(out)
+    bad["blocks.0.attn.w0"] = torch.zeros(1, 2, 64, 64)
+    with pytest.raises(ValueError, match="w0"):
+        checkpoint_filter_fn(bad, dst)
+
+
+@pytest.mark.parametrize("direction", ["forth", "back", "sum"])
+def test_gradient_magnitude_map_matches_autograd(direction):
+    """Eq. 6: ||grad_W l_t||_F per token of one block, checked against per-token autograd (naive scan)."""
+    m = VisionTTT(img_size=(48, 80), patch_size=16, embed_dim=64, depth=2, head_dim=32, num_classes=0,
+                  mixer_kwargs=dict(mini_batch=4, base_lr=8.0)).double().eval()
+    _randomize(m.blocks[1].attn, seed=5)
+    x = torch.randn(2, 3, 48, 80, dtype=torch.float64)
+    gmm = gradient_magnitude_map(m, x, block=1, direction=direction)
+    assert gmm.shape == (2, 3, 5)
+    seen = {}
+    m.blocks[1].attn.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0]))
+    with torch.no_grad():
+        m(x)
+    _, norms = naive_mixer(m.blocks[1].attn, seen["x"], (3, 5), return_norms=True)  # (2 dirs, B, heads, N)
+    per_dir = norms.pow(2).sum(2).sqrt()
+    ref = {"forth": per_dir[0], "back": per_dir[1], "sum": per_dir.sum(0)}[direction]
+    assert torch.allclose(gmm.flatten(1), ref, rtol=1e-9, atol=1e-12)
+    assert ref.std() > 0  # tokens differ

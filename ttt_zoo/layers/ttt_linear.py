@@ -1,0 +1,187 @@
+"""Vision-TTT mixer: TTT-Linear over a bidirectional raster scan with a 3x3 depthwise-conv front end.
+
+Reconstruction of the Vittt block (Kong et al., "Vision-TTT"; ``shared/spec/visionttt.md`` §2.3):
+``x_c = DWConv3x3(x)``; ``[u_qk, u_g, u_v, lr] = Linear(x_c)``; per head of d channels a TTT-Linear scan in
+the mini-batch dual form over the raster order and over the flipped order (both from the same W0 by default),
+``z = post_norm(Z_forth + flip(Z_back))`` (Eq. 12); ``out = o_proj(GELU_tanh(u_g) * z)``.
+Items the paper does not state are constructor options with the spec's proposed defaults.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from timm.layers import register_notrace_function
+
+from ttt_zoo.kernels import token_tau, ttt_linear_bidir
+from .mixer import TTTMixer, register_mixer
+
+__all__ = ["TTTLinearMixer"]
+
+_W0_MODES = ("shared", "separate", "frozen")
+
+
+@register_notrace_function
+def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> None:
+    if x.shape[1] != feat_size[0] * feat_size[1]:
+        raise ValueError(f"{name}: {x.shape[1]} tokens do not fill a feature map of {tuple(feat_size)}; "
+                         f"pass feat_size=(H, W) with H * W == N.")
+
+
+@register_notrace_function
+def _bidir_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int,
+                ln_residual: bool, rope_theta: Optional[float], return_grad_norm: bool, backend: Optional[str]
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # one leaf for fx: the scan loops over mini-batches in Python
+    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, 1e-6,
+                            return_grad_norm, backend)
+_QK_MODES = ("shared", "conv_q")
+
+
+@register_mixer("ttt_linear")
+class TTTLinearMixer(TTTMixer):
+    """Bidirectional TTT-Linear token mixer (Vittt block).
+
+    Args:
+        dim: channels D.
+        num_heads: heads (head dim D / heads); alternatively give ``head_dim`` (default 64).
+        head_dim: inner-state size d per head (64 in the paper; 32 also supported).
+        qkv_bias: bias of the fused q/k, gate, v and lr projections.
+        mini_batch: tokens per inner gradient step (b = 16).
+        base_lr: inner learning-rate scale; per token ``lr = base_lr * sigmoid(logit) / d``.
+        w0_mode: ``'shared'`` one learnable (W0, b0) for both directions (paper W0^1), ``'separate'`` one per
+            direction (W0^2), ``'frozen'`` zero, non-learnable (W0^0).
+        qk_mode: ``'shared'`` q = k = u_qk with the conv in front of all projections, ``'conv_q'`` the conv acts on
+            u_qk for q only (k = u_qk, everything else from x).
+        inner_rope: RoPE of the in-mini-batch position on q and k (ttt-lm).
+        inner_ln_residual: inner model ``x + LN(xW + b)`` with target ``v - k`` (ttt-lm); False gives the paper's
+            literal ``f(x) = xW + b`` with target v.
+        proj_per_direction: apply the q/k, v and lr projections once per scan direction, as the paper's FLOP count
+            assumes; outputs are identical, it only costs 2*N*D^2 extra MACs.  Default False: project once, flip.
+        backend: force the op backend (``'torch'`` or ``'triton'``).
+    """
+    inner_param_names = ("w0", "b0", "tau_offset", "ttt_norm_weight", "ttt_norm_bias", "lr_proj")
+
+    def __init__(self, dim: int, num_heads: Optional[int] = None, head_dim: Optional[int] = None,
+                 qkv_bias: bool = True, mini_batch: int = 16, base_lr: float = 1.0, w0_mode: str = "shared",
+                 qk_mode: str = "shared", inner_rope: bool = True, rope_theta: float = 10000.0,
+                 inner_ln_residual: bool = True, proj_per_direction: bool = False, proj_drop: float = 0.0,
+                 backend: Optional[str] = None):
+        super().__init__()
+        if head_dim is None:
+            head_dim = dim // num_heads if num_heads else 64
+        if num_heads is not None and num_heads * head_dim != dim:
+            raise ValueError(f"num_heads={num_heads} and head_dim={head_dim} do not multiply to dim={dim}")
+        if dim % head_dim:
+            raise ValueError(f"dim {dim} must be divisible by head_dim {head_dim}")
+        if w0_mode not in _W0_MODES:
+            raise ValueError(f"w0_mode must be one of {_W0_MODES}, got {w0_mode!r}")
+        if qk_mode not in _QK_MODES:
+            raise ValueError(f"qk_mode must be one of {_QK_MODES}, got {qk_mode!r}")
+        if mini_batch < 1:
+            raise ValueError(f"mini_batch must be >= 1, got {mini_batch}")
+        self.dim = dim
+        self.head_dim = d = head_dim
+        self.num_heads = nh = dim // head_dim
+        self.mini_batch = mini_batch
+        self.base_lr = base_lr
+        self.w0_mode = w0_mode
+        self.qk_mode = qk_mode
+        self.inner_rope = inner_rope
+        self.rope_theta = rope_theta
+        self.inner_ln_residual = inner_ln_residual
+        self.proj_per_direction = proj_per_direction
+        self.backend = backend
+
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False)
+        self.proj = nn.Linear(dim, 3 * dim, bias=qkv_bias)  # [u_qk, u_g, u_v]; fused with lr_proj at run time
+        self.lr_proj = nn.Linear(dim, nh)
+        self.tau_offset = nn.Parameter(torch.zeros(mini_batch))
+        self.ttt_norm_weight = nn.Parameter(torch.ones(nh, d))
+        self.ttt_norm_bias = nn.Parameter(torch.zeros(nh, d))
+        n_w0 = 2 if w0_mode == "separate" else 1
+        if w0_mode == "frozen":
+            self.register_buffer("w0", torch.zeros(1, nh, d, d), persistent=False)
+            self.register_buffer("b0", torch.zeros(1, nh, 1, d), persistent=False)
+        else:
+            self.w0 = nn.Parameter(torch.zeros(n_w0, nh, d, d))
+            self.b0 = nn.Parameter(torch.zeros(n_w0, nh, 1, d))
+        self.post_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.o_proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_inner_parameters()
+
+    def reset_inner_parameters(self) -> None:
+        if self.w0.device.type == "meta":
+            return
+        with torch.no_grad():
+            if isinstance(self.w0, nn.Parameter):
+                nn.init.normal_(self.w0, std=0.02)
+                nn.init.zeros_(self.b0)
+            nn.init.normal_(self.lr_proj.weight, std=0.02)
+            nn.init.zeros_(self.lr_proj.bias)
+            nn.init.zeros_(self.tau_offset)
+            nn.init.ones_(self.ttt_norm_weight)
+            nn.init.zeros_(self.ttt_norm_bias)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _conv(self, t: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        b, n, c = t.shape
+        t = self.conv(t.transpose(1, 2).reshape(b, c, feat_size[0], feat_size[1]))
+        return t.flatten(2).transpose(1, 2)
+
+    def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
+        c = x.shape[2]
+        _check_tokens(x, feat_size, "TTTLinearMixer")
+        weight = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
+        pb = self.proj.bias
+        if pb is None:
+            pb = torch.zeros(3 * c, device=x.device, dtype=self.lr_proj.bias.dtype)
+        bias = torch.cat([pb, self.lr_proj.bias], 0)
+        src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
+        u = F.linear(src, weight, bias)
+        u_qk, u_g, u_v, logits = torch.split(u, [c, c, c, self.num_heads], dim=-1)
+        if self.proj_per_direction:
+            # the backward direction's q/k, v and lr projections run on the flipped sequence (same values)
+            ub = F.linear(src.flip(1), torch.cat([weight[:c], weight[2 * c:]], 0),
+                          torch.cat([bias[:c], bias[2 * c:]], 0)).flip(1)
+            u_qk, u_v, logits = torch.split(ub, [c, c, self.num_heads], dim=-1)
+        k = self._heads(u_qk)
+        q = self._heads(self._conv(u_qk, feat_size)) if self.qk_mode == "conv_q" else k
+        v = self._heads(u_v)
+        lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
+        return q, k, v, lr, u_g
+
+    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
+              return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        dt = q.dtype
+        return _bidir_scan(
+            q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
+            self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
+            self.rope_theta if self.inner_rope else None, return_grad_norm, self.backend)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v, lr, u_g = self.inner_inputs(x, feat_size)
+        z, _ = self._scan(q, k, v, lr)
+        z = self.post_norm(z.transpose(1, 2).reshape(b, n, c))
+        return self.proj_drop(self.o_proj(F.gelu(u_g, approximate="tanh") * z))
+
+    @torch.jit.ignore
+    def inner_grad_norm(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """Per-token ``||grad_W l_t||_F`` (Eq. 6) over all heads (block-diagonal W), (2 directions, B, N)."""
+        q, k, v, lr, _ = self.inner_inputs(x, feat_size)
+        _, gn = self._scan(q, k, v, lr, return_grad_norm=True)
+        return gn.pow(2).sum(2).sqrt()
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, mini_batch={self.mini_batch}, "
+                f"w0_mode={self.w0_mode}, qk_mode={self.qk_mode}, inner_rope={self.inner_rope}, "
+                f"inner_ln_residual={self.inner_ln_residual}")
