@@ -41,8 +41,11 @@ def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tens
 
 
 @register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
-def t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=None):
+def t5_swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor, scale: float, backend: Optional[str] = None) -> torch.Tensor:
     """T5 3-matrix SwiGLU inner step + apply; see ``t5_ttt.reference.t5_swiglu_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale)
     return get_op("t5_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, w3, scale)
 
 

@@ -4,7 +4,6 @@ Inner model f(x) = silu(x W1) W2 per head, trained for one closed-form gradient 
 normalisation) on the regression loss L = (scale / 2N) * sum_n ||f(k_n) - v_n||^2, then applied to q.
 Autograd flows through the update.  Low-precision inputs are computed in float32 and cast back.
 """
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,6 @@ dot-product loss L = -(scale / N) * sum_n <f(k_n), v_n> (inner lr 1, no gradient
 per-sample weights are applied to the queries.  Autograd flows through the update.
 Low-precision inputs (fp16/bf16) are computed in float32 and cast back.
 """
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,6 @@ state and token i reads ``W_i = W_0 - sum_{j<=i} eta_ij k_j^T g_j`` (inclusive c
 factorised as ``eta_ij = tau_i * lr_j`` (tau by position in the mini-batch, lr per token).  Only one state
 ``(B, heads, d, d)`` per mini-batch exists at a time; nothing of size B x N x d x d is formed.
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

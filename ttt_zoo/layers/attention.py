@@ -1,5 +1,4 @@
 """Plain softmax self-attention behind the mixer interface (the baseline the TTT mixers replace)."""
-from __future__ import annotations
 
 from typing import Tuple
 

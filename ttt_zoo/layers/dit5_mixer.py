@@ -4,7 +4,6 @@
 of the official ``DiT5/models.py``.  Official keys: ``w1, w2, qk_scale_ttt, qk_offset_ttt, qkv, proj, q_conv2d,
 k_conv2d``; ``qkv`` and ``proj`` have the shapes of softmax attention, so they are inherited when linearising.
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

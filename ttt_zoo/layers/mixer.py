@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
+from timm.layers import register_notrace_module
 
 __all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers"]
 
@@ -30,11 +31,12 @@ class TTTMixer(nn.Module):
 
 
 def register_mixer(name: str):
+    """Register a mixer class under ``name``.  Mixers are torch.fx leaves (their inner loops branch on shapes)."""
     def wrap(cls):
         if name in _MIXERS:
             raise ValueError(f"TTT mixer {name!r} is already registered")
         _MIXERS[name] = cls
-        return cls
+        return register_notrace_module(cls)
     return wrap
 
 

@@ -9,7 +9,6 @@ ordered row-major in the window.  With dilation D the axis is split into the D i
 natten (https://github.com/SHI-Labs/NATTEN) is used instead when it is importable AND, checked once per device and
 dtype on a small random problem, gives the same numbers as this implementation; otherwise this one runs.
 """
-from __future__ import annotations
 
 import warnings
 from typing import Dict, Optional, Tuple

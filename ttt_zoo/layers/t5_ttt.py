@@ -4,7 +4,6 @@ T5 keeps a softmax ViT's ``qkv`` / ``proj`` and replaces softmax attention by on
 3-matrix SwiGLU inner model on instance-normalised keys, with residual depthwise convs on queries and keys.
 T5+ averages that with 2-D neighbourhood attention on the same q, k, v (paper Eq. 15).
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

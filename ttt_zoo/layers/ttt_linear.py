@@ -6,7 +6,6 @@ the mini-batch dual form over the raster order and over the flipped order (both 
 ``z = post_norm(Z_forth + flip(Z_back))`` (Eq. 12); ``out = o_proj(GELU_tanh(u_g) * z)``.
 Items the paper does not state are constructor options with the spec's proposed defaults.
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

@@ -212,9 +212,12 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.M
     if pretrained:
         _resolve_hub_weights(variant, kwargs)
         _resolve_local_weights(variant, kwargs)
-    with torch.serialization.safe_globals(_SAFE_STUBS):
+    # timm's create_model(device=, dtype=): build in place on the device, then cast
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    with torch.serialization.safe_globals(_SAFE_STUBS), factory_device(device):
         try:
-            return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+            model = build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+            return model.to(dtype=dtype) if dtype is not None else model
         except Exception as e:  # noqa: BLE001 - only safetensors read errors are rewritten
             if type(e).__name__ != "SafetensorError":
                 raise

@@ -11,7 +11,6 @@ Conventions kept from the official code: x_embedder -> + fixed 2-D sin-cos pos_e
 modulation from c = t_emb + y_emb -> final adaLN layer -> unpatchify.  Extensions: any latent size the patch size
 divides, non-square included (the sin-cos table is computed for the runtime grid), and float64.
 """
-from __future__ import annotations
 
 import math
 from functools import partial

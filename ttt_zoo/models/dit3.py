@@ -5,7 +5,6 @@ keys (``blocks.i.{cpe,attn.{w1,w2,w3,qkv,proj},mlp,adaLN_modulation.1}``), so th
 (``{'model', 'ema', 'opt', 'args'}``; the EMA weights are used, as the official sampler does) load through
 :func:`ttt_zoo.models.dit.checkpoint_filter_fn`.
 """
-from __future__ import annotations
 
 from typing import Any, Dict
 

@@ -5,7 +5,6 @@ code: the DiT skeleton without CPE, with the ``dit5_mixed`` mixer.  :func:`linea
 (``dit_*``, the original DiT key layout) into DiT5, copying every inherited tensor; :func:`dit5_param_groups`
 gives the TTT inner weights the paper's 2x learning rate.  No trained DiT5 weights are released.
 """
-from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 

@@ -6,7 +6,6 @@ mean-pools.  The position embedding is resampled for any input size the patch si
 Official keys are kept (``Transformer-to-TTT/T5/models.py``).  Use :func:`ttt_zoo.linearize` to build one from a
 pretrained timm ViT / DeiT.
 """
-from __future__ import annotations
 
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -136,7 +135,7 @@ class T5(nn.Module):
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         min_size = self.patch_size * max(self.na_kernel, 1)
-        check_image(x, self.in_chans, self.patch_size, min_size, type(self).__name__)
+        check_image(x, self.in_chans, self.patch_size, min_size, "T5")
         x = self.patch_embed(x)  # B, H, W, C
         feat_size = (x.shape[1], x.shape[2])
         x = x.flatten(1, 2) + resample_pos_embed(self.pos_embed, self.grid_size, feat_size)
@@ -151,8 +150,11 @@ class T5(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the normalised (B, H, W, C) token map."""
         x, feat_size = self._embed(x)
-        for i in range(len(self.blocks)):
-            x = self._run_block(i, x, feat_size)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
         x = self.norm(x)
         return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
 

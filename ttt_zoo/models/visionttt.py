@@ -7,7 +7,6 @@ other input sizes), 12 blocks ``y += Vittt(LN(y)); y += SwiGLU(LN(y))``, LN, mea
 models (Vittt-H): Swin layout (4x4 stem + LN, PatchMerging between stages), no windows: every stage scans its
 whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official ViT3 code).
 """
-from __future__ import annotations
 
 import contextlib
 import math
