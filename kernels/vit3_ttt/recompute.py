@@ -17,7 +17,7 @@ Backward (dO given):
 from __future__ import annotations
 
 import contextlib
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from .reference import compute_dtype
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
     "normalize_columns", "normalize_columns_bwd", "make_function", "make_qkv_function", "qkv_ttt_torch",
-    "qkv_ttt_naive",
+    "qkv_ttt_naive", "qkv_forward", "swiglu_apply",
 ]
 
 
@@ -58,27 +58,46 @@ def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- SwiGLU branch
 def swiglu_update(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
-    """Raw inner gradient G = c k^T [v silu(z2), v z1 silu'(z2)], (B, heads, d, 2d), in k's dtype."""
+    """Raw inner gradient G = c k^T [v silu(z2), v z1 silu'(z2)], (B, heads, d, 2d), in k's dtype.
+
+    Not differentiable (called inside autograd.Function / custom-op forwards): the elementwise chain runs in place,
+    and the two halves of A meet only as d x d products (no N x 2d concat).
+    """
     d = k.shape[-1]
     z = k @ w
     z1, z2 = z[..., :d], z[..., d:]
-    silu, dsilu = _silu_parts(z2)
-    a = torch.cat([v * silu, v * z1 * dsilu], dim=-1)
-    return (k.transpose(-2, -1) @ a) * (-scale / k.shape[-2])
+    s = torch.sigmoid(z2)
+    a1 = z2 * s                                   # silu(z2)
+    a2 = torch.addcmul(s, a1, 1.0 - s)            # silu'(z2) = s + silu(z2) (1 - s)
+    a2.mul_(z1).mul_(v)
+    a1.mul_(v)
+    kt = k.transpose(-2, -1)
+    return torch.cat([kt @ a1, kt @ a2], dim=-1) * (-scale / k.shape[-2])
 
 
-def swiglu_fwd(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out in q's dtype, raw inner gradient G in the compute dtype)."""
+def swiglu_apply(q: torch.Tensor, wn: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out = (q W1') * silu(q W2'), written into ``out`` (any strided (B, heads, N, d) view) when given."""
+    d = q.shape[-1]
+    y = q @ wn
+    y2 = F.silu(y[..., d:], inplace=True)
+    if out is None:
+        return y[..., :d] * y2
+    if torch.compiler.is_compiling():  # dynamo rejects a strided out=
+        return out.copy_(y[..., :d] * y2)
+    return torch.mul(y[..., :d], y2, out=out)
+
+
+def swiglu_fwd(q, k, v, w1, w2, scale: float, normalize_grad: bool = True,
+               out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out in q's dtype, raw inner gradient G in the compute dtype); ``out=`` receives the result."""
     out_dt = q.dtype
     dt = compute_dtype(q.dtype)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     w = torch.cat([w1, w2], dim=-1).to(dt)
-    d = q.shape[-1]
     g = swiglu_update(k, v, w, scale)
     wn = w - (normalize_columns(g) if normalize_grad else g)
-    y = q @ wn
-    out = y[..., :d] * F.silu(y[..., d:])
-    return out.to(out_dt), g
+    res = swiglu_apply(q, wn, out)
+    return (res if out is not None else res.to(out_dt)), g
 
 
 def swiglu_bwd(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
@@ -89,35 +108,49 @@ def swiglu_bwd(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True
     w = torch.cat([w1, w2], dim=-1).to(dt)
     d, n = q.shape[-1], q.shape[-2]
     c = -scale / n
-    # apply step: out = y1 * silu(y2), y = q W'
+    # apply step: out = y1 * silu(y2), y = q W'  (the two halves stay separate: no N x 2d concats)
     wn = w - (normalize_columns(g) if normalize_grad else g)
+    wn1, wn2 = wn[..., :d], wn[..., d:]
     y = q @ wn
-    silu_y, dsilu_y = _silu_parts(y[..., d:])
-    dy = torch.cat([do * silu_y, do * y[..., :d] * dsilu_y], dim=-1)
-    del y, silu_y, dsilu_y
-    dq = dy @ wn.transpose(-2, -1)
-    dwn = q.transpose(-2, -1) @ dy
-    del dy
+    y1, y2 = y[..., :d], y[..., d:]
+    s = torch.sigmoid(y2)
+    dy1 = y2 * s                                             # silu(y2)
+    dy2 = torch.addcmul(s, dy1, 1.0 - s).mul_(y1).mul_(do)   # dO * y1 * silu'(y2)
+    dy1.mul_(do)                                             # dO * silu(y2)
+    del y, y1, y2, s
+    dq = dy1 @ wn1.transpose(-2, -1)
+    dq += dy2 @ wn2.transpose(-2, -1)
+    qt = q.transpose(-2, -1)
+    dwn = torch.cat([qt @ dy1, qt @ dy2], dim=-1)
+    del dy1, dy2
     dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
+    dg1, dg2 = dg[..., :d], dg[..., d:]
     # update step: G = c k^T A(z = k W)
     z = k @ w
     z1, z2 = z[..., :d], z[..., d:]
     s = torch.sigmoid(z2)
     silu = z2 * s
-    dsilu = s * (1.0 + z2 * (1.0 - s))
+    dsilu = torch.addcmul(s, silu, 1.0 - s)
     d2silu = s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s))
+    del s
     vz1 = v * z1
-    a = torch.cat([v * silu, vz1 * dsilu], dim=-1)
-    da = (k @ dg) * c
-    dk = (a @ dg.transpose(-2, -1)) * c
-    del a
-    da1, da2 = da[..., :d], da[..., d:]
-    dv = da1 * silu + da2 * z1 * dsilu
-    dz = torch.cat([da2 * v * dsilu, da1 * v * dsilu + da2 * vz1 * d2silu], dim=-1)
-    del z, s, silu, dsilu, d2silu, vz1, da
-    dk = dk + dz @ w.transpose(-2, -1)
-    dw = dwn + k.transpose(-2, -1) @ dz
-    dw1, dw2 = _reduce_to(dw[..., :d], w1), _reduce_to(dw[..., d:], w2)
+    da1 = (k @ dg1).mul_(c)
+    da2 = (k @ dg2).mul_(c)
+    dk = (v * silu) @ dg1.transpose(-2, -1)
+    dk += (vz1 * dsilu) @ dg2.transpose(-2, -1)
+    dk.mul_(c)
+    dv = da1 * silu
+    dv.addcmul_(da2, z1 * dsilu)
+    vd = v * dsilu
+    dz1 = da2 * vd
+    dz2 = da1 * vd
+    dz2.addcmul_(da2 * vz1, d2silu)
+    del z, silu, dsilu, d2silu, vz1, vd, da1, da2
+    dk += dz1 @ w[..., :d].transpose(-2, -1)
+    dk += dz2 @ w[..., d:].transpose(-2, -1)
+    kt = k.transpose(-2, -1)
+    dw1 = _reduce_to(dwn[..., :d] + kt @ dz1, w1)
+    dw2 = _reduce_to(dwn[..., d:] + kt @ dz2, w2)
     return dq.to(in_dt), dk.to(in_dt), dv.to(in_dt), dw1.to(w_dt), dw2.to(w_dt)
 
 
@@ -243,6 +276,31 @@ def _qkv_split(x, weight, bias, feat_size, heads, cos, sin):
     return t1, t2
 
 
+def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
+                swiglu_f=None, dwconv_f=None):
+    """Projection + both inner steps, no autograd: (out (B, N, C + d), G_swiglu, G_conv).
+
+    The PyTorch SwiGLU step writes straight into the heads-merged output buffer (no head-merge copy, no concat);
+    other implementations (Triton, custom ops) return their own tensor, copied in.
+    """
+    swiglu_f, dwconv_f = swiglu_f or swiglu_fwd, dwconv_f or dwconv_fwd
+    # the projection follows the caller's autocast (replayed in the backward); the inner steps do not
+    (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+    b, n, c = x.shape
+    d = c // heads
+    out = q1.new_empty(b, n, c + d)
+    out1 = out[..., :c].unflatten(-1, (heads, d)).transpose(1, 2)
+    with _autocast(x.device):
+        if swiglu_f is swiglu_fwd:
+            _, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad, out=out1)
+        else:
+            x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
+            out1.copy_(x1)
+        x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
+        out[..., c:].copy_(x2.flatten(2).transpose(1, 2))
+    return out, g1, g3
+
+
 def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
     """autograd.Function for ``[swiglu_ttt | dwconv_ttt](split(x W^T + b))`` that stores only x and small tensors.
 
@@ -253,13 +311,8 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
     """
 
     def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad):
-        # the projection follows the caller's autocast (replayed in the backward); the inner steps do not
-        (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
-        b, n, c = x.shape
-        with _autocast(x.device):
-            x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
-            x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
-            out = torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
+        out, g1, g3 = qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
+                                  swiglu_f, dwconv_f)
         ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin)
         ctx.args = (feat_size, heads, scale, normalize_grad)
         ctx.amp = _autocast_state(x.device)
@@ -320,5 +373,8 @@ def qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: flo
 def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                   cos=None, sin=None) -> torch.Tensor:
     """Projection + both inner steps with the recomputing backward; (B, N, C) -> (B, N, C + d)."""
-    return QKVTTT.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
-                        int(heads), float(scale), bool(normalize_grad))
+    args = (x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])), int(heads), float(scale),
+            bool(normalize_grad))
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
+        return qkv_forward(*args)[0]  # inference: skip the autograd.Function bookkeeping
+    return QKVTTT.apply(*args)
