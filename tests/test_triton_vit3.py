@@ -30,6 +30,8 @@ def small_tiles(monkeypatch):
         monkeypatch.setattr(T, "BLOCK_N", 16)
         monkeypatch.setattr(T, "TILES", 2)
         monkeypatch.setattr(T, "BLOCK_P", 32)
+        monkeypatch.setattr(T, "MAX_COLS", 32)   # d = 64 and 72 run as several column blocks, d = 32 as one
+        monkeypatch.setattr(T, "COL_BLOCK", 16)
 
 
 def _compare(f_new, f_ref, inputs, dtype):

@@ -7,7 +7,9 @@ to float32, every product and reduction accumulates in float32 (``tl.dot`` in IE
 fp16/bf16 inputs), and results are stored in the input dtype.  Nothing of size N x d x d and no per-token weight is
 ever written to memory.
 
-SwiGLU branch, per (batch, head) with N tokens of head dim d (D = d padded to a power of two >= 16):
+SwiGLU branch, per (batch, head) with N tokens of head dim d (D = d padded to a power of two >= 16).  Every kernel
+handles one block of output columns of [W1 | W2] (all D when D <= MAX_COLS, else COL_BLOCK); dq and dk sum over the
+blocks through fp32 partials (one N x d buffer per block, only when there is more than one):
   fwd kernel 1 ``_swiglu_update``: z = k [W1|W2], the SwiGLU derivative and k^T A, fused per token tile; each
       program reduces TILES tiles and writes one fp32 partial of G (2 d^2); partials are summed in PyTorch.
   fwd kernel 2 ``_swiglu_apply``: y = q W', out = y1 silu(y2), fused; reads q once, writes out once.
@@ -43,7 +45,8 @@ __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwcon
 BLOCK_N = 64      # tokens per tile
 TILES = 4         # tiles reduced per program in the reduction kernels
 BLOCK_P = 256     # pixels per tile in the conv kernels
-MAX_D = 64        # on a GPU, head dims above this run the PyTorch path (a 128-padded d x d set overflows SMEM)
+MAX_COLS = 64     # widest column block of the d x d SwiGLU kernels; larger (padded) head dims split into blocks
+COL_BLOCK = 32    # column-block width used when the padded head dim exceeds MAX_COLS (e.g. d = 72 -> 128 = 4 x 32)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -55,6 +58,9 @@ def _block_d(d: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- SwiGLU kernels
+# Every SwiGLU kernel works on one block of BLOCK_C output columns of W = [W1 | W2] (grid axis 2): the SwiGLU is
+# elementwise in the hidden units, so column blocks are independent except for dq / dk, which sum over them (one
+# fp32 partial per block, summed in PyTorch).  BLOCK_C = BLOCK_D (one block) for head dims up to 64.
 @triton.jit
 def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
     m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
@@ -62,33 +68,41 @@ def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
 
 
 @triton.jit
-def _load_mat(ptr, base, offs_d, sr, sc, d_max):
-    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
-    return tl.load(ptr + base + offs_d[:, None] * sr + offs_d[None, :] * sc, mask=m, other=0.0).to(tl.float32)
+def _load_mat(ptr, base, offs_r, offs_c, sr, sc, d_max):
+    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
+    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_mat(ptr, base, val, offs_d, d_max):
-    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
-    tl.store(ptr + base + offs_d[:, None] * d_max + offs_d[None, :], val, mask=m)
+def _store_mat(ptr, base, val, offs_r, offs_c, d_max):
+    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
+    tl.store(ptr + base + offs_r[:, None] * d_max + offs_c[None, :], val, mask=m)
+
+
+@triton.jit
+def _store_tile(ptr, base, val, offs_n, offs_d, sn, sd, n_max, d_max):
+    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
+    tl.store(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, val.to(ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _swiglu_update(K, V, W1, W2, P1, P2,
                    skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
                    H, N, D, n_chunks,
-                   TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid, chunk = tl.program_id(0), tl.program_id(1)
+                   TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                   PREC: tl.constexpr):
+    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
-    w1 = _load_mat(W1, b * swb + h * swh, offs_d, swr, swc, D)
-    w2 = _load_mat(W2, b * swb + h * swh, offs_d, swr, swc, D)
-    g1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    w1 = _load_mat(W1, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    w2 = _load_mat(W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    g1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    g2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for t in range(TILES):
         offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
+        v = _load_tile(V, b * svb + h * svh, offs_n, offs_c, svn, svd, N, D)
         z1 = tl.dot(k, w1, input_precision=PREC)
         z2 = tl.dot(k, w2, input_precision=PREC)
         s = tl.sigmoid(z2)
@@ -98,81 +112,82 @@ def _swiglu_update(K, V, W1, W2, P1, P2,
         g1 += tl.dot(kt, a1, input_precision=PREC)
         g2 += tl.dot(kt, a2, input_precision=PREC)
     base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, g1, offs_d, D)
-    _store_mat(P2, base, g2, offs_d, D)
+    _store_mat(P1, base, g1, offs_d, offs_c, D)
+    _store_mat(P2, base, g2, offs_d, offs_c, D)
 
 
 @triton.jit
 def _swiglu_apply(Q, W1, W2, O,
                   sqb, sqh, sqn, sqd, sob, soh, son, sod,
                   H, N, D,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid, tile = tl.program_id(0), tl.program_id(1)
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    pid, tile, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w1 = _load_mat(W1, pid * D * D, offs_d, D, 1, D)
-    w2 = _load_mat(W2, pid * D * D, offs_d, D, 1, D)
+    w1 = _load_mat(W1, pid * D * D, offs_d, offs_c, D, 1, D)
+    w2 = _load_mat(W2, pid * D * D, offs_d, offs_c, D, 1, D)
     q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
     y1 = tl.dot(q, w1, input_precision=PREC)
     y2 = tl.dot(q, w2, input_precision=PREC)
-    out = y1 * y2 * tl.sigmoid(y2)
-    m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-    tl.store(O + b * sob + h * soh + offs_n[:, None] * son + offs_d[None, :] * sod, out.to(O.dtype.element_ty), mask=m)
+    _store_tile(O, b * sob + h * soh, y1 * y2 * tl.sigmoid(y2), offs_n, offs_c, son, sod, N, D)
 
 
 @triton.jit
 def _swiglu_apply_bwd(Q, DO, W1, W2, DQ, P1, P2,
-                      sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sgb, sgh, sgn, sgd,
+                      sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sgc, sgb, sgh, sgn, sgd,
                       H, N, D, n_chunks,
-                      TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid, chunk = tl.program_id(0), tl.program_id(1)
+                      TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                      PREC: tl.constexpr):
+    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
-    w1 = _load_mat(W1, pid * D * D, offs_d, D, 1, D)
-    w2 = _load_mat(W2, pid * D * D, offs_d, D, 1, D)
-    dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    w1 = _load_mat(W1, pid * D * D, offs_d, offs_c, D, 1, D)
+    w2 = _load_mat(W2, pid * D * D, offs_d, offs_c, D, 1, D)
+    dw1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for t in range(TILES):
         offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
-        do = _load_tile(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D)
+        do = _load_tile(DO, b * sdb + h * sdh, offs_n, offs_c, sdn, sdd, N, D)
         y1 = tl.dot(q, w1, input_precision=PREC)
         y2 = tl.dot(q, w2, input_precision=PREC)
         s = tl.sigmoid(y2)
         dy1 = do * y2 * s
         dy2 = do * y1 * s * (1.0 + y2 * (1.0 - s))
         dq = tl.dot(dy1, tl.trans(w1), input_precision=PREC) + tl.dot(dy2, tl.trans(w2), input_precision=PREC)
-        m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(DQ + b * sgb + h * sgh + offs_n[:, None] * sgn + offs_d[None, :] * sgd,
-                 dq.to(DQ.dtype.element_ty), mask=m)
+        _store_tile(DQ, cb * sgc + b * sgb + h * sgh, dq, offs_n, offs_d, sgn, sgd, N, D)
         qt = tl.trans(q)
         dw1 += tl.dot(qt, dy1, input_precision=PREC)
         dw2 += tl.dot(qt, dy2, input_precision=PREC)
     base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, dw1, offs_d, D)
-    _store_mat(P2, base, dw2, offs_d, D)
+    _store_mat(P1, base, dw1, offs_d, offs_c, D)
+    _store_mat(P2, base, dw2, offs_d, offs_c, D)
 
 
 @triton.jit
 def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
                        skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
-                       sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+                       sdkc, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                        H, N, D, n_chunks, c,
-                       TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid, chunk = tl.program_id(0), tl.program_id(1)
+                       TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PREC: tl.constexpr):
+    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
-    w1 = _load_mat(W1, b * swb + h * swh, offs_d, swr, swc, D)
-    w2 = _load_mat(W2, b * swb + h * swh, offs_d, swr, swc, D)
-    dg1 = _load_mat(DG1, pid * D * D, offs_d, D, 1, D) * c
-    dg2 = _load_mat(DG2, pid * D * D, offs_d, D, 1, D) * c
-    dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    w1 = _load_mat(W1, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    w2 = _load_mat(W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    dg1 = _load_mat(DG1, pid * D * D, offs_d, offs_c, D, 1, D) * c
+    dg2 = _load_mat(DG2, pid * D * D, offs_d, offs_c, D, 1, D) * c
+    dw1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for t in range(TILES):
         offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
+        v = _load_tile(V, b * svb + h * svh, offs_n, offs_c, svn, svd, N, D)
         z1 = tl.dot(k, w1, input_precision=PREC)
         z2 = tl.dot(k, w2, input_precision=PREC)
         s = tl.sigmoid(z2)
@@ -187,18 +202,14 @@ def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
         dk += tl.dot(v * z1 * dsilu, tl.trans(dg2), input_precision=PREC)
         dk += tl.dot(dz1, tl.trans(w1), input_precision=PREC)
         dk += tl.dot(dz2, tl.trans(w2), input_precision=PREC)
-        dv = da1 * silu + da2 * z1 * dsilu
-        m = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-        tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd,
-                 dk.to(DK.dtype.element_ty), mask=m)
-        tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :] * sdvd,
-                 dv.to(DV.dtype.element_ty), mask=m)
+        _store_tile(DK, cb * sdkc + b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
+        _store_tile(DV, b * sdvb + h * sdvh, da1 * silu + da2 * z1 * dsilu, offs_n, offs_c, sdvn, sdvd, N, D)
         kt = tl.trans(k)
         dw1 += tl.dot(kt, dz1, input_precision=PREC)
         dw2 += tl.dot(kt, dz2, input_precision=PREC)
     base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, dw1, offs_d, D)
-    _store_mat(P2, base, dw2, offs_d, D)
+    _store_mat(P1, base, dw1, offs_d, offs_c, D)
+    _store_mat(P2, base, dw2, offs_d, offs_c, D)
 
 
 def _wstrides(w: torch.Tensor) -> Tuple[int, int, int, int]:
@@ -220,6 +231,24 @@ def _grid_chunks(n: int) -> int:
     return triton.cdiv(n, TILES * BLOCK_N)
 
 
+def _block_c(bd: int) -> int:
+    return bd if bd <= MAX_COLS else min(COL_BLOCK, bd)
+
+
+def _heads_merged(b: int, n: int, h: int, d: int, like: torch.Tensor, col_blocks: int):
+    """(buffer, view): a (B, N, heads, d) buffer seen as (B, heads, N, d); fp32 partials per column block if > 1."""
+    if col_blocks == 1:
+        buf = torch.empty(1, b, n, h, d, device=like.device, dtype=like.dtype)
+    else:
+        buf = torch.empty(col_blocks, b, n, h, d, device=like.device, dtype=torch.float32)
+    return buf, buf.transpose(2, 3)
+
+
+def _merge_col_blocks(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = buf[0] if buf.shape[0] == 1 else buf.sum(0).to(dtype)
+    return out.transpose(1, 2)
+
+
 def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True):
     """Triton forward: (out (B, heads, N, d) in q's dtype, raw inner gradient G (B, heads, d, 2d)).
 
@@ -227,49 +256,52 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     """
     _check(q, k, v, w1, w2)
     b, h, n, d = q.shape
-    if q.is_cuda and d > MAX_D:
-        return R.swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
     bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
+    bc = _block_c(bd)
+    cols = triton.cdiv(d, bc)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
-    _swiglu_update[(b * h, chunks)](k, v, w1, w2, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1), h, n, d, chunks,
-                                    TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    _swiglu_update[(b * h, chunks, cols)](k, v, w1, w2, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1), h, n, d,
+                                          chunks, TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
     g = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d) * (-scale / n)
     wn = torch.cat([w1, w2], dim=-1).float() - (normalize_columns(g) if normalize_grad else g)
     wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
     if wn1.shape[0] != b:
         wn1, wn2 = wn1.expand(b, -1, -1, -1).contiguous(), wn2.expand(b, -1, -1, -1).contiguous()
     out = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # heads-merged layout
-    _swiglu_apply[(b * h, triton.cdiv(n, BLOCK_N))](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
-                                                    BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    _swiglu_apply[(b * h, triton.cdiv(n, BLOCK_N), cols)](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
+                                                          BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
     return out, g.to(compute_dtype(q.dtype))
 
 
 def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
     """Triton backward: (dq, dk, dv, dw1, dw2); recomputes every N x d intermediate from q, k, v and G."""
     b, h, n, d = q.shape
-    if q.is_cuda and d > MAX_D:
-        return R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)
     bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
+    bc = _block_c(bd)
+    cols = triton.cdiv(d, bc)
     g = g.float()
     w = torch.cat([w1, w2], dim=-1).float()
     wn = w - (normalize_columns(g) if normalize_grad else g)
     if wn.shape[0] != b:
         wn = wn.expand(b, -1, -1, -1)
     wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
-    dq = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    dq_buf, dq = _heads_merged(b, n, h, d, q, cols)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
-    _swiglu_apply_bwd[(b * h, chunks)](q, do, wn1, wn2, dq, p1, p2, *q.stride(), *do.stride(), *dq.stride(),
-                                       h, n, d, chunks, TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    _swiglu_apply_bwd[(b * h, chunks, cols)](q, do, wn1, wn2, dq_buf, p1, p2, *q.stride(), *do.stride(),
+                                             dq_buf.stride(0), *dq.stride()[1:], h, n, d, chunks,
+                                             TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
     dwn = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
     dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
     dg1, dg2 = dg[..., :d].contiguous(), dg[..., d:].contiguous()
-    dk = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
-    dv = torch.empty_like(dk)
-    _swiglu_update_bwd[(b * h, chunks)](k, v, w1, w2, dg1, dg2, dk, dv, p1, p2, *k.stride(), *v.stride(),
-                                        *_wstrides(w1), *dk.stride(), *dv.stride(), h, n, d, chunks, -scale / n,
-                                        TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, PREC=prec)
+    dk_buf, dk = _heads_merged(b, n, h, d, q, cols)
+    dv = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    _swiglu_update_bwd[(b * h, chunks, cols)](k, v, w1, w2, dg1, dg2, dk_buf, dv, p1, p2, *k.stride(), *v.stride(),
+                                              *_wstrides(w1), dk_buf.stride(0), *dk.stride()[1:], *dv.stride(),
+                                              h, n, d, chunks, -scale / n,
+                                              TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
+    dq, dk = _merge_col_blocks(dq_buf, q.dtype), _merge_col_blocks(dk_buf, q.dtype)
     dw = dwn + torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
     if w1.shape[0] == 1:
         dw = dw.sum(0, keepdim=True)
