@@ -11,28 +11,39 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["measure", "scaling_table", "format_table"]
+__all__ = ["measure", "scaling_table", "format_table", "rss_kb", "reset_peak", "peak_kb"]
+
+
+def rss_kb() -> int:
+    """Current resident set size of this process (KiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, the peak RSS, to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_kb() -> int:
+    """Peak resident set size (VmHWM) since the last :func:`reset_peak` (KiB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
 
 _CHILD = r"""
-import json, os, resource, statistics, sys, time
+import json, statistics, sys, time
 import torch
 import timm
 import ttt_zoo  # noqa: F401
+from ttt_zoo.benchmark import peak_kb, reset_peak, rss_kb
 name, size, iters, train = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.manual_seed(0)
 kw = dict(dynamic_img_size=True) if name.startswith(("deit", "vit_")) else {}
 model = timm.create_model(name, num_classes=1000, **kw)
 model.train(train)
 x = torch.randn(1, 3, size, size)
-def rss_kb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM, the peak RSS, to the current RSS
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-def peak_kb():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
 def step():
     if train:
         model.zero_grad(set_to_none=True)
