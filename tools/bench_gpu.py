@@ -1,4 +1,4 @@
-"""GPU benchmark: ViT3-T with the Triton kernels vs. the PyTorch paths vs. timm DeiT-T (SDPA), across resolutions.
+"""GPU benchmark: TTT models with the Triton kernels vs. the PyTorch paths vs. timm DeiT-T (SDPA), across resolutions.
 
 Throughput (images/s) and peak memory (``torch.cuda.max_memory_allocated`` above the model+input baseline), for
 the forward (eval, no_grad) and forward+backward (train), under bf16 autocast by default.  The batch shrinks with
@@ -8,6 +8,7 @@ in one process (``torch.cuda.reset_peak_memory_stats`` between them); the table 
 
     python tools/bench_gpu.py                         # 224, 512, 1024, 2048
     python tools/bench_gpu.py --res 224 1024 --amp fp32 --out /tmp/gpu.md
+    python tools/bench_gpu.py --families vit3 hvit3 t5 visionttt     # every family (ViT3 only by default)
 """
 from __future__ import annotations
 
@@ -18,20 +19,21 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [  # label, model, ViT3 backend
-    ("ViT3-T triton", "vit3_tiny", "triton"),
-    ("ViT3-T torch (recompute)", "vit3_tiny", "torch"),
-    ("ViT3-T torch_naive", "vit3_tiny", "torch_naive"),
-    ("DeiT-T (timm SDPA)", "deit_tiny_patch16_224", None),
-]
+FAMILIES = {"vit3": ("ViT3-T", "vit3_tiny"), "hvit3": ("H-ViT3-T", "hvit3_tiny"), "t5": ("T5-T", "t5_tiny"),
+            "visionttt": ("Vittt-T", "visionttt_tiny")}
+BACKENDS = [("triton", "triton"), ("torch (recompute)", "torch"), ("torch_naive", "torch_naive")]
 
 
-def build(name: str, backend):
+def configs(families):
+    rows = [(f"{FAMILIES[f][0]} {label}", FAMILIES[f][1], b) for f in families for label, b in BACKENDS]
+    return rows + [("DeiT-T (timm SDPA)", "deit_tiny_patch16_224", None)]
+
+
+def build(name: str):
     import timm
     import ttt_zoo  # noqa: F401
-    if name.startswith("deit"):
-        return timm.create_model(name, dynamic_img_size=True)
-    return timm.create_model(name, mixer_kwargs=dict(backend=backend))
+    kw = dict(dynamic_img_size=True) if name.startswith("deit") else {}
+    return timm.create_model(name, **kw)
 
 
 def measure(model, x, train: bool, amp, warmup: int, iters: int) -> dict:
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--amp", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--families", nargs="+", default=["vit3"], choices=sorted(FAMILIES))
     ap.add_argument("--out", default=os.path.join(ROOT, "tools", "results", "gpu_bench.md"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -84,8 +87,12 @@ def main() -> None:
     for res in a.res:
         batch = max(1, a.tokens // (res // 16) ** 2)
         x = torch.randn(batch, 3, res, res, device="cuda")
-        for label, name, backend in CONFIGS:
-            model = build(name, backend).cuda()
+        for label, name, backend in configs(a.families):
+            if backend:  # the dispatch reads the backend at every call
+                os.environ["TTT_ZOO_BACKEND"] = backend
+            else:
+                os.environ.pop("TTT_ZOO_BACKEND", None)
+            model = build(name).cuda()
             r = {}
             for mode, train in (("fwd", False), ("fwd+bwd", True)):
                 try:
@@ -101,8 +108,8 @@ def main() -> None:
 
     import timm
     lines = [
-        "# GPU benchmark: ViT3-T (Triton / torch / torch_naive) vs. DeiT-T (timm SDPA)", "",
-        f"`python tools/bench_gpu.py --res {' '.join(map(str, a.res))} --amp {a.amp}`; {torch.cuda.get_device_name()}, "
+        "# GPU benchmark: TTT models (Triton / torch / torch_naive) vs. DeiT-T (timm SDPA)", "",
+        f"`python tools/bench_gpu.py --res {' '.join(map(str, a.res))} --amp {a.amp} --families {' '.join(a.families)}`; {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}, timm {timm.__version__}, autocast {a.amp}; batch = {a.tokens} tokens / "
         f"(res/16)^2; throughput over {a.iters} iterations after {a.warmup} warm-ups; memory = peak allocated above "
         "the model+input baseline.", "",
