@@ -29,7 +29,7 @@ from torch import Tensor
 from .reference import ttt_linear_bidir, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
-           "bidir_inputs", "single_inputs"]
+           "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive"]
 
 
 def _cd(dtype: torch.dtype) -> torch.dtype:
@@ -272,6 +272,8 @@ def bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, 
 
 def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """General-contract inputs of the one-direction scan: w0 (B|1, H, d, d) -> (1, B|1, H, d, d)."""
+    if w0.shape[0] not in (1, q.shape[0]) or b0.shape[0] != w0.shape[0]:
+        raise ValueError(f"w0/b0 need a leading dim of 1 or the batch size {q.shape[0]}, got {tuple(w0.shape)}")
     return q[None], k[None], w0[None], b0[None]
 
 
@@ -295,6 +297,14 @@ def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
     return TTTLinearScan.apply(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
+
+
+def ttt_linear_bidir_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                           rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
+                           ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The reference bidirectional scan (flipped copies, plain autograd); the ``torch_naive`` backend."""
+    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
+                            scan=ttt_linear_reference, return_grad_norm=return_grad_norm)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, mini_batch: int) -> None:
