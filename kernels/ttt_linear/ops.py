@@ -1,8 +1,8 @@
 """The TTT-Linear scan as ``torch.library`` custom ops (``ttt_zoo::ttt_linear_scan_fwd`` / ``_bwd``).
 
 General contract of ``recompute.py`` (``ndir`` = 1 causal, 2 bidirectional with direction 1 reversed).  The ops have
-a PyTorch kernel for every device (the recomputing path), a Triton kernel for CUDA (when Triton imports; float64
-runs the PyTorch kernel), and fake (meta) implementations, so ``torch.compile`` treats them as opaque nodes and
+one kernel for every device: Triton on CUDA (when Triton imports) and on the CPU under ``TRITON_INTERPRET=1``, the
+recomputing PyTorch path otherwise (and for float64), plus fake (meta) implementations, so ``torch.compile`` treats them as opaque nodes and
 meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
@@ -14,6 +14,7 @@ meta-device models build and run.  The forward op is differentiable through ``re
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
 """
 import importlib.util
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -33,19 +34,15 @@ def _t():
 
 
 def _triton_ok(q: Tensor) -> bool:
-    return HAS_TRITON and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    """CUDA, or CPU under ``TRITON_INTERPRET=1`` (how the tests run the kernels); float64 stays on PyTorch."""
+    on_device = q.device.type == "cuda" or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return HAS_TRITON and on_device and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
                 save_states: bool) -> Tuple[Tensor, Tensor]:
-    out, st = R.scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
-    return out.contiguous(), st.contiguous()
-
-
-@scan_fwd_op.register_kernel("cuda")
-def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states):
     impl = _t().scan_fwd_triton if _triton_ok(q) else R.scan_fwd
     out, st = impl(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
     return out.contiguous(), st.contiguous()
@@ -64,12 +61,6 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
                 eps: float) -> List[Tensor]:
-    grads = R.scan_bwd(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
-    return [g.contiguous() for g in grads]
-
-
-@scan_bwd_op.register_kernel("cuda")
-def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps):
     impl = _t().scan_bwd_triton if _triton_ok(q) else R.scan_bwd
     grads = impl(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     return [g.contiguous() for g in grads]
