@@ -53,7 +53,8 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
     _, bsz, h, n, d = q.shape
     cd = q.dtype if q.dtype == torch.float64 else torch.float32
     n_mb = -(-n // mini_batch)
-    st = q.new_empty(ndir * bsz, h, n_mb, d + 1, d, dtype=cd) if save_states else q.new_empty(0, dtype=cd)
+    n_ck = -(-n_mb // R.ckpt_every(n_mb))
+    st = q.new_empty(ndir * bsz, h, n_ck, d + 1, d, dtype=cd) if save_states else q.new_empty(0, dtype=cd)
     return q.new_empty(bsz, h, n, d), st
 
 

@@ -1,8 +1,9 @@
 """Lean PyTorch path of the TTT-Linear scan: analytic backward that recomputes instead of storing.
 
-Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) of every mini-batch (fp32,
-``(N / mini_batch) x (d + 1) x d`` per sequence); the backward walks the mini-batches in reverse, recomputes
-z, the inner gradient G and the dual-form output from that state, and carries (dW, db) backwards.
+Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every ``ceil(sqrt(N / mini_batch))``-th
+mini-batch, fp32 or float64); the backward walks the segments in reverse, recomputes the states inside a segment
+from its checkpoint, then walks its mini-batches in reverse, recomputing z, the inner gradient G and the dual-form
+output from the state, and carries (dW, db) backwards.
 
 One mini-batch (c tokens, incoming state W, b; eta = tril(tau_i lr_j); e_j = tau_{c-1} lr_j):
     Z = K W + b,  G = lnl2(Z, T) (T = V - K, or G = Z - V without the LayerNorm)
@@ -19,8 +20,11 @@ directions; direction 1 scans the sequence reversed):
     q, k: (R, B, H, N, d) with R = 1 (same for both directions) or ndir;  v: (B, H, N, d);  lr: (B, H, N)
     tau: (mini_batch,);  w0: (Rw, Bw, H, d, d), b0: (Rw, Bw, H, 1, d) with Rw in {1, ndir}, Bw in {1, B}
     ln_w, ln_b: (H, d)
-    fwd -> out (B, H, N, d) (the directions summed, original token order), states (ndir B, H, n_mb, d + 1, d)
+    fwd -> out (B, H, N, d) (the directions summed, original token order), states (ndir B, H, n_ck, d + 1, d):
+        the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
+        (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
 """
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -29,7 +33,7 @@ from torch import Tensor
 from .reference import ttt_linear_bidir, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
-           "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive"]
+           "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
 
 
 def _cd(dtype: torch.dtype) -> torch.dtype:
@@ -68,6 +72,11 @@ def _state0(w0: Tensor, b0: Tensor, ndir: int, bsz: int, cd: torch.dtype) -> Tup
     return w.to(cd), b.to(cd)
 
 
+def ckpt_every(n_mb: int) -> int:
+    """Mini-batches per saved state: ceil(sqrt(n_mb)), so saved + recomputed states are ~2 sqrt(N / b)."""
+    return max(1, math.ceil(math.sqrt(n_mb)))
+
+
 def _chunks(n: int, mb: int) -> List[Tuple[int, int]]:
     return [(s, min(s + mb, n)) for s in range(0, n, mb)]
 
@@ -92,10 +101,11 @@ def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tenso
     lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
     w, b = _state0(w0, b0, ndir, bsz, cd)
     outs, states = [], []
-    for s, e in _chunks(n, mini_batch):
+    ck = ckpt_every(-(-n // mini_batch))
+    for i, (s, e) in enumerate(_chunks(n, mini_batch)):
         c = e - s
         kc, qc, lc = ks[:, :, s:e], qs[:, :, s:e], lrs[:, :, s:e]
-        if save_states:
+        if save_states and i % ck == 0:
             states.append(torch.cat([w, b], 2))
         g = _inner_grad(kc @ w + b, ts[:, :, s:e], lnw, lnb, ln_residual, eps)
         eta = torch.tril(tau[:c, None] * lc[:, :, None, :])
@@ -145,10 +155,23 @@ def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tenso
     dw = torch.zeros(qs.shape[0], h, d, d, dtype=cd, device=q.device)
     db = torch.zeros(qs.shape[0], h, 1, d, dtype=cd, device=q.device)
     chunks = _chunks(n, mini_batch)
+    ck = ckpt_every(len(chunks))
+    seg_states: List[Tuple[Tensor, Tensor]] = []
     for i in range(len(chunks) - 1, -1, -1):
         s, e = chunks[i]
         c = e - s
-        w, b = states[:, :, i, :d], states[:, :, i, d:]
+        if not seg_states:  # entering a segment from its end: recompute its states from the checkpoint
+            lo = i // ck * ck
+            w, b = states[:, :, i // ck, :d], states[:, :, i // ck, d:]
+            for j in range(lo, i + 1):
+                seg_states.append((w, b))
+                if j < i:
+                    sj, ej = chunks[j]
+                    g = _inner_grad(ks[:, :, sj:ej] @ w + b, ts[:, :, sj:ej], lnw, lnb, ln_residual, eps)
+                    step = (tau_c[ej - sj - 1] * lrs[:, :, sj:ej])[..., None] * g
+                    w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
+                    b = b - step.sum(-2, keepdim=True)
+        w, b = seg_states.pop()
         kc, qc, tc, lc, doc = ks[:, :, s:e], qs[:, :, s:e], ts[:, :, s:e], lrs[:, :, s:e], dos[:, :, s:e]
         tu = tau_c[:c]
         # recompute the mini-batch's forward
@@ -279,8 +302,11 @@ def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor,
 
 def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                      eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal scan, same signature as :func:`ttt_linear_reference`; the grad-norm map runs the reference."""
-    if return_grad_norm:
+    """Causal scan, same signature as :func:`ttt_linear_reference`.
+
+    Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
+    """
+    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
         return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = single_inputs(q, k, w0, b0)
@@ -290,10 +316,13 @@ def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16,
 def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                            rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
                            ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Bidirectional scan (both directions in one batched pass), same signature as the reference's."""
-    if return_grad_norm:
+    """Bidirectional scan (both directions in one batched pass), same signature as the reference's.
+
+    Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
+    """
+    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
         return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
-                                return_grad_norm=True)
+                                return_grad_norm=return_grad_norm)
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
     return TTTLinearScan.apply(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
@@ -305,6 +334,10 @@ def ttt_linear_bidir_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
     """The reference bidirectional scan (flipped copies, plain autograd); the ``torch_naive`` backend."""
     return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
                             scan=ttt_linear_reference, return_grad_norm=return_grad_norm)
+
+
+def _needs_grad(*ts: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, mini_batch: int) -> None:

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .recompute import ckpt_every
+
 __all__ = ["scan_fwd_triton", "scan_bwd_triton"]
 
 
@@ -63,9 +65,39 @@ def _load_rows(ptr, t, offs_d, m2, D):
 
 
 @triton.jit
+def _rows(r, s, N, MB, offs_c, dmask):
+    """Scan positions s.. of one mini-batch -> token indices (reversed for direction 1) and masks."""
+    c = tl.minimum(MB, N - s)
+    p = s + offs_c
+    rmask = offs_c < c
+    t = tl.where(r == 0, p, N - 1 - p)
+    t = tl.where(rmask, t, 0)
+    return t, c, rmask, rmask[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v), z = k W + b; rows / columns outside m2 are 0."""
+    z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+    if LN_RES:
+        xh, rstd = _ln_stats(z, dmask, D, eps)
+        gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
+        g = _ln_op(gx, xh, rstd, dmask, D)
+    else:
+        g = z - v
+    return tl.where(m2, g, 0.0)
+
+
+@triton.jit
+def _store_state(ptr, w, bias, offs_d, wmask, dmask, D):
+    tl.store(ptr + offs_d[:, None] * D + offs_d[None, :], w, mask=wmask)
+    tl.store(ptr + D * D + offs_d, bias, mask=dmask)
+
+
+@triton.jit
 def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
               sqr, skr, swr, swb, sbr, sbb,
-              B, H, N, D, n_mb, eps,
+              B, H, N, D, n_mb, CK, n_ck, eps,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
     pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -86,13 +118,7 @@ def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
     vb = V + row * D
     ob = O + (seq * N) * D
     for m in range(n_mb):
-        s = m * MB
-        c = tl.minimum(MB, N - s)
-        p = s + offs_c
-        rmask = offs_c < c
-        t = tl.where(r == 0, p, N - 1 - p)
-        t = tl.where(rmask, t, 0)
-        m2 = rmask[:, None] & dmask[None, :]
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
         k = _load_rows(kb, t, offs_d, m2, D)
         q = _load_rows(qb, t, offs_d, m2, D)
         v = _load_rows(vb, t, offs_d, m2, D)
@@ -100,17 +126,9 @@ def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
         tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
         tau_last = tl.load(TAU + c - 1).to(tl.float32)
         if SAVE:
-            sb = ST + (seq * n_mb + m) * (D + 1) * D
-            tl.store(sb + offs_d[:, None] * D + offs_d[None, :], w, mask=wmask)
-            tl.store(sb + D * D + offs_d, bias, mask=dmask)
-        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-        if LN_RES:
-            xh, rstd = _ln_stats(z, dmask, D, eps)
-            gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
-            g = _ln_op(gx, xh, rstd, dmask, D)
-        else:
-            g = z - v
-        g = tl.where(m2, g, 0.0)
+            if m % CK == 0:
+                _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
         a = eta * (tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0)
@@ -127,10 +145,10 @@ def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
 
 
 @triton.jit
-def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST,
+def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
               DQ, DK, DV, DLR, DTAU, DW0, DB0, DLNW, DLNB,
               sqr, skr,
-              B, H, N, D, n_mb, eps,
+              B, H, N, D, n_mb, CK, n_ck, eps,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, PREC: tl.constexpr):
     pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -153,89 +171,105 @@ def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST,
     dlnw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dlnb = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dtau = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for mm in range(n_mb):
-        m = n_mb - 1 - mm
-        s = m * MB
-        c = tl.minimum(MB, N - s)
-        p = s + offs_c
-        rmask = offs_c < c
-        t = tl.where(r == 0, p, N - 1 - p)
-        t = tl.where(rmask, t, 0)
-        m2 = rmask[:, None] & dmask[None, :]
-        sb = ST + (seq * n_mb + m) * (D + 1) * D
-        w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
-        bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
-        k = _load_rows(kb, t, offs_d, m2, D)
-        q = _load_rows(qb, t, offs_d, m2, D)
-        v = _load_rows(vb, t, offs_d, m2, D)
-        do = _load_rows(dob, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
-        # recompute the mini-batch's forward
-        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-        if LN_RES:
-            xh, rstd = _ln_stats(z, dmask, D, eps)
-            y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
-            gx = y * lnw[None, :]
-            g = _ln_op(gx, xh, rstd, dmask, D)
-        else:
-            g = z - v
-        g = tl.where(m2, g, 0.0)
-        tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
-        eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
-        sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
-        a = eta * sqk
-        el = tau_last * lr
-        # output LayerNorm + residual, then the dual-form output
-        if LN_RES:
-            zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
-            xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
-            dlnw += tl.sum(do * xh2, 0)
-            dlnb += tl.sum(do, 0)
-            dzb = _ln_op(do * lnw[None, :], xh2, rstd2, dmask, D)
-            dq = do + tl.dot(dzb, tl.trans(w), input_precision=PREC)
-        else:
-            dzb = do
-            dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
-        dzb = tl.where(m2, dzb, 0.0)
-        da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
-        deta = da * sqk
-        dsq = da * eta
-        dq += tl.dot(dsq, k, input_precision=PREC)
-        dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
-        dg = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
-        # the state update, with (dw, db) the gradient of the outgoing state
-        pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
-        dg -= el[:, None] * pk
-        dg = tl.where(m2, dg, 0.0)
-        de = -tl.sum(pk * g, 1)
-        dk -= tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
-        dlr = tl.sum(deta * tau[:, None], 0) + de * tau_last
-        dtau += tl.sum(deta * lr[None, :], 1) + tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
-        # the inner gradient G(z, v - k)
-        if LN_RES:
-            dgx = _ln_op(dg, xh, rstd, dmask, D)
-            dy = dgx * lnw[None, :]
-            dlnw += tl.sum(dgx * y + dy * xh, 0)
-            dlnb += tl.sum(dy, 0)
-            mgx = tl.sum(gx * xh, 1) / D
-            dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
-            dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
-            dz = tl.where(m2, dz, 0.0)
-            dv = -dy
-            dk += dy
-        else:
-            dz = dg
-            dv = -dg
-        dk += tl.dot(dz, tl.trans(w), input_precision=PREC)
-        o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        tl.store(DQ + o2, dq, mask=m2)
-        tl.store(DK + o2, dk, mask=m2)
-        tl.store(DV + o2, dv, mask=m2)
-        tl.store(DLR + gb + t, dlr, mask=rmask)
-        dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
-        db += tl.sum(dzb, 0) + tl.sum(dz, 0)
+    scr = SCR + seq * CK * (D + 1) * D
+    for ss in range(n_ck):
+        sg = n_ck - 1 - ss
+        lo = sg * CK
+        hi = tl.minimum(n_mb, lo + CK)
+        # recompute the incoming states of the segment's mini-batches from its checkpoint into the scratch buffer
+        cb = ST + (seq * n_ck + sg) * (D + 1) * D
+        w = tl.load(cb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
+        bias = tl.load(cb + D * D + offs_d, mask=dmask, other=0.0)
+        for m in range(lo, hi):
+            _store_state(scr + (m - lo) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+            k = _load_rows(kb, t, offs_d, m2, D)
+            v = _load_rows(vb, t, offs_d, m2, D)
+            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+            tau_last = tl.load(TAU + c - 1).to(tl.float32)
+            g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
+            step = (tau_last * lr)[:, None] * g
+            w -= tl.dot(tl.trans(k), step, input_precision=PREC)
+            bias -= tl.sum(step, 0)
+        tl.debug_barrier()  # the scratch states are written and read by different threads
+        for mm in range(lo, hi):
+            m = hi - 1 - (mm - lo)
+            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+            sb = scr + (m - lo) * (D + 1) * D
+            w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
+            bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
+            k = _load_rows(kb, t, offs_d, m2, D)
+            q = _load_rows(qb, t, offs_d, m2, D)
+            v = _load_rows(vb, t, offs_d, m2, D)
+            do = _load_rows(dob, t, offs_d, m2, D)
+            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+            tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
+            tau_last = tl.load(TAU + c - 1).to(tl.float32)
+            # recompute the mini-batch's forward
+            z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+            if LN_RES:
+                xh, rstd = _ln_stats(z, dmask, D, eps)
+                y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
+                gx = y * lnw[None, :]
+                g = _ln_op(gx, xh, rstd, dmask, D)
+            else:
+                g = z - v
+            g = tl.where(m2, g, 0.0)
+            tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
+            eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
+            sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
+            a = eta * sqk
+            el = tau_last * lr
+            # output LayerNorm + residual, then the dual-form output
+            if LN_RES:
+                zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+                xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
+                dlnw += tl.sum(do * xh2, 0)
+                dlnb += tl.sum(do, 0)
+                dzb = _ln_op(do * lnw[None, :], xh2, rstd2, dmask, D)
+                dq = do + tl.dot(dzb, tl.trans(w), input_precision=PREC)
+            else:
+                dzb = do
+                dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
+            dzb = tl.where(m2, dzb, 0.0)
+            da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
+            deta = da * sqk
+            dsq = da * eta
+            dq += tl.dot(dsq, k, input_precision=PREC)
+            dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
+            dg = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
+            # the state update, with (dw, db) the gradient of the outgoing state
+            pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
+            dg -= el[:, None] * pk
+            dg = tl.where(m2, dg, 0.0)
+            de = -tl.sum(pk * g, 1)
+            dk -= tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
+            dlr = tl.sum(deta * tau[:, None], 0) + de * tau_last
+            dtau += tl.sum(deta * lr[None, :], 1) + tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
+            # the inner gradient G(z, v - k)
+            if LN_RES:
+                dgx = _ln_op(dg, xh, rstd, dmask, D)
+                dy = dgx * lnw[None, :]
+                dlnw += tl.sum(dgx * y + dy * xh, 0)
+                dlnb += tl.sum(dy, 0)
+                mgx = tl.sum(gx * xh, 1) / D
+                dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
+                dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
+                dz = tl.where(m2, dz, 0.0)
+                dv = -dy
+                dk += dy
+            else:
+                dz = dg
+                dv = -dg
+            dk += tl.dot(dz, tl.trans(w), input_precision=PREC)
+            o2 = (gb + t[:, None]) * D + offs_d[None, :]
+            tl.store(DQ + o2, dq, mask=m2)
+            tl.store(DK + o2, dk, mask=m2)
+            tl.store(DV + o2, dv, mask=m2)
+            tl.store(DLR + gb + t, dlr, mask=rmask)
+            dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
+            db += tl.sum(dzb, 0) + tl.sum(dz, 0)
+        tl.debug_barrier()  # the next segment overwrites the scratch buffer
     tl.store(DW0 + seq * D * D + offs_d[:, None] * D + offs_d[None, :], dw, mask=wmask)
     tl.store(DB0 + seq * D + offs_d, db, mask=dmask)
     tl.store(DLNW + seq * D + offs_d, dlnw, mask=dmask)
@@ -268,14 +302,16 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     tau, w0, b0 = tau.contiguous(), w0.contiguous(), b0.contiguous()
     ln_w, ln_b = ln_w.contiguous(), ln_b.contiguous()
     n_mb = triton.cdiv(n, mini_batch)
+    ck = ckpt_every(n_mb)
+    n_ck = triton.cdiv(n_mb, ck)
     out = torch.empty(ndir, bsz, h, n, d, device=q.device, dtype=torch.float32)
-    st = (torch.empty(ndir * bsz, h, n_mb, d + 1, d, device=q.device, dtype=torch.float32) if save_states
+    st = (torch.empty(ndir * bsz, h, n_ck, d + 1, d, device=q.device, dtype=torch.float32) if save_states
           else torch.empty(0, device=q.device, dtype=torch.float32))
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     _scan_fwd[(ndir * bsz, h)](
         q, k, v, lr, tau, w0, b0, ln_w, ln_b, out, st,
         _bstride(q, 0), _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
-        bsz, h, n, d, n_mb, eps,
+        bsz, h, n, d, n_mb, ck, n_ck, eps,
         MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, SAVE=save_states,
         PREC=_prec(q.dtype), num_warps=warps)
     return out.sum(0).to(q.dtype), st
@@ -300,7 +336,12 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     q, k, v, lr, do = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous(), do.contiguous()
     tau, ln_w, ln_b, states = tau.contiguous(), ln_w.contiguous(), ln_b.contiguous(), states.contiguous()
     n_mb = triton.cdiv(n, mini_batch)
+    ck = ckpt_every(n_mb)
+    n_ck = triton.cdiv(n_mb, ck)
+    if states.shape[2] != n_ck:
+        raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
     f32 = dict(device=q.device, dtype=torch.float32)
+    scratch = torch.empty(ndir * bsz * h, ck, d + 1, d, **f32)
     dq, dk, dv = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(3)]
     dlr = torch.empty(ndir, bsz, h, n, **f32)
     seqs = ndir * bsz * h
@@ -309,10 +350,10 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     db0, dlnw, dlnb = [torch.empty(seqs, d, **f32) for _ in range(3)]
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     _scan_bwd[(ndir * bsz, h)](
-        q, k, v, lr, tau, ln_w, ln_b, do, states,
+        q, k, v, lr, tau, ln_w, ln_b, do, states, scratch,
         dq, dk, dv, dlr, dtau, dw0, db0, dlnw, dlnb,
         _bstride(q, 0), _bstride(k, 0),
-        bsz, h, n, d, n_mb, eps,
+        bsz, h, n, d, n_mb, ck, n_ck, eps,
         MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
         num_warps=warps)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
