@@ -10,16 +10,22 @@ are stored in float32 buffers (summed over the directions in PyTorch) and cast t
 Forward kernel ``_scan_fwd`` (fused per mini-batch, nothing but the output leaves the chip): z = k W + b, the
     closed-form gradient of the LayerNorm-L2 loss G, eta = tril(tau_i lr_j), A = eta (q k^T + 1),
     zb = q W + b - A G, the output LayerNorm + residual, the state update W -= k^T (e G), b -= sum e G.
-    With ``save_states`` (training) it writes the incoming (W, b) of every mini-batch, fp32.
-Backward kernel ``_scan_bwd``: walks the mini-batches in reverse with (dW, db) of the outgoing state in registers;
-    it reloads the mini-batch's incoming state and RECOMPUTES z, G, the LayerNorm statistics, A and zb, then forms
-    dq, dk, dv, dlr of the mini-batch and the per-sequence partial sums of dtau, dln_w, dln_b; dW0, db0 are the
-    carried (dW, db) at the end.  Nothing of size N x d x d and no per-token weight is formed.
-Memory per (batch, head) and direction (d = head dim, D = d padded to a power of two >= 16, b = mini_batch):
-    forward at inference: registers only (W, b, and b x D tiles);  saved for backward: the inputs plus the
-    per-mini-batch states, (N / b) x (d + 1) x d fp32 (every mini-batch is a checkpoint: 16x less than the
-    per-token weights, e.g. N = 4096, d = 64, b = 16: 4.2 MB);  backward: dq, dk, dv as fp32 N x d per direction,
-    d^2 + 4 d + b fp32 partials.
+    With ``save_states`` (training) it writes the incoming (W, b) of every ck-th mini-batch (coarse checkpoints,
+    ck = ceil(sqrt(N / b)), fp32).
+Backward kernel ``_scan_bwd``: walks the checkpoint segments in reverse with (dW, db) of the outgoing state in
+    registers.  Per segment it first RECOMPUTES the state recursion (z, G, update) from the checkpoint, writing the
+    ck incoming states to a per-program scratch buffer, then walks the segment's mini-batches in reverse, reloads
+    each incoming state and RECOMPUTES z, G, the LayerNorm statistics, A and zb, and forms dq, dk, dv, dlr of the
+    mini-batch plus per-sequence partial sums of dtau, dln_w, dln_b; dW0, db0 are the carried (dW, db) at the end.
+    Nothing of size N x d x d and no per-token weight is formed; the backward costs about 1.5 forward recursions
+    more than the forward.
+Memory per (batch, head) and direction (d = head dim, D = d padded to a power of two >= 16, b = mini_batch,
+n_mb = ceil(N / b), ck = ceil(sqrt(n_mb))):
+    forward at inference: registers only (W, b, and b x D tiles), the fp32 N x d output;
+    saved for backward: the inputs plus ceil(n_mb / ck) states of (d + 1) x d fp32;
+    backward: a scratch of ck states, dq, dk, dv as fp32 N x d per direction, d^2 + 4 d + b fp32 partials.
+    E.g. d = 64, b = 16, N = 4096: 16 saved + 16 scratch states = 0.53 MB (every mini-batch: 4.3 MB; per-token
+    weights: 67 MB); N = 16384: 32 + 32 states = 1.06 MB.
 In-chunk RoPE is applied in PyTorch before the kernels (``recompute.bidir_inputs``: one rotated copy of q, k per
 direction, in original token order).
 """
