@@ -25,7 +25,7 @@ from .reference import ttt_linear_reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-__all__ = ["HAS_TRITON", "scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
+__all__ = ["HAS_TRITON", "MAX_D", "scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
 
 def _t():
@@ -33,10 +33,18 @@ def _t():
     return T
 
 
+MAX_D = 64  # on a GPU, head dims above this run the PyTorch path (two 128-padded d x d fp32 states per program
+#             would spill registers; the ViT3 kernels' 128-padded variant did not compile in 150 s on an H100)
+
+
 def _triton_ok(q: Tensor) -> bool:
-    """CUDA, or CPU under ``TRITON_INTERPRET=1`` (how the tests run the kernels); float64 stays on PyTorch."""
-    on_device = q.device.type == "cuda" or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return HAS_TRITON and on_device and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    """CUDA (head dim <= MAX_D), or CPU under ``TRITON_INTERPRET=1`` (how the tests run the kernels, any head dim);
+    float64 stays on PyTorch."""
+    if not HAS_TRITON or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if q.device.type == "cuda":
+        return q.shape[-1] <= MAX_D
+    return q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
