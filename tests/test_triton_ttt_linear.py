@@ -17,6 +17,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from ttt_zoo.kernels import ttt_linear, ttt_linear_bidir  # noqa: E402
+from ttt_zoo.kernels.ttt_linear import ops  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import triton as T  # noqa: E402
 from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_bidir as reference_bidir  # noqa: E402
 from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_reference  # noqa: E402
@@ -31,6 +32,7 @@ NAMES = ("q", "k", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b")
 @pytest.fixture(autouse=True)
 def count_launches(monkeypatch):
     """Make sure the Triton kernels (not the PyTorch fallback) really ran."""
+    monkeypatch.setattr(ops, "MAX_D", 128)  # on a GPU, also run the d = 72 case through the kernels
     calls = {"fwd": 0, "bwd": 0}
     fwd, bwd = T.scan_fwd_triton, T.scan_bwd_triton
 
