@@ -161,3 +161,13 @@ def test_float64_falls_back_to_pytorch(count_launches):
     out = ttt_linear_bidir(*x, mini_batch=4, backend="triton")[0]
     torch.testing.assert_close(out, reference_bidir(*x, 4)[0])
     assert count_launches["fwd"] == 0
+
+
+def test_inference_saves_no_states(count_launches):
+    x = [t.to(DEV) for t in make_inputs(2, 1, 19, 16, 8, 2)]
+    with torch.no_grad():
+        out = ttt_linear_bidir(*x, mini_batch=8, backend="triton")[0]
+    torch.testing.assert_close(out, reference_bidir(*x, 8)[0], **TOL[torch.float32])
+    q2, k2, w2, b2 = ops.R.bidir_inputs(x[0], x[1], x[5], x[6], 8, 10000.0)
+    _, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q2, k2, *x[2:5], w2, b2, *x[7:], 2, 8, True, 1e-6, False)
+    assert st.numel() == 0 and count_launches["fwd"] == 2 and count_launches["bwd"] == 0
