@@ -101,22 +101,39 @@ def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tenso
     lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
     w, b = _state0(w0, b0, ndir, bsz, cd)
     outs, states = [], []
-    ck = ckpt_every(-(-n // mini_batch))
-    for i, (s, e) in enumerate(_chunks(n, mini_batch)):
-        c = e - s
-        kc, qc, lc = ks[:, :, s:e], qs[:, :, s:e], lrs[:, :, s:e]
-        if save_states and i % ck == 0:
+    n_mb = -(-n // mini_batch)
+    ck = ckpt_every(n_mb)
+    for lo in range(0, n_mb, ck):
+        hi = min(n_mb, lo + ck)
+        if save_states:
             states.append(torch.cat([w, b], 2))
-        g = _inner_grad(kc @ w + b, ts[:, :, s:e], lnw, lnb, ln_residual, eps)
-        eta = torch.tril(tau[:c, None] * lc[:, :, None, :])
-        zb = qc @ w + b - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ g
-        if ln_residual:
-            xh, _ = _ln(zb, eps)
-            zb = qc + xh * lnw + lnb
-        outs.append(zb)
-        step = (tau[c - 1] * lc)[..., None] * g
-        w = w - kc.transpose(-1, -2) @ step
-        b = b - step.sum(-2, keepdim=True)
+        # the state recursion runs mini-batch by mini-batch; the outputs of a segment are formed batched afterwards
+        ws, bs, gs = [], [], []
+        for s, e in _chunks(n, mini_batch)[lo:hi]:
+            kc, lc = ks[:, :, s:e], lrs[:, :, s:e]
+            g = _inner_grad(kc @ w + b, ts[:, :, s:e], lnw, lnb, ln_residual, eps)
+            ws.append(w)
+            bs.append(b)
+            gs.append(g)
+            step = (tau[e - s - 1] * lc)[..., None] * g
+            w = w - kc.transpose(-1, -2) @ step
+            b = b - step.sum(-2, keepdim=True)
+        full = min(hi, n // mini_batch)
+        for g0, g1 in ((lo, full), (max(lo, full), hi)):  # full mini-batches, then a shorter last one
+            if g1 <= g0:
+                continue
+            s0, s1, nc = g0 * mini_batch, min(g1 * mini_batch, n), g1 - g0
+            c = (s1 - s0) // nc
+            qc = qs[:, :, s0:s1].reshape(-1, h, nc, c, d)
+            kc = ks[:, :, s0:s1].reshape(-1, h, nc, c, d)
+            lc = lrs[:, :, s0:s1].reshape(-1, h, nc, 1, c)
+            wg, bg, gg = [torch.stack(x[g0 - lo:g1 - lo], 2) for x in (ws, bs, gs)]
+            eta = torch.tril(tau[:c, None] * lc)
+            zb = qc @ wg + bg - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ gg
+            if ln_residual:
+                xh, _ = _ln(zb, eps)
+                zb = qc + xh * lnw[:, :, None] + lnb[:, :, None]
+            outs.append(zb.reshape(-1, h, s1 - s0, d))
     out = sum(_unseq(torch.cat(outs, 2), ndir)).to(q.dtype)
     st = torch.stack(states, 2) if save_states else q.new_empty(0, dtype=cd)
     return out, st
@@ -130,6 +147,96 @@ def _reduce_w(dw: Tensor, like: Tensor, ndir: int) -> Tensor:
     if like.shape[1] == 1:
         dw = dw.sum(1, keepdim=True)
     return dw
+
+
+def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tensor, db: Tensor, qs: Tensor,
+               ks: Tensor, ts: Tensor, lrs: Tensor, dos: Tensor, tau: Tensor, lnw: Tensor, lnb: Tensor,
+               ln_residual: bool, eps: float, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor]:
+    """Backward of mini-batches g0..g1-1 (all of one size c) from their incoming states w (S, H, nc, d, d), b.
+
+    Everything outside the (dW, db) recursion is batched over the group's mini-batches; only the terms that read
+    the outgoing state's gradient run one mini-batch at a time, latest first.  Writes into / accumulates on
+    ``grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)``; returns the incoming state's (dW, db) of mini-batch g0.
+    """
+    dq, dk, dv, dlr, dtau, dlnw, dlnb = grads
+    sq, h, _, d = qs.shape
+    s0, s1 = g0 * mb, min(g1 * mb, n)
+    nc = g1 - g0
+    c = (s1 - s0) // nc
+
+    def chunked(x: Tensor) -> Tensor:
+        return x[:, :, s0:s1].reshape(sq, h, nc, c, *x.shape[3:])
+    kc, qc, tc, doc, lc = chunked(ks), chunked(qs), chunked(ts), chunked(dos), chunked(lrs)
+    lnw5, lnb5 = lnw[:, :, None], lnb[:, :, None]
+    tu = tau[:c]
+    # recompute the group's forward
+    z = kc @ w + b
+    if ln_residual:
+        xh, std = _ln(z, eps)
+        y = lnw5 * xh + lnb5 - tc
+        gx = y * lnw5
+        g = _ln_bwd(gx, xh, std)
+        mgx = (gx * xh).mean(-1, keepdim=True)
+    else:
+        g = z - tc
+    eta = torch.tril(tu[:, None] * lc[..., None, :])
+    sqk = qc @ kc.transpose(-1, -2) + 1.0
+    a = eta * sqk
+    el = tu[c - 1] * lc
+    # output LayerNorm + residual and the dual-form output
+    if ln_residual:
+        xh2, std2 = _ln(qc @ w + b - a @ g, eps)
+        dlnw += (doc * xh2).sum((0, 2, 3))
+        dlnb += doc.sum((0, 2, 3))
+        dzb = _ln_bwd(doc * lnw5, xh2, std2)
+        dqc = doc + dzb @ w.transpose(-1, -2)
+    else:
+        dzb = doc
+        dqc = dzb @ w.transpose(-1, -2)
+    da = torch.tril(-dzb @ g.transpose(-1, -2))
+    deta = da * sqk
+    dsq = da * eta
+    dqc = dqc + dsq @ kc
+    dkc = dsq.transpose(-1, -2) @ qc
+    dga = -a.transpose(-1, -2) @ dzb
+    dwa = qc.transpose(-1, -2) @ dzb
+    dba = dzb.sum(-2, keepdim=True)
+    # the (dW, db) recursion through the state updates, latest mini-batch first
+    dg, dz, de, dw_out = torch.empty_like(g), torch.empty_like(g), torch.empty_like(lc), torch.empty_like(w)
+    for i in range(nc - 1, -1, -1):
+        ki, gi = kc[:, :, i], g[:, :, i]
+        p = ki @ dw + db
+        dgi = dga[:, :, i] - el[:, :, i, :, None] * p
+        de[:, :, i] = -(p * gi).sum(-1)
+        dg[:, :, i] = dgi
+        dw_out[:, :, i] = dw
+        if ln_residual:
+            xi, si = xh[:, :, i], std[:, :, i]
+            dy = _ln_bwd(dgi, xi, si) * lnw
+            dxh = dy * lnw - (mgx[:, :, i] * dgi + gx[:, :, i] * (dgi * xi).mean(-1, keepdim=True)) / si
+            dzi = _ln_bwd(dxh, xi, si) - (dgi * gi).sum(-1, keepdim=True) * xi / (d * si)
+        else:
+            dzi = dgi
+        dz[:, :, i] = dzi
+        dw = dw + dwa[:, :, i] + ki.transpose(-1, -2) @ dzi
+        db = db + dba[:, :, i] + dzi.sum(-2, keepdim=True)
+    dkc = dkc - (el[..., None] * g) @ dw_out.transpose(-1, -2) + dz @ w.transpose(-1, -2)
+    if ln_residual:
+        dgx = _ln_bwd(dg, xh, std)
+        dy = dgx * lnw5
+        dlnw += (dgx * y + dy * xh).sum((0, 2, 3))
+        dlnb += dy.sum((0, 2, 3))
+        dt = -dy
+        dkc = dkc + dy
+    else:
+        dt = -dg
+    dlr[:, :, s0:s1] = ((deta * tu[:, None]).sum(-2) + de * tu[c - 1]).reshape(sq, h, s1 - s0)
+    dtau[:c] += (deta * lc[..., None, :]).sum((0, 1, 2, 4))
+    dtau[c - 1] += (de * lc).sum()
+    dq[:, :, s0:s1] = dqc.reshape(sq, h, s1 - s0, d)
+    dk[:, :, s0:s1] = dkc.reshape(sq, h, s1 - s0, d)
+    dv[:, :, s0:s1] = dt.reshape(sq, h, s1 - s0, d)
+    return dw, db
 
 
 def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
@@ -154,84 +261,34 @@ def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tenso
     dlnb = torch.zeros_like(dlnw)
     dw = torch.zeros(qs.shape[0], h, d, d, dtype=cd, device=q.device)
     db = torch.zeros(qs.shape[0], h, 1, d, dtype=cd, device=q.device)
-    chunks = _chunks(n, mini_batch)
-    ck = ckpt_every(len(chunks))
-    seg_states: List[Tuple[Tensor, Tensor]] = []
-    for i in range(len(chunks) - 1, -1, -1):
-        s, e = chunks[i]
-        c = e - s
-        if not seg_states:  # entering a segment from its end: recompute its states from the checkpoint
-            lo = i // ck * ck
-            w, b = states[:, :, i // ck, :d], states[:, :, i // ck, d:]
-            for j in range(lo, i + 1):
-                seg_states.append((w, b))
-                if j < i:
-                    sj, ej = chunks[j]
-                    g = _inner_grad(ks[:, :, sj:ej] @ w + b, ts[:, :, sj:ej], lnw, lnb, ln_residual, eps)
-                    step = (tau_c[ej - sj - 1] * lrs[:, :, sj:ej])[..., None] * g
-                    w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
-                    b = b - step.sum(-2, keepdim=True)
-        w, b = seg_states.pop()
-        kc, qc, tc, lc, doc = ks[:, :, s:e], qs[:, :, s:e], ts[:, :, s:e], lrs[:, :, s:e], dos[:, :, s:e]
-        tu = tau_c[:c]
-        # recompute the mini-batch's forward
-        z = kc @ w + b
-        if ln_residual:
-            xh, std = _ln(z, eps)
-            y = lnw * xh + lnb - tc
-            gx = y * lnw
-            g = _ln_bwd(gx, xh, std)
-        else:
-            g = z - tc
-        eta = torch.tril(tu[:, None] * lc[:, :, None, :])
-        sqk = qc @ kc.transpose(-1, -2) + 1.0
-        a = eta * sqk
-        zb = qc @ w + b - a @ g
-        el = tu[c - 1] * lc
-        # output LayerNorm + residual
-        if ln_residual:
-            xh2, std2 = _ln(zb, eps)
-            dlnw += (doc * xh2).sum((0, 2))
-            dlnb += doc.sum((0, 2))
-            dzb = _ln_bwd(doc * lnw, xh2, std2)
-            dqc = doc.clone()
-        else:
-            dzb = doc
-            dqc = torch.zeros_like(doc)
-        # dual-form output
-        dqc += dzb @ w.transpose(-1, -2)
-        da = torch.tril(-dzb @ g.transpose(-1, -2))
-        deta = da * sqk
-        dsq = da * eta
-        dqc += dsq @ kc
-        dkc = dsq.transpose(-1, -2) @ qc
-        dg = -a.transpose(-1, -2) @ dzb
-        # the state update W' = W - K^T (e G), b' = b - sum e G, with (dw, db) the outgoing state's gradient
-        p = kc @ dw + db
-        dg -= el[..., None] * p
-        de = -(p * g).sum(-1)
-        dkc -= (el[..., None] * g) @ dw.transpose(-1, -2)
-        dlr[:, :, s:e] = (deta * tu[:, None]).sum(-2) + de * tu[c - 1]
-        dtau[:c] += (deta * lc[:, :, None, :]).sum((0, 1, 3))
-        dtau[c - 1] += (de * lc).sum()
-        # the inner gradient G(Z, T)
-        if ln_residual:
-            dgx = _ln_bwd(dg, xh, std)
-            dy = dgx * lnw
-            dlnw += (dgx * y + dy * xh).sum((0, 2))
-            dlnb += dy.sum((0, 2))
-            dt = -dy
-            m = (gx * xh).mean(-1, keepdim=True)
-            dxh = dy * lnw - (m * dg + gx * (dg * xh).mean(-1, keepdim=True)) / std
-            dz = _ln_bwd(dxh, xh, std) - (dg * g).sum(-1, keepdim=True) * xh / (d * std)
-            dkc -= dt
-        else:
-            dz = dg
-            dt = -dg
-        dkc += dz @ w.transpose(-1, -2)
-        dq[:, :, s:e], dk[:, :, s:e], dv[:, :, s:e] = dqc, dkc, dt
-        dw = dw + qc.transpose(-1, -2) @ dzb + kc.transpose(-1, -2) @ dz
-        db = db + dzb.sum(-2, keepdim=True) + dz.sum(-2, keepdim=True)
+    n_mb = -(-n // mini_batch)
+    ck = ckpt_every(n_mb)
+    full = n // mini_batch  # full mini-batches; a shorter last one (if any) has index `full`
+    grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)
+    for sg in range(-(-n_mb // ck) - 1, -1, -1):
+        lo, hi = sg * ck, min(n_mb, (sg + 1) * ck)
+        # recompute the incoming states of the segment's mini-batches from its checkpoint
+        w, b = states[:, :, sg, :d], states[:, :, sg, d:]
+        ws, bs = [], []
+        for j in range(lo, hi):
+            ws.append(w)
+            bs.append(b)
+            if j < hi - 1:
+                sj, ej = j * mini_batch, (j + 1) * mini_batch
+                g = _inner_grad(ks[:, :, sj:ej] @ w + b, ts[:, :, sj:ej], lnw, lnb, ln_residual, eps)
+                step = (tau_c[mini_batch - 1] * lrs[:, :, sj:ej])[..., None] * g
+                w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
+                b = b - step.sum(-2, keepdim=True)
+        # groups of equal-size mini-batches, latest first: the shorter last one, then the full ones
+        groups = []
+        if hi > full:
+            groups.append((full, hi))
+        if min(hi, full) > lo:
+            groups.append((lo, min(hi, full)))
+        for g0, g1 in groups:
+            dw, db = _group_bwd(g0, g1, n, mini_batch, torch.stack(ws[g0 - lo:g1 - lo], 2),
+                                torch.stack(bs[g0 - lo:g1 - lo], 2), dw, db, qs, ks, ts, lrs, dos, tau_c, lnw, lnb,
+                                ln_residual, eps, grads)
     dqs, dks = torch.stack(_unseq(dq, ndir)), torch.stack(_unseq(dk, ndir))
     if q.shape[0] == 1:
         dqs = dqs.sum(0, keepdim=True)
