@@ -1,9 +1,9 @@
 """The TTT-Linear scan as ``torch.library`` custom ops (``ttt_zoo::ttt_linear_scan_fwd`` / ``_bwd``).
 
 General contract of ``recompute.py`` (``ndir`` = 1 causal, 2 bidirectional with direction 1 reversed).  The ops have
-one kernel for every device: Triton on CUDA (when Triton imports) and on the CPU under ``TRITON_INTERPRET=1``, the
-recomputing PyTorch path otherwise (and for float64), plus fake (meta) implementations, so ``torch.compile`` treats them as opaque nodes and
-meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
+one kernel for every device: Triton on CUDA (when Triton imports, head dim <= MAX_D) and on the CPU under
+``TRITON_INTERPRET=1``, the recomputing PyTorch path otherwise (and for float64), plus fake (meta) implementations,
+so ``torch.compile`` treats them as opaque nodes and meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
                                                          ln_residual, eps, save_states)

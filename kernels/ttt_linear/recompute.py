@@ -1,9 +1,11 @@
 """Lean PyTorch path of the TTT-Linear scan: analytic backward that recomputes instead of storing.
 
-Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every ``ceil(sqrt(N / mini_batch))``-th
-mini-batch, fp32 or float64); the backward walks the segments in reverse, recomputes the states inside a segment
-from its checkpoint, then walks its mini-batches in reverse, recomputing z, the inner gradient G and the dual-form
-output from the state, and carries (dW, db) backwards.
+Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
+``ceil(sqrt(N / mini_batch))``-th mini-batch, fp32 or float64).  The backward walks the checkpoint segments in
+reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G and the
+dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion one mini-batch at a
+time.  Peak memory per (batch, head): ~2 sqrt(N / mini_batch) states of (d + 1) x d plus O(N d) activations of
+one segment; nothing of size N x d x d.  Inference (no gradient needed) runs the reference's forward.
 
 One mini-batch (c tokens, incoming state W, b; eta = tril(tau_i lr_j); e_j = tau_{c-1} lr_j):
     Z = K W + b,  G = lnl2(Z, T) (T = V - K, or G = Z - V without the LayerNorm)
