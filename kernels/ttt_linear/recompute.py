@@ -26,6 +26,7 @@ directions; direction 1 scans the sequence reversed):
         the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
         (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
 """
+import contextlib
 import math
 from typing import List, Optional, Tuple
 
@@ -90,10 +91,24 @@ def _inner_grad(z: Tensor, t: Tensor, lnw: Tensor, lnb: Tensor, ln_residual: boo
     return _ln_bwd((lnw * xh + lnb - t) * lnw, xh, std)
 
 
+def _no_autocast(device: torch.device):
+    """The scan chooses its own precision (fp32 state): autocast off inside, in the forward and the backward."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
              ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
              save_states: bool) -> Tuple[Tensor, Tensor]:
     """Forward of the general contract (module docstring); states is empty unless ``save_states``."""
+    with _no_autocast(q.device):
+        return _scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
+
+
+def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
+              ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
+              save_states: bool) -> Tuple[Tensor, Tensor]:
     _, bsz, h, n, d = q.shape
     cd = _cd(q.dtype)
     qs, ks = _seq(q.to(cd), ndir, True), _seq(k.to(cd), ndir, True)
@@ -244,10 +259,17 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
 def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
              ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
              eps: float) -> List[Tensor]:
-    """Backward of :func:`scan_fwd` from the saved per-mini-batch states.
+    """Backward of :func:`scan_fwd` from the saved checkpoint states.
 
     Returns [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b] in the shapes (and dtypes) of the inputs.
     """
+    with _no_autocast(q.device):
+        return _scan_bwd(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
+
+
+def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+              ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
+              eps: float) -> List[Tensor]:
     _, bsz, h, n, d = q.shape
     cd = _cd(q.dtype)
     qs, ks = _seq(q.to(cd), ndir, True), _seq(k.to(cd), ndir, True)
