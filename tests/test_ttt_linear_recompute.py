@@ -75,14 +75,14 @@ def test_gradcheck_tiny(ln_res):
 
 
 def test_opcheck_fake_kernels():
-    x = make_inputs(2, 2, 23, 4, 4, 1, torch.float32)
+    x = make_inputs(2, 1, 23, 4, 4, 1, torch.float32)
     q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
     args = [q2, k2, x[2], x[3], x[4], w2, b2, x[7], x[8], 2, 4, True, 1e-6]
     torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_fwd.default, args + [True],
                           test_utils=("test_schema", "test_faketensor"))
     out, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, True)
     # 6 mini-batches, a checkpoint every ceil(sqrt(6)) = 3: (ndir B, heads, 2, d + 1, d)
-    assert st.shape == (4, 2, 2, 5, 4) and R.ckpt_every(6) == 3
+    assert st.shape == (4, 1, 2, 5, 4) and R.ckpt_every(6) == 3
     torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_bwd.default, [torch.randn_like(out)] + args[:9] + [st]
                           + args[9:], test_utils=("test_schema", "test_faketensor"))
 
