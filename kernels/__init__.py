@@ -11,7 +11,8 @@ from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qk
 from .dit5_ttt import mlp_ttt, mlp_ttt_reference  # noqa: E402
 from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
 from .ttt_linear import inner_rope, token_tau, ttt_linear_reference  # noqa: E402
-from .ttt_linear import ttt_linear_bidir as _ttt_linear_bidir  # noqa: E402
+from .ttt_linear.ops import ttt_linear_bidir_op, ttt_linear_op  # noqa: E402
+from .ttt_linear.recompute import ttt_linear_bidir_naive, ttt_linear_bidir_torch, ttt_linear_torch  # noqa: E402
 from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
 
 # torch: recomputing PyTorch path (any device); triton: the ttt_zoo::vit3_* custom ops (Triton kernels on CUDA);
@@ -21,7 +22,9 @@ register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON els
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
 register_op("dit5_mlp_ttt", mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_reference)
-register_op("ttt_linear", ttt_linear_reference)
+register_op("ttt_linear", ttt_linear_torch, ttt_linear_op if HAS_TRITON else None, ttt_linear_reference)
+register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op if HAS_TRITON else None,
+            ttt_linear_bidir_naive)
 
 
 def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -63,17 +66,23 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
                return_grad_norm=False, backend=None):
-    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.reference.ttt_linear_reference``."""
+    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.reference.ttt_linear_reference``.
+
+    torch: recomputing backward (``ttt_linear.recompute``); triton: the fused scan kernels; torch_naive: the reference.
+    """
     return get_op("ttt_linear", q.device, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
                                                     eps, return_grad_norm)
 
 
 def ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, rope_theta=10000.0,
                      eps=1e-6, return_grad_norm=False, backend=None):
-    """Forward + flipped TTT-Linear scans stacked on the batch axis, summed (Vision-TTT Eq. 12)."""
-    scan = get_op("ttt_linear", q.device, backend)
-    return _ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
-                             scan=scan, return_grad_norm=return_grad_norm)
+    """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.reference.ttt_linear_bidir``.
+
+    torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
+    torch_naive: the reference under autograd.  ``return_grad_norm=True`` always runs the PyTorch reference.
+    """
+    return get_op("ttt_linear_bidir", q.device, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
+                                                          ln_residual, rope_theta, eps, return_grad_norm)
 
 
 __all__ = ["available_ops", "get_op", "register_op", "resolve_backend",

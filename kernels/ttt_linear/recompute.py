@@ -1,0 +1,435 @@
+"""Lean PyTorch path of the TTT-Linear scan: analytic backward that recomputes instead of storing.
+
+Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
+``ceil(sqrt(N / mini_batch))``-th mini-batch, fp32 or float64).  The backward walks the checkpoint segments in
+reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G and the
+dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion one mini-batch at a
+time.  Peak memory per (batch, head): ~2 sqrt(N / mini_batch) states of (d + 1) x d plus O(N d) activations of
+one segment; nothing of size N x d x d.  Inference (no gradient needed) runs the reference's forward.
+
+One mini-batch (c tokens, incoming state W, b; eta = tril(tau_i lr_j); e_j = tau_{c-1} lr_j):
+    Z = K W + b,  G = lnl2(Z, T) (T = V - K, or G = Z - V without the LayerNorm)
+    A = eta * (Q K^T + 1),  Zb = Q W + b - A G,  O = Q + LN(Zb) (or Zb)
+    W' = W - K^T (e G),  b' = b - sum_j e_j G_j
+Backward (dO, and dW', db' of the outgoing state):
+    dZb = LNbwd(dO),  dQ = dO + dZb W^T + dS K,  dW = dW' + Q^T dZb + K^T dZ,  db = db' + sum(dZb + dZ)
+    dA = -dZb G^T (masked),  deta = dA (Q K^T + 1),  dS = dA eta,  dG = -A^T dZb - e (K dW' + db')
+    de = -rowsum((K dW' + db') G),  dlr_j = sum_i deta_ij tau_i + de_j tau_{c-1},  dtau likewise
+    dZ, dT = lnl2bwd(dG),  dK = dZ W^T + dS^T Q - (e G) dW'^T (- dT),  dV = dT
+
+General contract shared with the Triton kernels and the ``ttt_zoo::ttt_linear_*`` ops (``ndir`` = 1 or 2
+directions; direction 1 scans the sequence reversed):
+    q, k: (R, B, H, N, d) with R = 1 (same for both directions) or ndir;  v: (B, H, N, d);  lr: (B, H, N)
+    tau: (mini_batch,);  w0: (Rw, Bw, H, d, d), b0: (Rw, Bw, H, 1, d) with Rw in {1, ndir}, Bw in {1, B}
+    ln_w, ln_b: (H, d)
+    fwd -> out (B, H, N, d) (the directions summed, original token order), states (ndir B, H, n_ck, d + 1, d):
+        the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
+        (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
+"""
+import contextlib
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .reference import ttt_linear_bidir, ttt_linear_reference
+
+__all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
+           "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
+
+
+def _cd(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    mu = z.mean(-1, keepdim=True)
+    std = (z.var(-1, keepdim=True, unbiased=False) + eps).sqrt()
+    return (z - mu) / std, std
+
+
+def _ln_bwd(dxh: Tensor, xh: Tensor, std: Tensor) -> Tensor:
+    """dz for xh = (z - mean) / std (also the closed-form LN gradient operator itself: it is symmetric)."""
+    return (dxh - dxh.mean(-1, keepdim=True) - xh * (dxh * xh).mean(-1, keepdim=True)) / std
+
+
+def _seq(x: Tensor, ndir: int, per_dir: bool) -> Tensor:
+    """Stack the directions on the batch axis in scan order; ``per_dir``: x has a leading direction axis."""
+    parts = []
+    for i in range(ndir):
+        xi = x[min(i, x.shape[0] - 1)] if per_dir else x
+        parts.append(xi.flip(2) if i else xi)
+    return torch.cat(parts, 0)
+
+
+def _unseq(x: Tensor, ndir: int) -> List[Tensor]:
+    b = x.shape[0] // ndir
+    return [x[i * b:(i + 1) * b].flip(2) if i else x[:b] for i in range(ndir)]
+
+
+def _state0(w0: Tensor, b0: Tensor, ndir: int, bsz: int, cd: torch.dtype) -> Tuple[Tensor, Tensor]:
+    h, d = w0.shape[2], w0.shape[3]
+    w = torch.cat([w0[min(i, w0.shape[0] - 1)].expand(bsz, h, d, d) for i in range(ndir)], 0)
+    b = torch.cat([b0[min(i, b0.shape[0] - 1)].expand(bsz, h, 1, d) for i in range(ndir)], 0)
+    return w.to(cd), b.to(cd)
+
+
+def ckpt_every(n_mb: int) -> int:
+    """Mini-batches per saved state: ceil(sqrt(n_mb)), so saved + recomputed states are ~2 sqrt(N / b)."""
+    return max(1, math.ceil(math.sqrt(n_mb)))
+
+
+def _chunks(n: int, mb: int) -> List[Tuple[int, int]]:
+    return [(s, min(s + mb, n)) for s in range(0, n, mb)]
+
+
+def _inner_grad(z: Tensor, t: Tensor, lnw: Tensor, lnb: Tensor, ln_residual: bool, eps: float) -> Tensor:
+    if not ln_residual:
+        return z - t
+    xh, std = _ln(z, eps)
+    return _ln_bwd((lnw * xh + lnb - t) * lnw, xh, std)
+
+
+def _no_autocast(device: torch.device):
+    """The scan chooses its own precision (fp32 state): autocast off inside, in the forward and the backward."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
+             ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
+             save_states: bool) -> Tuple[Tensor, Tensor]:
+    """Forward of the general contract (module docstring); states is empty unless ``save_states``."""
+    with _no_autocast(q.device):
+        return _scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
+
+
+def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
+              ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
+              save_states: bool) -> Tuple[Tensor, Tensor]:
+    _, bsz, h, n, d = q.shape
+    cd = _cd(q.dtype)
+    qs, ks = _seq(q.to(cd), ndir, True), _seq(k.to(cd), ndir, True)
+    vs, lrs = _seq(v.to(cd), ndir, False), _seq(lr.to(cd), ndir, False)
+    ts = vs - ks if ln_residual else vs
+    tau = tau.to(cd)
+    lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
+    w, b = _state0(w0, b0, ndir, bsz, cd)
+    outs, states = [], []
+    n_mb = -(-n // mini_batch)
+    ck = ckpt_every(n_mb)
+    for lo in range(0, n_mb, ck):
+        hi = min(n_mb, lo + ck)
+        if save_states:
+            states.append(torch.cat([w, b], 2))
+        # the state recursion runs mini-batch by mini-batch; the outputs of a segment are formed batched afterwards
+        ws, bs, gs = [], [], []
+        for s, e in _chunks(n, mini_batch)[lo:hi]:
+            kc, lc = ks[:, :, s:e], lrs[:, :, s:e]
+            g = _inner_grad(kc @ w + b, ts[:, :, s:e], lnw, lnb, ln_residual, eps)
+            ws.append(w)
+            bs.append(b)
+            gs.append(g)
+            step = (tau[e - s - 1] * lc)[..., None] * g
+            w = w - kc.transpose(-1, -2) @ step
+            b = b - step.sum(-2, keepdim=True)
+        full = min(hi, n // mini_batch)
+        for g0, g1 in ((lo, full), (max(lo, full), hi)):  # full mini-batches, then a shorter last one
+            if g1 <= g0:
+                continue
+            s0, s1, nc = g0 * mini_batch, min(g1 * mini_batch, n), g1 - g0
+            c = (s1 - s0) // nc
+            qc = qs[:, :, s0:s1].reshape(-1, h, nc, c, d)
+            kc = ks[:, :, s0:s1].reshape(-1, h, nc, c, d)
+            lc = lrs[:, :, s0:s1].reshape(-1, h, nc, 1, c)
+            wg, bg, gg = [torch.stack(x[g0 - lo:g1 - lo], 2) for x in (ws, bs, gs)]
+            eta = torch.tril(tau[:c, None] * lc)
+            zb = qc @ wg + bg - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ gg
+            if ln_residual:
+                xh, _ = _ln(zb, eps)
+                zb = qc + xh * lnw[:, :, None] + lnb[:, :, None]
+            outs.append(zb.reshape(-1, h, s1 - s0, d))
+    out = sum(_unseq(torch.cat(outs, 2), ndir)).to(q.dtype)
+    st = torch.stack(states, 2) if save_states else q.new_empty(0, dtype=cd)
+    return out, st
+
+
+def _reduce_w(dw: Tensor, like: Tensor, ndir: int) -> Tensor:
+    """(ndir B, H, ...) per-sequence gradient -> the shape of w0 / b0 (Rw, Bw, H, ...)."""
+    dw = dw.reshape(ndir, -1, *dw.shape[1:])
+    if like.shape[0] == 1:
+        dw = dw.sum(0, keepdim=True)
+    if like.shape[1] == 1:
+        dw = dw.sum(1, keepdim=True)
+    return dw
+
+
+def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tensor, db: Tensor, qs: Tensor,
+               ks: Tensor, ts: Tensor, lrs: Tensor, dos: Tensor, tau: Tensor, lnw: Tensor, lnb: Tensor,
+               ln_residual: bool, eps: float, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor]:
+    """Backward of mini-batches g0..g1-1 (all of one size c) from their incoming states w (S, H, nc, d, d), b.
+
+    Everything outside the (dW, db) recursion is batched over the group's mini-batches; only the terms that read
+    the outgoing state's gradient run one mini-batch at a time, latest first.  Writes into / accumulates on
+    ``grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)``; returns the incoming state's (dW, db) of mini-batch g0.
+    """
+    dq, dk, dv, dlr, dtau, dlnw, dlnb = grads
+    sq, h, _, d = qs.shape
+    s0, s1 = g0 * mb, min(g1 * mb, n)
+    nc = g1 - g0
+    c = (s1 - s0) // nc
+
+    def chunked(x: Tensor) -> Tensor:
+        return x[:, :, s0:s1].reshape(sq, h, nc, c, *x.shape[3:])
+    kc, qc, tc, doc, lc = chunked(ks), chunked(qs), chunked(ts), chunked(dos), chunked(lrs)
+    lnw5, lnb5 = lnw[:, :, None], lnb[:, :, None]
+    tu = tau[:c]
+    # recompute the group's forward
+    z = kc @ w + b
+    if ln_residual:
+        xh, std = _ln(z, eps)
+        y = lnw5 * xh + lnb5 - tc
+        gx = y * lnw5
+        g = _ln_bwd(gx, xh, std)
+        mgx = (gx * xh).mean(-1, keepdim=True)
+    else:
+        g = z - tc
+    eta = torch.tril(tu[:, None] * lc[..., None, :])
+    sqk = qc @ kc.transpose(-1, -2) + 1.0
+    a = eta * sqk
+    el = tu[c - 1] * lc
+    # output LayerNorm + residual and the dual-form output
+    if ln_residual:
+        xh2, std2 = _ln(qc @ w + b - a @ g, eps)
+        dlnw += (doc * xh2).sum((0, 2, 3))
+        dlnb += doc.sum((0, 2, 3))
+        dzb = _ln_bwd(doc * lnw5, xh2, std2)
+        dqc = doc + dzb @ w.transpose(-1, -2)
+    else:
+        dzb = doc
+        dqc = dzb @ w.transpose(-1, -2)
+    da = torch.tril(-dzb @ g.transpose(-1, -2))
+    deta = da * sqk
+    dsq = da * eta
+    dqc = dqc + dsq @ kc
+    dkc = dsq.transpose(-1, -2) @ qc
+    dga = -a.transpose(-1, -2) @ dzb
+    dwa = qc.transpose(-1, -2) @ dzb
+    dba = dzb.sum(-2, keepdim=True)
+    # the (dW, db) recursion through the state updates, latest mini-batch first
+    dg, dz, de, dw_out = torch.empty_like(g), torch.empty_like(g), torch.empty_like(lc), torch.empty_like(w)
+    for i in range(nc - 1, -1, -1):
+        ki, gi = kc[:, :, i], g[:, :, i]
+        p = ki @ dw + db
+        dgi = dga[:, :, i] - el[:, :, i, :, None] * p
+        de[:, :, i] = -(p * gi).sum(-1)
+        dg[:, :, i] = dgi
+        dw_out[:, :, i] = dw
+        if ln_residual:
+            xi, si = xh[:, :, i], std[:, :, i]
+            dy = _ln_bwd(dgi, xi, si) * lnw
+            dxh = dy * lnw - (mgx[:, :, i] * dgi + gx[:, :, i] * (dgi * xi).mean(-1, keepdim=True)) / si
+            dzi = _ln_bwd(dxh, xi, si) - (dgi * gi).sum(-1, keepdim=True) * xi / (d * si)
+        else:
+            dzi = dgi
+        dz[:, :, i] = dzi
+        dw = dw + dwa[:, :, i] + ki.transpose(-1, -2) @ dzi
+        db = db + dba[:, :, i] + dzi.sum(-2, keepdim=True)
+    dkc = dkc - (el[..., None] * g) @ dw_out.transpose(-1, -2) + dz @ w.transpose(-1, -2)
+    if ln_residual:
+        dgx = _ln_bwd(dg, xh, std)
+        dy = dgx * lnw5
+        dlnw += (dgx * y + dy * xh).sum((0, 2, 3))
+        dlnb += dy.sum((0, 2, 3))
+        dt = -dy
+        dkc = dkc + dy
+    else:
+        dt = -dg
+    dlr[:, :, s0:s1] = ((deta * tu[:, None]).sum(-2) + de * tu[c - 1]).reshape(sq, h, s1 - s0)
+    dtau[:c] += (deta * lc[..., None, :]).sum((0, 1, 2, 4))
+    dtau[c - 1] += (de * lc).sum()
+    dq[:, :, s0:s1] = dqc.reshape(sq, h, s1 - s0, d)
+    dk[:, :, s0:s1] = dkc.reshape(sq, h, s1 - s0, d)
+    dv[:, :, s0:s1] = dt.reshape(sq, h, s1 - s0, d)
+    return dw, db
+
+
+def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+             ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
+             eps: float) -> List[Tensor]:
+    """Backward of :func:`scan_fwd` from the saved checkpoint states.
+
+    Returns [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b] in the shapes (and dtypes) of the inputs.
+    """
+    with _no_autocast(q.device):
+        return _scan_bwd(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
+
+
+def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+              ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
+              eps: float) -> List[Tensor]:
+    _, bsz, h, n, d = q.shape
+    cd = _cd(q.dtype)
+    qs, ks = _seq(q.to(cd), ndir, True), _seq(k.to(cd), ndir, True)
+    vs, lrs = _seq(v.to(cd), ndir, False), _seq(lr.to(cd), ndir, False)
+    dos = _seq(do.to(cd), ndir, False)
+    ts = vs - ks if ln_residual else vs
+    tau_c = tau.to(cd)
+    lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
+    states = states.to(cd)
+    dq, dk, dv, dlr = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs), torch.zeros_like(lrs)
+    dtau = torch.zeros_like(tau_c)
+    dlnw = torch.zeros(h, d, dtype=cd, device=q.device)
+    dlnb = torch.zeros_like(dlnw)
+    dw = torch.zeros(qs.shape[0], h, d, d, dtype=cd, device=q.device)
+    db = torch.zeros(qs.shape[0], h, 1, d, dtype=cd, device=q.device)
+    n_mb = -(-n // mini_batch)
+    ck = ckpt_every(n_mb)
+    full = n // mini_batch  # full mini-batches; a shorter last one (if any) has index `full`
+    grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)
+    for sg in range(-(-n_mb // ck) - 1, -1, -1):
+        lo, hi = sg * ck, min(n_mb, (sg + 1) * ck)
+        # recompute the incoming states of the segment's mini-batches from its checkpoint
+        w, b = states[:, :, sg, :d], states[:, :, sg, d:]
+        ws, bs = [], []
+        for j in range(lo, hi):
+            ws.append(w)
+            bs.append(b)
+            if j < hi - 1:
+                sj, ej = j * mini_batch, (j + 1) * mini_batch
+                g = _inner_grad(ks[:, :, sj:ej] @ w + b, ts[:, :, sj:ej], lnw, lnb, ln_residual, eps)
+                step = (tau_c[mini_batch - 1] * lrs[:, :, sj:ej])[..., None] * g
+                w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
+                b = b - step.sum(-2, keepdim=True)
+        # groups of equal-size mini-batches, latest first: the shorter last one, then the full ones
+        groups = []
+        if hi > full:
+            groups.append((full, hi))
+        if min(hi, full) > lo:
+            groups.append((lo, min(hi, full)))
+        for g0, g1 in groups:
+            dw, db = _group_bwd(g0, g1, n, mini_batch, torch.stack(ws[g0 - lo:g1 - lo], 2),
+                                torch.stack(bs[g0 - lo:g1 - lo], 2), dw, db, qs, ks, ts, lrs, dos, tau_c, lnw, lnb,
+                                ln_residual, eps, grads)
+    dqs, dks = torch.stack(_unseq(dq, ndir)), torch.stack(_unseq(dk, ndir))
+    if q.shape[0] == 1:
+        dqs = dqs.sum(0, keepdim=True)
+    if k.shape[0] == 1:
+        dks = dks.sum(0, keepdim=True)
+    dvs, dlrs = sum(_unseq(dv, ndir)), sum(_unseq(dlr, ndir))
+    return [dqs.to(q.dtype), dks.to(k.dtype), dvs.to(v.dtype), dlrs.to(lr.dtype), dtau.to(tau.dtype),
+            _reduce_w(dw, w0, ndir).to(w0.dtype), _reduce_w(db, b0, ndir).to(b0.dtype),
+            dlnw.to(ln_w.dtype), dlnb.to(ln_b.dtype)]
+
+
+class TTTLinearScan(torch.autograd.Function):
+    """The scan with the recomputing backward; autograd stores the inputs and the per-mini-batch states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps):
+        save = any(ctx.needs_input_grad[:9])
+        out, st = scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save)
+        ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, st)
+        ctx.cfg = (ndir, mini_batch, ln_residual, eps)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        grads = scan_bwd(do.contiguous(), *ctx.saved_tensors, *ctx.cfg)
+        return (*grads, None, None, None, None)
+
+
+def rope_at(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """In-chunk RoPE (rotate-half, as :func:`inner_rope`) at explicit positions ``pos: (N,)``."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"inner RoPE needs an even head dim, got {d}")
+    freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    ang = pos.to(torch.float64)[:, None] * freq[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, rope_theta: Optional[float]
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """General-contract inputs of the bidirectional scan, in ORIGINAL token order (no flipped copies).
+
+    With RoPE each direction needs its own rotated q, k (position ``t mod b`` forward, ``(N-1-t) mod b`` for the
+    reversed scan), stacked as (2, B, H, N, d); without RoPE q, k get a broadcast leading axis of 1.
+    """
+    if w0.shape[0] not in (1, 2) or b0.shape[0] != w0.shape[0]:
+        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {tuple(w0.shape)}")
+    if rope_theta is not None:
+        n = q.shape[2]
+        t = torch.arange(n, device=q.device)
+        pf, pb = t % mini_batch, (n - 1 - t) % mini_batch
+        q2 = torch.stack([rope_at(q, pf, rope_theta), rope_at(q, pb, rope_theta)])
+        k2 = q2 if k is q else torch.stack([rope_at(k, pf, rope_theta), rope_at(k, pb, rope_theta)])
+    else:
+        q2, k2 = q[None], k[None]
+    return q2, k2, w0[:, None], b0[:, None]
+
+
+def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """General-contract inputs of the one-direction scan: w0 (B|1, H, d, d) -> (1, B|1, H, d, d)."""
+    if w0.shape[0] not in (1, q.shape[0]) or b0.shape[0] != w0.shape[0]:
+        raise ValueError(f"w0/b0 need a leading dim of 1 or the batch size {q.shape[0]}, got {tuple(w0.shape)}")
+    return q[None], k[None], w0[None], b0[None]
+
+
+def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                     eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Causal scan, same signature as :func:`ttt_linear_reference`.
+
+    Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
+    """
+    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
+        return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
+    _check(q, k, v, lr, tau, w0, b0, mini_batch)
+    q1, k1, w1, b1 = single_inputs(q, k, w0, b0)
+    return TTTLinearScan.apply(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None
+
+
+def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                           rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
+                           ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Bidirectional scan (both directions in one batched pass), same signature as the reference's.
+
+    Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
+    """
+    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
+        return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
+                                return_grad_norm=return_grad_norm)
+    _check(q, k, v, lr, tau, w0, b0, mini_batch)
+    q2, k2, w2, b2 = bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
+    return TTTLinearScan.apply(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
+
+
+def ttt_linear_bidir_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                           rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
+                           ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The reference bidirectional scan (flipped copies, plain autograd); the ``torch_naive`` backend."""
+    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
+                            scan=ttt_linear_reference, return_grad_norm=return_grad_norm)
+
+
+def _needs_grad(*ts: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, mini_batch: int) -> None:
+    bsz, heads, n, d = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if lr.shape != (bsz, heads, n):
+        raise ValueError(f"lr must be (B, heads, N) = {(bsz, heads, n)}, got {tuple(lr.shape)}")
+    if tau.shape != (mini_batch,):
+        raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {tuple(tau.shape)}")
+    if w0.dim() != 4 or w0.shape[-3:] != (heads, d, d) or b0.dim() != 4 or b0.shape[-3:] != (heads, 1, d):
+        raise ValueError(f"w0 must be (B|1|2, {heads}, {d}, {d}) and b0 (B|1|2, {heads}, 1, {d}); "
+                         f"got {tuple(w0.shape)} and {tuple(b0.shape)}")
+

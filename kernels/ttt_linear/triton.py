@@ -1,0 +1,369 @@
+"""Triton kernels of the TTT-Linear mini-batch dual-form scan (Vision-TTT), forward and backward, bidirectional.
+
+Same math and the same general contract as ``recompute.py`` (which documents the formulas and the shapes).  One
+program per (direction x batch, head) sequence walks all mini-batches of its sequence; direction 1 reads and writes
+token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped copies.  The d x d
+state W and the bias b live in registers (fp32) for the whole scan.  Loads are upcast to float32 and every product
+and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for fp16/bf16 inputs); results
+are stored in float32 buffers (summed over the directions in PyTorch) and cast to the input dtype.
+
+Forward kernel ``_scan_fwd`` (fused per mini-batch, nothing but the output leaves the chip): z = k W + b, the
+    closed-form gradient of the LayerNorm-L2 loss G, eta = tril(tau_i lr_j), A = eta (q k^T + 1),
+    zb = q W + b - A G, the output LayerNorm + residual, the state update W -= k^T (e G), b -= sum e G.
+    With ``save_states`` (training) it writes the incoming (W, b) of every ck-th mini-batch (coarse checkpoints,
+    ck = ceil(sqrt(N / b)), fp32).
+Backward kernel ``_scan_bwd``: walks the checkpoint segments in reverse with (dW, db) of the outgoing state in
+    registers.  Per segment it first RECOMPUTES the state recursion (z, G, update) from the checkpoint, writing the
+    ck incoming states to a per-program scratch buffer, then walks the segment's mini-batches in reverse, reloads
+    each incoming state and RECOMPUTES z, G, the LayerNorm statistics, A and zb, and forms dq, dk, dv, dlr of the
+    mini-batch plus per-sequence partial sums of dtau, dln_w, dln_b; dW0, db0 are the carried (dW, db) at the end.
+    Nothing of size N x d x d and no per-token weight is formed; the backward costs about 1.5 forward recursions
+    more than the forward.
+Memory per (batch, head) and direction (d = head dim, D = d padded to a power of two >= 16, b = mini_batch,
+n_mb = ceil(N / b), ck = ceil(sqrt(n_mb))):
+    forward at inference: registers only (W, b, and b x D tiles), the fp32 N x d output;
+    saved for backward: the inputs plus ceil(n_mb / ck) states of (d + 1) x d fp32;
+    backward: a scratch of ck states, dq, dk, dv as fp32 N x d per direction, d^2 + 4 d + b fp32 partials.
+    E.g. d = 64, b = 16, N = 4096: 16 saved + 16 scratch states = 0.53 MB (every mini-batch: 4.3 MB; per-token
+    weights: 67 MB); N = 16384: 32 + 32 states = 1.06 MB.
+In-chunk RoPE is applied in PyTorch before the kernels (``recompute.bidir_inputs``: one rotated copy of q, k per
+direction, in original token order).
+"""
+from typing import List, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .recompute import ckpt_every
+
+__all__ = ["scan_fwd_triton", "scan_bwd_triton"]
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+@triton.jit
+def _ln_stats(z, dmask, D, eps):
+    """(z - mean) / std over the D valid columns (padded columns 0), and 1 / std."""
+    zm = tl.where(dmask[None, :], z, 0.0)
+    mu = tl.sum(zm, 1) / D
+    zc = tl.where(dmask[None, :], z - mu[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(zc * zc, 1) / D + eps)
+    return zc * rstd[:, None], rstd
+
+
+@triton.jit
+def _ln_op(dx, xh, rstd, dmask, D):
+    """(dx - mean(dx) - xh mean(dx xh)) / std, padded columns 0 (LayerNorm backward; symmetric)."""
+    r = (dx - (tl.sum(dx, 1) / D)[:, None] - xh * (tl.sum(dx * xh, 1) / D)[:, None]) * rstd[:, None]
+    return tl.where(dmask[None, :], r, 0.0)
+
+
+@triton.jit
+def _load_rows(ptr, t, offs_d, m2, D):
+    return tl.load(ptr + t[:, None] * D + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows(r, s, N, MB, offs_c, dmask):
+    """Scan positions s.. of one mini-batch -> token indices (reversed for direction 1) and masks."""
+    c = tl.minimum(MB, N - s)
+    p = s + offs_c
+    rmask = offs_c < c
+    t = tl.where(r == 0, p, N - 1 - p)
+    t = tl.where(rmask, t, 0)
+    return t, c, rmask, rmask[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v), z = k W + b; rows / columns outside m2 are 0."""
+    z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+    if LN_RES:
+        xh, rstd = _ln_stats(z, dmask, D, eps)
+        gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
+        g = _ln_op(gx, xh, rstd, dmask, D)
+    else:
+        g = z - v
+    return tl.where(m2, g, 0.0)
+
+
+@triton.jit
+def _store_state(ptr, w, bias, offs_d, wmask, dmask, D):
+    tl.store(ptr + offs_d[:, None] * D + offs_d[None, :], w, mask=wmask)
+    tl.store(ptr + D * D + offs_d, bias, mask=dmask)
+
+
+@triton.jit
+def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
+              sqr, skr, swr, swb, sbr, sbb,
+              B, H, N, D, n_mb, CK, n_ck, eps,
+              MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+              LN_RES: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    r, b = pid // B, pid % B
+    seq = pid * H + h
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    wmask = dmask[:, None] & dmask[None, :]
+    w = tl.load(W0 + r * swr + b * swb + h * D * D + offs_d[:, None] * D + offs_d[None, :], mask=wmask,
+                other=0.0).to(tl.float32)
+    bias = tl.load(B0 + r * sbr + b * sbb + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    row = (b * H + h) * N  # token row of (B, H, N) tensors
+    qb = Q + r * sqr + row * D
+    kb = K + r * skr + row * D
+    vb = V + row * D
+    ob = O + (seq * N) * D
+    for m in range(n_mb):
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+        k = _load_rows(kb, t, offs_d, m2, D)
+        q = _load_rows(qb, t, offs_d, m2, D)
+        v = _load_rows(vb, t, offs_d, m2, D)
+        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+        tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
+        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        if SAVE:
+            if m % CK == 0:
+                _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
+        tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
+        eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
+        a = eta * (tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0)
+        zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+        if LN_RES:
+            xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
+            out = q + xh2 * lnw[None, :] + lnb[None, :]
+        else:
+            out = zb
+        tl.store(ob + t[:, None] * D + offs_d[None, :], out, mask=m2)
+        step = (tau_last * lr)[:, None] * g
+        w -= tl.dot(tl.trans(k), step, input_precision=PREC)
+        bias -= tl.sum(step, 0)
+
+
+@triton.jit
+def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
+              DQ, DK, DV, DLR, DTAU, DW0, DB0, DLNW, DLNB,
+              sqr, skr,
+              B, H, N, D, n_mb, CK, n_ck, eps,
+              MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+              LN_RES: tl.constexpr, PREC: tl.constexpr):
+    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    r, b = pid // B, pid % B
+    seq = pid * H + h
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    wmask = dmask[:, None] & dmask[None, :]
+    lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    row = (b * H + h) * N
+    qb = Q + r * sqr + row * D
+    kb = K + r * skr + row * D
+    vb = V + row * D
+    dob = DO + row * D
+    gb = seq * N  # rows of the per-direction (ndir B, H, N) gradient buffers
+    dw = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dlnw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dlnb = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dtau = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    scr = SCR + seq * CK * (D + 1) * D
+    for ss in range(n_ck):
+        sg = n_ck - 1 - ss
+        lo = sg * CK
+        hi = tl.minimum(n_mb, lo + CK)
+        # recompute the incoming states of the segment's mini-batches from its checkpoint into the scratch buffer
+        cb = ST + (seq * n_ck + sg) * (D + 1) * D
+        w = tl.load(cb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
+        bias = tl.load(cb + D * D + offs_d, mask=dmask, other=0.0)
+        for m in range(lo, hi):
+            _store_state(scr + (m - lo) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+            k = _load_rows(kb, t, offs_d, m2, D)
+            v = _load_rows(vb, t, offs_d, m2, D)
+            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+            tau_last = tl.load(TAU + c - 1).to(tl.float32)
+            g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
+            step = (tau_last * lr)[:, None] * g
+            w -= tl.dot(tl.trans(k), step, input_precision=PREC)
+            bias -= tl.sum(step, 0)
+        tl.debug_barrier()  # the scratch states are written and read by different threads
+        for mm in range(lo, hi):
+            m = hi - 1 - (mm - lo)
+            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+            sb = scr + (m - lo) * (D + 1) * D
+            w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
+            bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
+            k = _load_rows(kb, t, offs_d, m2, D)
+            q = _load_rows(qb, t, offs_d, m2, D)
+            v = _load_rows(vb, t, offs_d, m2, D)
+            do = _load_rows(dob, t, offs_d, m2, D)
+            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+            tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
+            tau_last = tl.load(TAU + c - 1).to(tl.float32)
+            # recompute the mini-batch's forward
+            z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+            if LN_RES:
+                xh, rstd = _ln_stats(z, dmask, D, eps)
+                y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
+                gx = y * lnw[None, :]
+                g = _ln_op(gx, xh, rstd, dmask, D)
+            else:
+                g = z - v
+            g = tl.where(m2, g, 0.0)
+            tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
+            eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
+            sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
+            a = eta * sqk
+            el = tau_last * lr
+            # output LayerNorm + residual, then the dual-form output
+            if LN_RES:
+                zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+                xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
+                dlnw += tl.sum(do * xh2, 0)
+                dlnb += tl.sum(do, 0)
+                dzb = _ln_op(do * lnw[None, :], xh2, rstd2, dmask, D)
+                dq = do + tl.dot(dzb, tl.trans(w), input_precision=PREC)
+            else:
+                dzb = do
+                dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
+            dzb = tl.where(m2, dzb, 0.0)
+            da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
+            deta = da * sqk
+            dsq = da * eta
+            dq += tl.dot(dsq, k, input_precision=PREC)
+            dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
+            dg = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
+            # the state update, with (dw, db) the gradient of the outgoing state
+            pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
+            dg -= el[:, None] * pk
+            dg = tl.where(m2, dg, 0.0)
+            de = -tl.sum(pk * g, 1)
+            dk -= tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
+            dlr = tl.sum(deta * tau[:, None], 0) + de * tau_last
+            dtau += tl.sum(deta * lr[None, :], 1) + tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
+            # the inner gradient G(z, v - k)
+            if LN_RES:
+                dgx = _ln_op(dg, xh, rstd, dmask, D)
+                dy = dgx * lnw[None, :]
+                dlnw += tl.sum(dgx * y + dy * xh, 0)
+                dlnb += tl.sum(dy, 0)
+                mgx = tl.sum(gx * xh, 1) / D
+                dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
+                dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
+                dz = tl.where(m2, dz, 0.0)
+                dv = -dy
+                dk += dy
+            else:
+                dz = dg
+                dv = -dg
+            dk += tl.dot(dz, tl.trans(w), input_precision=PREC)
+            o2 = (gb + t[:, None]) * D + offs_d[None, :]
+            tl.store(DQ + o2, dq, mask=m2)
+            tl.store(DK + o2, dk, mask=m2)
+            tl.store(DV + o2, dv, mask=m2)
+            tl.store(DLR + gb + t, dlr, mask=rmask)
+            dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
+            db += tl.sum(dzb, 0) + tl.sum(dz, 0)
+        tl.debug_barrier()  # the next segment overwrites the scratch buffer
+    tl.store(DW0 + seq * D * D + offs_d[:, None] * D + offs_d[None, :], dw, mask=wmask)
+    tl.store(DB0 + seq * D + offs_d, db, mask=dmask)
+    tl.store(DLNW + seq * D + offs_d, dlnw, mask=dmask)
+    tl.store(DLNB + seq * D + offs_d, dlnb, mask=dmask)
+    tl.store(DTAU + seq * MB + offs_c, dtau, mask=offs_c < MB)
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"the Triton TTT-Linear kernels take float32/float16/bfloat16, got {q.dtype}; "
+                        f"use backend='torch' for {q.dtype}")
+
+
+def _bstride(x: torch.Tensor, dim: int) -> int:
+    """Stride of a broadcast axis: 0 when the tensor has size 1 there."""
+    return 0 if x.shape[dim] == 1 else x.stride(dim)
+
+
+def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
+    block_d = _pow2(d)
+    return _pow2(mini_batch), block_d, (8 if block_d >= 128 else 4)
+
+
+def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
+                    eps: float, save_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward of the general contract (see ``recompute.py``)."""
+    _check_dtype(q)
+    _, bsz, h, n, d = q.shape
+    q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()
+    tau, w0, b0 = tau.contiguous(), w0.contiguous(), b0.contiguous()
+    ln_w, ln_b = ln_w.contiguous(), ln_b.contiguous()
+    n_mb = triton.cdiv(n, mini_batch)
+    ck = ckpt_every(n_mb)
+    n_ck = triton.cdiv(n_mb, ck)
+    out = torch.empty(ndir, bsz, h, n, d, device=q.device, dtype=torch.float32)
+    st = (torch.empty(ndir * bsz, h, n_ck, d + 1, d, device=q.device, dtype=torch.float32) if save_states
+          else torch.empty(0, device=q.device, dtype=torch.float32))
+    block_c, block_d, warps = _launch_cfg(d, mini_batch)
+    _scan_fwd[(ndir * bsz, h)](
+        q, k, v, lr, tau, w0, b0, ln_w, ln_b, out, st,
+        _bstride(q, 0), _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
+        bsz, h, n, d, n_mb, ck, n_ck, eps,
+        MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, SAVE=save_states,
+        PREC=_prec(q.dtype), num_warps=warps)
+    return out.sum(0).to(q.dtype), st
+
+
+def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
+    dw = dw.reshape(ndir, -1, *like.shape[2:])
+    if like.shape[0] == 1:
+        dw = dw.sum(0, keepdim=True)
+    if like.shape[1] == 1:
+        dw = dw.sum(1, keepdim=True)
+    return dw.to(like.dtype)
+
+
+def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int, mini_batch: int,
+                    ln_residual: bool, eps: float) -> List[torch.Tensor]:
+    """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b]."""
+    _check_dtype(q)
+    _, bsz, h, n, d = q.shape
+    if states.numel() == 0:
+        raise RuntimeError("ttt_linear backward needs the forward's per-mini-batch states (save_states=True)")
+    q, k, v, lr, do = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous(), do.contiguous()
+    tau, ln_w, ln_b, states = tau.contiguous(), ln_w.contiguous(), ln_b.contiguous(), states.contiguous()
+    n_mb = triton.cdiv(n, mini_batch)
+    ck = ckpt_every(n_mb)
+    n_ck = triton.cdiv(n_mb, ck)
+    if states.shape[2] != n_ck:
+        raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
+    f32 = dict(device=q.device, dtype=torch.float32)
+    scratch = torch.empty(ndir * bsz * h, ck, d + 1, d, **f32)
+    dq, dk, dv = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(3)]
+    dlr = torch.empty(ndir, bsz, h, n, **f32)
+    seqs = ndir * bsz * h
+    dtau = torch.empty(seqs, mini_batch, **f32)
+    dw0 = torch.empty(seqs, d, d, **f32)
+    db0, dlnw, dlnb = [torch.empty(seqs, d, **f32) for _ in range(3)]
+    block_c, block_d, warps = _launch_cfg(d, mini_batch)
+    _scan_bwd[(ndir * bsz, h)](
+        q, k, v, lr, tau, ln_w, ln_b, do, states, scratch,
+        dq, dk, dv, dlr, dtau, dw0, db0, dlnw, dlnb,
+        _bstride(q, 0), _bstride(k, 0),
+        bsz, h, n, d, n_mb, ck, n_ck, eps,
+        MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
+        num_warps=warps)
+    dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
+    dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dlr.sum(0).to(lr.dtype),
+            dtau.sum(0).to(tau.dtype), _reduce_w(dw0, w0, ndir), _reduce_w(db0.view(seqs, 1, d), b0, ndir),
+            dlnw.view(-1, h, d).sum(0).to(ln_w.dtype), dlnb.view(-1, h, d).sum(0).to(ln_b.dtype)]
