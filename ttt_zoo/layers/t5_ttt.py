@@ -10,23 +10,14 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.layers import register_notrace_function, trunc_normal_
+from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import t5_swiglu_ttt
+from ttt_zoo.kernels import key_instance_norm, t5_swiglu_ttt
 from .block import map_to_tokens, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
 __all__ = ["T5TTT", "key_instance_norm", "neighborhood_attention_2d", "neighborhood_indices"]
-
-
-@register_notrace_function
-def key_instance_norm(k: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
-    """Per sample and channel, normalise (B, N, C) keys over the N tokens: (k - mean) / sqrt(var + eps)."""
-    kf = k.float() if k.dtype in (torch.float16, torch.bfloat16) else k
-    mean = kf.mean(dim=1, keepdim=True)
-    var = kf.var(dim=1, unbiased=False, keepdim=True)
-    return ((kf - mean) / torch.sqrt(var + eps)).to(k.dtype)
 
 
 @register_mixer("t5")
@@ -89,7 +80,7 @@ class T5TTT(TTTMixer):
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
-        kn = key_instance_norm(k, self.key_norm_eps)
+        kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
         q2 = q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size)))
         k2 = kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size)))
         out = t5_swiglu_ttt(self._heads(q2), self._heads(k2), self._heads(v), self.w1, self.w2, self.w3,
