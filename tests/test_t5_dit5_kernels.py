@@ -135,7 +135,10 @@ def test_torch_compile_fullgraph(which):
 @pytest.mark.parametrize("mixer", ["t5", "dit5"])
 def test_meta_device(mixer, backend):
     with torch.device("meta"):
-        m = T5TTT(64, num_heads=2, backend=backend) if mixer == "t5" else DiT5MixedAttention(64, 2, kernel_size=3, backend=backend)
+        if mixer == "t5":
+            m = T5TTT(64, num_heads=2, backend=backend)
+        else:
+            m = DiT5MixedAttention(64, 2, kernel_size=3, backend=backend)
         x = torch.randn(2, 4 * 6, 64, requires_grad=True)
     if backend == "triton":  # meta tensors go through the custom ops' fake kernels
         m.backend = None

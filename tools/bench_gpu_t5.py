@@ -30,7 +30,8 @@ def _paths(dry: bool):
     if not dry:
         from ttt_zoo.kernels.inner_mlp.ops import mlp_ttt_op, t5_swiglu_ttt_op
         from ttt_zoo.kernels.key_norm.ops import key_norm_op
-        paths["t5"]["triton"], paths["dit5"]["triton"], paths["knorm"]["triton"] = t5_swiglu_ttt_op, mlp_ttt_op, key_norm_op
+        paths["t5"]["triton"], paths["dit5"]["triton"] = t5_swiglu_ttt_op, mlp_ttt_op
+        paths["knorm"]["triton"] = key_norm_op
     return paths
 
 

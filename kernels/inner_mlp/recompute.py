@@ -187,7 +187,8 @@ def make_function(name: str, fwd, bwd, n_weights: int):
             grads = bwd(do.contiguous(), *ctx.saved_tensors, ctx.scale)
         return (*grads, None)
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 T5TTT = make_function("T5TTT", t5_fwd, t5_bwd, 3)

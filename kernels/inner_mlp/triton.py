@@ -48,6 +48,11 @@ def _block_n(bd: int) -> int:
     return min(BLOCK_N, 32) if bd > 64 else BLOCK_N
 
 
+def _warps(bd: int) -> int:
+    """More warps for the larger d x d register sets (the backward update keeps 6 matrices + 3 accumulators)."""
+    return 8 if bd >= 64 else 4
+
+
 # ------------------------------------------------------------------------------------------- shared helpers
 @triton.jit
 def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
@@ -290,13 +295,14 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     wa, wb, wo = _slots(ws)
     c = (-scale if gated else scale) / n
     _update[(b * h, chunks)](k, v, wa, wb, wo, pa, pb, po, *k.stride(), *v.stride(), *_wstrides(ws[0]),
-                             h, n, d, chunks, c, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec)
+                             h, n, d, chunks, c, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                             num_warps=_warps(bd))
     gs = _sum_partials(p, b, h, d)
     wn = [(w.float() - g).expand(b, h, d, d).contiguous() for w, g in zip(ws, gs)]
     out = _heads_merged(b, h, n, d, q)
     na, nb, no = _slots(wn)
     _apply[(b * h, triton.cdiv(n, bn))](q, na, nb, no, out, *q.stride(), *out.stride(), h, n, d,
-                                        GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC=prec)
+                                        GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
     return out, wn
 
 
@@ -314,7 +320,8 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     pa, pb, po = _slots(p)
     na, nb, no = _slots(wn)
     _apply_bwd[(b * h, chunks)](q, do, na, nb, no, dq, pa, pb, po, *q.stride(), *do.stride(), *dq.stride(),
-                                h, n, d, chunks, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec)
+                                h, n, d, chunks, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                             num_warps=_warps(bd))
     dwn = _sum_partials(p, b, h, d)
     cts = [(-t).contiguous() for t in dwn]  # cotangents of G (W' = W - G)
     ca, cb, co = _slots(cts)
@@ -323,7 +330,8 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     c = (-scale if gated else scale) / n
     _update_bwd[(b * h, chunks)](k, v, wa, wb, wo, ca, cb, co, dk, dv, pa, pb, po, *k.stride(), *v.stride(),
                                  *_wstrides(ws[0]), *dk.stride(), *dv.stride(), h, n, d, chunks, c,
-                                 GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec)
+                                 GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                             num_warps=_warps(bd))
     dws = []
     for w, a_, b_ in zip(ws, dwn, _sum_partials(p, b, h, d)):
         t = a_ + b_

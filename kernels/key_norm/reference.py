@@ -60,7 +60,8 @@ def make_function(name: str, fwd, bwd):
     def backward(ctx, dy):
         return bwd(dy, *ctx.saved_tensors), None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 KeyNorm = make_function("KeyNorm", key_norm_fwd, key_norm_bwd)
