@@ -173,3 +173,36 @@ def test_mixer_backends_agree(mixer):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _saved_bytes(fn, module):
+    """Bytes of distinct non-parameter tensor storages autograd keeps for the backward of fn()."""
+    seen = {}
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_t5_mixer_recompute_same_grads_less_saved():
+    torch.manual_seed(0)
+    m = T5TTT(64, num_heads=2)
+    x = torch.randn(2, 12 * 10, 64, requires_grad=True)
+    res = []
+    for recompute in (False, True):
+        m.recompute = recompute
+        out, saved = _saved_bytes(lambda: m(x, (12, 10)), m)
+        grads = torch.autograd.grad(out.square().sum(), [x, m.w1, m.qkv.weight, m.k_conv2d.weight])
+        res.append((out, grads, saved))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=0)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    n_c = x.numel() * 4  # bytes of one (B, N, C) fp32 activation
+    # without: qkv output (3), key-norm output, q2, k2 and the proj input; with: the mixer input and proj input
+    assert res[0][2] >= 7 * n_c and res[1][2] <= 2.2 * n_c, (res[0][2] / n_c, res[1][2] / n_c)

@@ -1,19 +1,44 @@
-"""CPU: T5-tiny training step (forward + backward), batch 1, with the inner step and key-norm on the plain
-reference under autograd (``torch_naive``) vs. the recomputing autograd.Function (``torch``), DeiT-T alongside.
+"""CPU: T5-tiny training step (forward + backward), batch 1: the inner step and key-norm on the plain reference
+under autograd (``torch_naive``) vs. the recomputing autograd.Functions (``torch``), each without and with the
+mixer-level recomputation (``T5TTT.recompute``: store the mixer input, recompute qkv / norm / convs / inner step in
+the backward), DeiT-T alongside.
 
-Every (model, backend, size) runs in a fresh subprocess (``ttt_zoo.benchmark.measure``: peak-RSS growth over the
-loaded model, median latency); all configurations in one invocation, so the ratios are side by side.
+Every configuration runs in a fresh subprocess (the child of ``ttt_zoo.benchmark``: peak-RSS growth over the
+loaded model during the first step, median latency); all configurations in one invocation, so ratios are side by
+side.
 
     python tools/bench_t5_backends.py [--sizes 224 512] [--iters 2] [--out tools/results/t5_backends_cpu.md]
 """
 import argparse
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
 
-from ttt_zoo.benchmark import measure
+from ttt_zoo.benchmark import _CHILD
+
+# the benchmark child, plus: T5 mixers' `recompute` from the environment
+_SET = ("model.train(train)\nfor _m in model.modules():\n    if hasattr(_m, 'recompute'):\n"
+        "        _m.recompute = os.environ.get('T5_RECOMPUTE', '1') == '1'\n")
+CHILD = _CHILD.replace("model.train(train)\n", _SET)
+assert CHILD != _CHILD
+
+
+def measure(model: str, size: int, iters: int, backend: str, recompute: bool) -> dict:
+    env = dict(os.environ, T5_RECOMPUTE="1" if recompute else "0")
+    if backend != "-":
+        env["TTT_ZOO_BACKEND"] = backend
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(size), str(iters), "1"], capture_output=True,
+                         text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{model} {size}px {backend} failed:\n{out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r.update(backend=backend, recompute=recompute if backend != "-" else "-")
+    return r
 
 
 def main():
@@ -23,36 +48,30 @@ def main():
     ap.add_argument("--model", default="t5_tiny")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "t5_backends_cpu.md"))
     args = ap.parse_args()
-    configs = [(args.model, "torch_naive"), (args.model, "torch"), ("deit_tiny_patch16_224", "-")]
+    configs = [(args.model, "torch_naive", False), (args.model, "torch", False), (args.model, "torch", True),
+               ("deit_tiny_patch16_224", "-", False)]
     rows = []
     for size in args.sizes:
-        for model, backend in configs:
-            old = os.environ.get("TTT_ZOO_BACKEND")
-            if backend != "-":
-                os.environ["TTT_ZOO_BACKEND"] = backend  # inherited by the child process
-            try:
-                r = measure(model, size, iters=args.iters, train=True)
-            finally:
-                if old is None:
-                    os.environ.pop("TTT_ZOO_BACKEND", None)
-                else:
-                    os.environ["TTT_ZOO_BACKEND"] = old
-            r["backend"] = backend
-            rows.append(r)
-            print(r, flush=True)
+        for model, backend, recompute in configs:
+            rows.append(measure(model, size, args.iters, backend, recompute))
+            print(rows[-1], flush=True)
     lines = [f"# {args.model} training step on CPU: inner-step backends", "",
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 1, forward + backward, "
              f"median of {args.iters} steps after a first step; peak = RSS growth over the loaded model during the "
              "first step.  Shared machine (other jobs running): latencies are noisy, memory is reliable.", "",
-             "| size | model | backend | step ms | peak MB |", "|---|---|---|---|---|"]
+             "| size | model | inner backend | mixer recompute | step ms | peak MB |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['model']} | {r['backend']} | {r['latency_ms']:.0f} | {r['peak_mb']:.0f} |")
-    lines += ["", "Ratios torch / torch_naive (same size):", ""]
+        lines.append(f"| {r['size']} | {r['model']} | {r['backend']} | {r['recompute']} | {r['latency_ms']:.0f} | "
+                     f"{r['peak_mb']:.0f} |")
+    lines += ["", "Ratios to torch_naive without mixer recompute (same size):", ""]
     for size in args.sizes:
-        by = {r["backend"]: r for r in rows if r["size"] == size and r["model"] == args.model}
-        lines.append(f"- {size}px: time {by['torch']['latency_ms'] / by['torch_naive']['latency_ms']:.2f}x, "
-                     f"peak memory {by['torch']['peak_mb'] / max(by['torch_naive']['peak_mb'], 1e-9):.2f}x")
+        rs = [r for r in rows if r["size"] == size]
+        base = rs[0]
+        for r in rs[1:]:
+            lines.append(f"- {size}px {r['model']} {r['backend']} recompute={r['recompute']}: "
+                         f"time {r['latency_ms'] / base['latency_ms']:.2f}x, "
+                         f"peak memory {r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
