@@ -41,6 +41,38 @@ def measure(model: str, size: int, iters: int, backend: str, recompute: bool) ->
     return r
 
 
+def saved_activation_mb(model_name: str, size: int, backend: str, recompute: bool) -> float:
+    """MB of distinct non-parameter storages autograd keeps after one training forward (deterministic)."""
+    import timm
+    import ttt_zoo  # noqa: F401
+    old = os.environ.get("TTT_ZOO_BACKEND")
+    if backend != "-":
+        os.environ["TTT_ZOO_BACKEND"] = backend
+    try:
+        kw = dict(dynamic_img_size=True) if model_name.startswith("deit") else {}
+        model = timm.create_model(model_name, **kw).train()
+        for m in model.modules():
+            if hasattr(m, "recompute"):
+                m.recompute = recompute
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(1, 3, size, size))
+        return sum(seen.values()) / 2 ** 20
+    finally:
+        if old is None:
+            os.environ.pop("TTT_ZOO_BACKEND", None)
+        else:
+            os.environ["TTT_ZOO_BACKEND"] = old
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[224, 512])
@@ -64,6 +96,13 @@ def main():
     for r in rows:
         lines.append(f"| {r['size']} | {r['model']} | {r['backend']} | {r['recompute']} | {r['latency_ms']:.0f} | "
                      f"{r['peak_mb']:.0f} |")
+    lines += ["", "Activations saved for the backward after the forward (MB of distinct non-parameter storages, "
+              "from autograd's saved-tensor hooks; deterministic, unlike RSS):", "",
+              "| size | model | inner backend | mixer recompute | saved MB |", "|---|---|---|---|---|"]
+    for size in args.sizes:
+        for model, backend, recompute in configs:
+            mb = saved_activation_mb(model, size, backend, recompute)
+            lines.append(f"| {size} | {model} | {backend} | {recompute if backend != '-' else '-'} | {mb:.1f} |")
     lines += ["", "Ratios to torch_naive without mixer recompute (same size):", ""]
     for size in args.sizes:
         rs = [r for r in rows if r["size"] == size]
