@@ -114,11 +114,12 @@ def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor
         dwn = [_tr(q) @ dy1, dwn_o]
     del y1, a, da, dhq, dy1
     dg = [-t for t in dwn]  # cotangent of G (W' = W - G)
-    # ---- update: recompute z, silu, h, e from k, v, W
+    # ---- update: recompute z, silu, h, e from k, v, W (temporaries freed as soon as they are used)
     wo = ws[-1]
     z1 = k @ ws[0]
     s1, ds1, sg = _silu_parts(z1)
     d2s1 = sg * (1.0 - sg) * (2.0 + z1 * (1.0 - 2.0 * sg))
+    del z1, sg
     if gated:
         z2 = k @ ws[1]
         h = s1 * z2
@@ -127,17 +128,20 @@ def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor
         h = s1
         e = (s1 @ wo - v) * c
     dh = e @ _tr(wo)
-    dpa = k @ dg[0]                  # cotangent of dz1-like term k^T P1
+    dpa = k @ dg[0]                  # cotangent of P1 in G1 = k^T P1
     dha = e @ _tr(dg[-1])            # cotangent of h from G_O = h^T e
     de = h @ dg[-1]                  # cotangent of e from G_O
     if gated:
+        del h
         dpb = k @ dg[1]
         dk = (dh * z2 * ds1) @ _tr(dg[0]) + (dh * s1) @ _tr(dg[1])
         ddh = dpa * z2 * ds1 + dpb * s1
         dz2 = dpa * dh * ds1 + dha * s1
         dz1 = dpa * dh * z2 * d2s1 + dpb * dh * ds1 + dha * z2 * ds1
+        del dpa, dpb, dha, dh, s1, ds1, d2s1, z2
         de = de + ddh @ wo
         dv = de * -c
+        del de
         dk = dk + dz1 @ _tr(ws[0]) + dz2 @ _tr(ws[1])
         dw = [_tr(k) @ dz1, _tr(k) @ dz2, _tr(ddh) @ e]
     else:
@@ -145,8 +149,10 @@ def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor
         ddh = dpa * ds1
         de = de + ddh @ wo
         df = de * c
+        del de
         dv = -df
         dz1 = dpa * dh * d2s1 + (dha + df @ _tr(wo)) * ds1
+        del dpa, dh, d2s1, dha, ds1
         dk = dk + dz1 @ _tr(ws[0])
         dw = [_tr(k) @ dz1, _tr(ddh) @ e + _tr(h) @ df]
     dws = [_reduce_to(a_ + b_, w).to(w_dt) for a_, b_, w in zip(dwn, dw, ws)]
