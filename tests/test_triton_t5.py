@@ -28,6 +28,7 @@ from ttt_zoo.layers.t5_ttt import T5TTT  # noqa: E402
 pytestmark = pytest.mark.triton
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+DEFAULT_TILES = (T.BLOCK_N, T.TILES)  # before the fixture shrinks them
 OPS = {"t5": (T.t5_swiglu_ttt_triton, t5_swiglu_ttt_reference, 3), "dit5": (T.mlp_ttt_triton, mlp_ttt_reference, 2)}
 
 
@@ -74,6 +75,18 @@ def test_inner_kernels(op, dtype, case):
     inputs = [torch.randn(b, h, n, d, device=DEV) for _ in range(3)]
     inputs += [torch.randn(b if per_sample else 1, h, d, d, device=DEV) * 0.05 for _ in range(n_w)]
     _compare(lambda *a: f(*a, scale), lambda *a: ref(*a, scale), inputs, dtype,
+             ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
+
+
+@pytest.mark.parametrize("op,n,d", [("t5", 70, 72), ("dit5", 300, 32)], ids=["t5N70d72", "dit5N300d32"])
+def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
+    # the shipped tile sizes: different token tiles for update / apply / backward, two 256-token chunks at N = 300
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    f, ref, n_w = OPS[op]
+    inputs = [torch.randn(1, 1, n, d, device=DEV) for _ in range(3)]
+    inputs += [torch.randn(1, 1, d, d, device=DEV) * 0.05 for _ in range(n_w)]
+    _compare(lambda *a: f(*a, d ** -0.5), lambda *a: ref(*a, d ** -0.5), inputs, torch.float32,
              ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
 
 

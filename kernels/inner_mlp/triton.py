@@ -16,6 +16,9 @@ Passes, per (batch, head):
   bwd 3 ``_apply_bwd``: recomputes y = q W', writes dq, reduces dW' (2 or 3 d x d) into partials.
   bwd 4 ``_update_bwd``: recomputes z, silu, silu', silu'', h, e, dh from k, v, W; writes dk, dv, reduces the
       gradient through G into dW partials.
+  Token tiles: 64 (apply, update) and 32 (backward) for d <= 64; 32 / 16 / 16 for d = 72 (D = 128): chosen from
+  ptxas register / spill reports for sm_90 (``tools/compile_t5_kernels.py``, results in tools/results/); 8 warps
+  for D >= 64.  Every reduction chunk spans TILES * BLOCK_N = 256 tokens.
   Saved for the backward: q, k, v, W and W' (2 or 3 d x d fp32 per (batch, head)).  Extra memory per (batch, head):
   W' and 2 or 3 fp32 d x d partials per chunk of TILES * BLOCK_N tokens; O(N d) only for out / dq / dk / dv.
 """
@@ -44,8 +47,16 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _block_n(bd: int) -> int:
-    return min(BLOCK_N, 32) if bd > 64 else BLOCK_N
+def _block_n(bd: int, pass_: str) -> int:
+    """Tokens per tile, chosen from ptxas register/spill reports for sm_90 (tools/compile_t5_kernels.py): the
+    backward kernels hold more d x d matrices, so they take shorter token tiles."""
+    cap = {"apply": (64, 32), "update": (64, 16), "bwd": (32, 16)}[pass_][1 if bd > 64 else 0]
+    return min(BLOCK_N, cap)
+
+
+def _tiles(bn: int) -> int:
+    """Tiles per reduction program: every pass reduces chunks of TILES * BLOCK_N tokens."""
+    return max(1, TILES * BLOCK_N // bn)
 
 
 def _warps(bd: int) -> int:
@@ -288,21 +299,23 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     _check(q, k, v, ws, "t5_swiglu_ttt" if gated else "dit5_mlp_ttt")
     b, h, n, d = q.shape
     bd, prec = _block_d(d), _prec(q.dtype)
-    bn = _block_n(bd)
-    chunks = triton.cdiv(n, TILES * bn)
+    bn, bn_apply = _block_n(bd, "update"), _block_n(bd, "apply")
+    tiles = _tiles(bn)
+    chunks = triton.cdiv(n, tiles * bn)
     p = _partials(b * h, chunks, d, 3, q.device) if gated else _partials(b * h, chunks, d, 2, q.device)
     pa, pb, po = _slots(p)
     wa, wb, wo = _slots(ws)
     c = (-scale if gated else scale) / n
     _update[(b * h, chunks)](k, v, wa, wb, wo, pa, pb, po, *k.stride(), *v.stride(), *_wstrides(ws[0]),
-                             h, n, d, chunks, c, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                             h, n, d, chunks, c, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                              num_warps=_warps(bd))
     gs = _sum_partials(p, b, h, d)
     wn = [(w.float() - g).expand(b, h, d, d).contiguous() for w, g in zip(ws, gs)]
     out = _heads_merged(b, h, n, d, q)
     na, nb, no = _slots(wn)
-    _apply[(b * h, triton.cdiv(n, bn))](q, na, nb, no, out, *q.stride(), *out.stride(), h, n, d,
-                                        GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
+    _apply[(b * h, triton.cdiv(n, bn_apply))](q, na, nb, no, out, *q.stride(), *out.stride(), h, n, d,
+                                              GATED=gated, BLOCK_N=bn_apply, BLOCK_D=bd, PREC=prec,
+                                              num_warps=_warps(bd))
     return out, wn
 
 
@@ -311,8 +324,9 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     """Triton backward: [dq, dk, dv, dW...]; recomputes every N x d intermediate from q, k, v, W and W'."""
     b, h, n, d = q.shape
     bd, prec = _block_d(d), _prec(q.dtype)
-    bn = _block_n(bd)
-    chunks = triton.cdiv(n, TILES * bn)
+    bn = _block_n(bd, "bwd")
+    tiles = _tiles(bn)
+    chunks = triton.cdiv(n, tiles * bn)
     n_w = len(ws)
     wn = [w.float().expand(b, h, d, d).contiguous() for w in wn]
     dq = _heads_merged(b, h, n, d, q)
@@ -320,7 +334,7 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     pa, pb, po = _slots(p)
     na, nb, no = _slots(wn)
     _apply_bwd[(b * h, chunks)](q, do, na, nb, no, dq, pa, pb, po, *q.stride(), *do.stride(), *dq.stride(),
-                                h, n, d, chunks, GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                                h, n, d, chunks, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                              num_warps=_warps(bd))
     dwn = _sum_partials(p, b, h, d)
     cts = [(-t).contiguous() for t in dwn]  # cotangents of G (W' = W - G)
@@ -330,7 +344,7 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     c = (-scale if gated else scale) / n
     _update_bwd[(b * h, chunks)](k, v, wa, wb, wo, ca, cb, co, dk, dv, pa, pb, po, *k.stride(), *v.stride(),
                                  *_wstrides(ws[0]), *dk.stride(), *dv.stride(), h, n, d, chunks, c,
-                                 GATED=gated, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                                 GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                              num_warps=_warps(bd))
     dws = []
     for w, a_, b_ in zip(ws, dwn, _sum_partials(p, b, h, d)):
