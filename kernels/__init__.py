@@ -9,6 +9,10 @@ from .vit3_ttt import (dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qk
                        swiglu_ttt_torch)
 
 from .dit5_ttt import mlp_ttt, mlp_ttt_reference  # noqa: E402
+from .inner_mlp import mlp_ttt_torch, t5_swiglu_ttt_torch  # noqa: E402
+from .inner_mlp.ops import mlp_ttt_triton_entry, t5_swiglu_ttt_triton_entry  # noqa: E402
+from .key_norm import key_norm_reference, key_norm_torch  # noqa: E402
+from .key_norm.ops import key_norm_triton_entry  # noqa: E402
 from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
 from .ttt_linear import inner_rope, token_tau, ttt_linear_reference  # noqa: E402
 from .ttt_linear.ops import ttt_linear_bidir_op, ttt_linear_op  # noqa: E402
@@ -20,8 +24,12 @@ from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  
 register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op if HAS_TRITON else None, swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op if HAS_TRITON else None, dwconv_ttt_reference)
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op if HAS_TRITON else None, qkv_ttt_naive)
-register_op("dit5_mlp_ttt", mlp_ttt_reference)
-register_op("t5_swiglu_ttt", t5_swiglu_ttt_reference)
+# T5 / DiT5 inner steps and the key instance-norm: same three backends (ttt_zoo::t5_*, dit5_*, key_instance_norm_*)
+register_op("dit5_mlp_ttt", mlp_ttt_torch, mlp_ttt_triton_entry if HAS_TRITON else None, mlp_ttt_reference)
+register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_triton_entry if HAS_TRITON else None,
+            t5_swiglu_ttt_reference)
+register_op("key_instance_norm", key_norm_torch, key_norm_triton_entry if HAS_TRITON else None, key_norm_reference)
+# TTT-Linear (Vision-TTT): one direction, and both directions in one launch (ttt_zoo::ttt_linear_scan_*)
 register_op("ttt_linear", ttt_linear_torch, ttt_linear_op if HAS_TRITON else None, ttt_linear_reference)
 register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op if HAS_TRITON else None,
             ttt_linear_bidir_naive)
@@ -50,6 +58,14 @@ def t5_swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.T
     if torch.jit.is_scripting():
         return t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale)
     return get_op("t5_swiglu_ttt", q.device, backend)(q, k, v, w1, w2, w3, scale)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def key_instance_norm(k: torch.Tensor, eps: float = 1.0, backend: Optional[str] = None) -> torch.Tensor:
+    """T5 / DiT5 key instance-norm of (B, N, C) tokens over N; see ``key_norm.reference``."""
+    if torch.jit.is_scripting():
+        return key_norm_reference(k, eps)
+    return get_op("key_instance_norm", k.device, backend)(k, eps)
 
 
 def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
@@ -87,6 +103,6 @@ def ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_res
 
 __all__ = ["available_ops", "get_op", "register_op", "resolve_backend",
            "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
-           "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "t5_swiglu_ttt",
-           "t5_swiglu_ttt_reference", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "inner_rope",
-           "token_tau"]
+           "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
+           "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
+           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "inner_rope", "token_tau"]

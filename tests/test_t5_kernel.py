@@ -65,7 +65,8 @@ def test_low_precision_accumulates_in_fp32(dtype):
 
 
 def test_dispatch_registers_reference():
-    assert get_op("t5_swiglu_ttt", torch.device("cpu")) is t5_swiglu_ttt_reference
+    # the plain reference is the torch_naive backend; the default CPU path (recomputing backward) matches it
+    assert get_op("t5_swiglu_ttt", torch.device("cpu"), "torch_naive") is t5_swiglu_ttt_reference
     q, k, v, w1, w2, w3 = _inputs()
     torch.testing.assert_close(t5_swiglu_ttt(q, k, v, w1, w2, w3, 0.5),
-                               t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, 0.5), rtol=0, atol=0)
+                               t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, 0.5), rtol=1e-12, atol=1e-12)

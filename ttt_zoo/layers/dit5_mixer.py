@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import mlp_ttt
+from ttt_zoo.kernels import key_instance_norm, mlp_ttt
 from .block import map_to_tokens, tokens_to_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
@@ -76,7 +76,7 @@ class DiT5MixedAttention(TTTMixer):
         s, o = self.qk_scale_ttt, self.qk_offset_ttt
         q = q * s[..., 0] + o[..., 0]
         k = k * s[..., 1] + o[..., 1]
-        k = (k - k.mean(dim=1, keepdim=True)) / torch.sqrt(k.var(dim=1, unbiased=False, keepdim=True) + 1.0)
+        k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
         q = q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size)))
         k = k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size)))
         out = mlp_ttt(self._heads(q), self._heads(k), self._heads(v), self.w1, self.w2, self.scale,

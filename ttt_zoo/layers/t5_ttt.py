@@ -10,23 +10,15 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.layers import register_notrace_function, trunc_normal_
+from torch.utils.checkpoint import checkpoint
+from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import t5_swiglu_ttt
+from ttt_zoo.kernels import key_instance_norm, t5_swiglu_ttt
 from .block import map_to_tokens, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
 __all__ = ["T5TTT", "key_instance_norm", "neighborhood_attention_2d", "neighborhood_indices"]
-
-
-@register_notrace_function
-def key_instance_norm(k: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
-    """Per sample and channel, normalise (B, N, C) keys over the N tokens: (k - mean) / sqrt(var + eps)."""
-    kf = k.float() if k.dtype in (torch.float16, torch.bfloat16) else k
-    mean = kf.mean(dim=1, keepdim=True)
-    var = kf.var(dim=1, unbiased=False, keepdim=True)
-    return ((kf - mean) / torch.sqrt(var + eps)).to(k.dtype)
 
 
 @register_mixer("t5")
@@ -44,13 +36,17 @@ class T5TTT(TTTMixer):
             0.5 * TTT + 0.5 * neighbourhood attention on the raw q, k, v (Eq. 15).
         key_norm_eps: epsilon of the key instance-norm (1.0 in the official code).
         backend: force the op backend (``'torch'`` or ``'triton'``); default dispatches on device.
+        recompute: when training (grad enabled, not under torch.compile / TorchScript), store only the mixer input
+            and recompute qkv, the key norm, the convs and the inner step in the backward (torch.utils.checkpoint);
+            the lean inner-step backward then keeps training memory below a softmax ViT's.
     """
     # new relative to a softmax ViT: the inner weights and the q/k convs (the official recipe trains all of
     # them with the larger "new parameter" learning rate, and `linearize` initialises exactly these)
     inner_param_names = ("w1", "w2", "w3", "q_conv2d", "k_conv2d")
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, proj_drop: float = 0.0,
-                 na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None):
+                 na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None,
+                 recompute: bool = True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
@@ -63,6 +59,7 @@ class T5TTT(TTTMixer):
         self.na_kernel = na_kernel
         self.key_norm_eps = key_norm_eps
         self.backend = backend
+        self.recompute = recompute
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w3 = nn.Parameter(torch.empty(1, num_heads, d, d))
@@ -86,10 +83,11 @@ class T5TTT(TTTMixer):
         b, n, _ = t.shape
         return t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    def _core(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """Everything between the input and ``proj``: (B, N, C) -> (B, heads, N, d)."""
         b, n, c = x.shape
         q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
-        kn = key_instance_norm(k, self.key_norm_eps)
+        kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
         q2 = q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size)))
         k2 = kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size)))
         out = t5_swiglu_ttt(self._heads(q2), self._heads(k2), self._heads(v), self.w1, self.w2, self.w3,
@@ -99,6 +97,20 @@ class T5TTT(TTTMixer):
             na = neighborhood_attention_2d(self._heads(q).reshape(grid), self._heads(k).reshape(grid),
                                            self._heads(v).reshape(grid), self.na_kernel, 1, self.scale)
             out = 0.5 * out + 0.5 * na.flatten(2, 3)
+        return out
+
+    @torch.jit.unused
+    def _core_recompute(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return checkpoint(self._core, x, feat_size, use_reentrant=False)
+        return self._core(x, feat_size)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        b, n, c = x.shape
+        if torch.jit.is_scripting():
+            out = self._core(x, feat_size)
+        else:
+            out = self._core_recompute(x, feat_size)
         out = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(out))
 

@@ -1,0 +1,170 @@
+"""The T5 / DiT5 inner steps as ``torch.library`` custom ops (``ttt_zoo::t5_*``, ``ttt_zoo::dit5_*``).
+
+Each op has a PyTorch kernel for every device (the recomputing path of ``recompute.py``), a Triton kernel for CUDA
+(when Triton imports) and a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
+models build and run.  The forward ops are differentiable through ``register_autograd`` (backward = the ``*_bwd`` op).
+
+    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, k, v, w1, w2, w3, scale)
+    dq, dk, dv, dw1, dw2, dw3 = torch.ops.ttt_zoo.t5_swiglu_bwd(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
+    out, w1n, w2n = torch.ops.ttt_zoo.dit5_mlp_fwd(q, k, v, w1, w2, scale)
+    dq, dk, dv, dw1, dw2 = torch.ops.ttt_zoo.dit5_mlp_bwd(do, q, k, v, w1, w2, w1n, w2n, scale)
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import recompute as R
+from .recompute import compute_dtype
+
+# Triton is optional and imported lazily (CPU users never pay for it; tests set TRITON_INTERPRET=1 first)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+__all__ = ["HAS_TRITON", "t5_swiglu_ttt_op", "mlp_ttt_op", "t5_swiglu_ttt_triton_entry", "mlp_ttt_triton_entry"]
+
+
+def _t():
+    from . import triton as T
+    return T
+
+
+def _uses_triton(t: Tensor) -> bool:
+    return HAS_TRITON and t.device.type == "cuda"
+
+
+def _fake_fwd(q: Tensor, ws) -> List[Tensor]:
+    b, h, n, d = q.shape
+    out = q.new_empty(b, n, h, d).transpose(1, 2) if _uses_triton(q) else q.new_empty(b, h, n, d)
+    return [out] + [q.new_empty(b, h, d, d, dtype=compute_dtype(q.dtype)) for _ in ws]
+
+
+def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
+    b, h, n, d = q.shape
+    if _uses_triton(q):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
+        grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
+    else:
+        grads = [q.new_empty(b, h, n, d) for _ in range(3)]
+    return grads + [torch.empty_like(w, memory_format=torch.contiguous_format) for w in ws]
+
+
+def _fwd_impl(q, ws, torch_fwd, triton_fwd, *args):
+    impl = triton_fwd() if _uses_triton(q) else torch_fwd
+    out, *wn = impl(*args)
+    return (out,) + tuple(w.to(compute_dtype(q.dtype)).contiguous() for w in wn)
+
+
+def _bwd_impl(q, torch_bwd, triton_bwd, *args):
+    impl = triton_bwd() if _uses_triton(q) else torch_bwd
+    grads = impl(*args)
+    if _uses_triton(q):
+        return [t if i < 3 else t.contiguous() for i, t in enumerate(grads)]
+    return [t.contiguous() for t in grads]
+
+
+# ------------------------------------------------------------------------------------------------------ T5
+@torch.library.custom_op("ttt_zoo::t5_swiglu_fwd", mutates_args=())
+def t5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+              scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fwd_impl(q, (w1, w2, w3), R.t5_fwd, lambda: _t().t5_fwd_triton, q, k, v, w1, w2, w3, scale)
+
+
+@t5_fwd_op.register_fake
+def _(q, k, v, w1, w2, w3, scale):
+    return tuple(_fake_fwd(q, (w1, w2, w3)))
+
+
+@torch.library.custom_op("ttt_zoo::t5_swiglu_bwd", mutates_args=())
+def t5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, w1n: Tensor,
+              w2n: Tensor, w3n: Tensor, scale: float) -> List[Tensor]:
+    return _bwd_impl(q, R.t5_bwd, lambda: _t().t5_bwd_triton, do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
+
+
+@t5_bwd_op.register_fake
+def _(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale):
+    return _fake_bwd(q, (w1, w2, w3))
+
+
+def _t5_setup(ctx, inputs, output):
+    q, k, v, w1, w2, w3, scale = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, w3, *output[1:])
+    ctx.scale = scale
+
+
+def _t5_backward(ctx, dout, *_):
+    grads = t5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale)
+    return (*grads, None)
+
+
+t5_fwd_op.register_autograd(_t5_backward, setup_context=_t5_setup)
+
+
+# ---------------------------------------------------------------------------------------------------- DiT5
+@torch.library.custom_op("ttt_zoo::dit5_mlp_fwd", mutates_args=())
+def dit5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+                scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    return _fwd_impl(q, (w1, w2), R.dit5_fwd, lambda: _t().dit5_fwd_triton, q, k, v, w1, w2, scale)
+
+
+@dit5_fwd_op.register_fake
+def _(q, k, v, w1, w2, scale):
+    return tuple(_fake_fwd(q, (w1, w2)))
+
+
+@torch.library.custom_op("ttt_zoo::dit5_mlp_bwd", mutates_args=())
+def dit5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w1n: Tensor, w2n: Tensor,
+                scale: float) -> List[Tensor]:
+    return _bwd_impl(q, R.dit5_bwd, lambda: _t().dit5_bwd_triton, do, q, k, v, w1, w2, w1n, w2n, scale)
+
+
+@dit5_bwd_op.register_fake
+def _(do, q, k, v, w1, w2, w1n, w2n, scale):
+    return _fake_bwd(q, (w1, w2))
+
+
+def _dit5_setup(ctx, inputs, output):
+    q, k, v, w1, w2, scale = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, *output[1:])
+    ctx.scale = scale
+
+
+def _dit5_backward(ctx, dout, *_):
+    grads = dit5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale)
+    return (*grads, None)
+
+
+dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
+
+
+# --------------------------------------------------------------------------------------------- public entry
+def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float) -> Tensor:
+    """T5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
+    return t5_fwd_op(q, k, v, w1, w2, w3, float(scale))[0]
+
+
+def mlp_ttt_op(q, k, v, w1, w2, scale: float) -> Tensor:
+    """DiT5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
+    return dit5_fwd_op(q, k, v, w1, w2, float(scale))[0]
+
+
+def _interpreted(t: Tensor) -> bool:
+    """CPU tensors forced onto the Triton backend run the kernels in the interpreter when it is on."""
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def t5_swiglu_ttt_triton_entry(q, k, v, w1, w2, w3, scale: float) -> Tensor:
+    """The ``triton`` backend: the custom op (Triton kernel on CUDA), or the kernels under TRITON_INTERPRET=1."""
+    if _interpreted(q):
+        return _t().t5_swiglu_ttt_triton(q, k, v, w1, w2, w3, scale)
+    return t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale)
+
+
+def mlp_ttt_triton_entry(q, k, v, w1, w2, scale: float) -> Tensor:
+    if _interpreted(q):
+        return _t().mlp_ttt_triton(q, k, v, w1, w2, scale)
+    return mlp_ttt_op(q, k, v, w1, w2, scale)

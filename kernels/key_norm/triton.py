@@ -1,0 +1,109 @@
+"""Triton kernels of the key instance-norm (see ``reference.py`` for the math), forward and backward.
+
+One program per (sample, block of BLOCK_C channels) loops over the N tokens in BLOCK_N tiles; x may be any strided
+(B, N, C) view (e.g. the k slice of the qkv output); loads are upcast to float32 and statistics accumulate in fp32.
+  fwd ``_knorm_fwd``: pass 1 sum -> mean, pass 2 sum of squared deviations -> rstd (two-pass, no cancellation),
+      pass 3 writes y = (x - mean) rstd and the (B, C) fp32 mean / rstd.
+  bwd ``_knorm_bwd``: pass 1 reduces sum(dy) and sum(dy x^) (x^ recomputed from x, mean, rstd), pass 2 writes
+      dx = rstd (dy - mean(dy) - x^ mean(dy x^)).
+Memory per (sample, channel): 2 fp32 saved (mean, rstd); nothing else beyond y / dx themselves.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_key_norm, make_function
+
+__all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton"]
+
+BLOCK_N = 64
+BLOCK_C = 32
+
+
+@triton.jit
+def _load_cols(ptr, base, offs_n, offs_c, sn, sc, N, C):
+    m = (offs_n[:, None] < N) & (offs_c[None, :] < C)
+    return tl.load(ptr + base + offs_n[:, None] * sn + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32), m
+
+
+@triton.jit
+def _knorm_fwd(X, Y, MEAN, RSTD, sxb, sxn, sxc, syb, syn, syc, N, C, eps,
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, cb = tl.program_id(0), tl.program_id(1)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        x, m = _load_cols(X, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
+        acc += tl.sum(x, axis=0)
+    mean = acc / N
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        x, m = _load_cols(X, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
+        dev = tl.where(m, x - mean[None, :], 0.0)
+        acc += tl.sum(dev * dev, axis=0)
+    rstd = 1.0 / tl.sqrt(acc / N + eps)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        x, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        y = (x - mean[None, :]) * rstd[None, :]
+        tl.store(Y + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, y.to(Y.dtype.element_ty), mask=m)
+    cm = offs_c < C
+    tl.store(MEAN + b * C + offs_c, mean, mask=cm)
+    tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
+
+
+@triton.jit
+def _knorm_bwd(DY, X, MEAN, RSTD, DX, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn, sgc, N, C,
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, cb = tl.program_id(0), tl.program_id(1)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = offs_c < C
+    mean = tl.load(MEAN + b * C + offs_c, mask=cm, other=0.0)
+    rstd = tl.load(RSTD + b * C + offs_c, mask=cm, other=0.0)
+    s1 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        dy, m = _load_cols(DY, b * sdb, offs_n, offs_c, sdn, sdc, N, C)
+        x, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        xh = tl.where(m, (x - mean[None, :]) * rstd[None, :], 0.0)
+        s1 += tl.sum(dy, axis=0)
+        s2 += tl.sum(dy * xh, axis=0)
+    m1, m2 = s1 / N, s2 / N
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        dy, m = _load_cols(DY, b * sdb, offs_n, offs_c, sdn, sdc, N, C)
+        x, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        xh = (x - mean[None, :]) * rstd[None, :]
+        dx = rstd[None, :] * (dy - m1[None, :] - xh * m2[None, :])
+        tl.store(DX + b * sgb + offs_n[:, None] * sgn + offs_c[None, :] * sgc, dx.to(DX.dtype.element_ty), mask=m)
+
+
+def key_norm_fwd_triton(x: torch.Tensor, eps: float):
+    """(y (B, N, C) in x's dtype, mean (B, C) fp32, rstd (B, C) fp32)."""
+    check_key_norm(x, eps)
+    b, n, c = x.shape
+    y = torch.empty(b, n, c, device=x.device, dtype=x.dtype)
+    mean = torch.empty(b, c, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](x, y, mean, rstd, *x.stride(), *y.stride(), n, c, float(eps),
+                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+    return y, mean, rstd
+
+
+def key_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    b, n, c = x.shape
+    dx = torch.empty(b, n, c, device=x.device, dtype=x.dtype)
+    _knorm_bwd[(b, triton.cdiv(c, BLOCK_C))](dy, x, mean.float().contiguous(), rstd.float().contiguous(), dx,
+                                            *dy.stride(), *x.stride(), *dx.stride(), n, c,
+                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+    return dx
+
+
+KeyNormTriton = make_function("KeyNormTriton", key_norm_fwd_triton, key_norm_bwd_triton)
+
+
+def key_norm_triton(x: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
+    return KeyNormTriton.apply(x, float(eps))
