@@ -227,8 +227,14 @@ def _check(q, k, v, w1, w2):
             raise ValueError(f"{name} must be (1 or B, heads, d, d) = (1 or {b}, {h}, {d}, {d}), got {tuple(w.shape)}")
 
 
-def _grid_chunks(n: int) -> int:
-    return triton.cdiv(n, TILES * BLOCK_N)
+def _grid_chunks(n: int, bn: int) -> int:
+    return triton.cdiv(n, TILES * bn)
+
+
+def _reduce_cfg(bd: int) -> Tuple[int, int]:
+    """(token tile, warps) of the reduction kernels: from sm_90 ptxas reports (tools/compile_kernels.py), head dims
+    above 32 spill registers with 64-token tiles on 4 warps and do not with 32-token tiles on 8 warps."""
+    return (BLOCK_N, 4) if bd <= 32 else (min(BLOCK_N, 32), 8)
 
 
 def _block_c(bd: int) -> int:
@@ -256,13 +262,14 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     """
     _check(q, k, v, w1, w2)
     b, h, n, d = q.shape
-    bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
-    bc = _block_c(bd)
-    cols = triton.cdiv(d, bc)
+    bd, prec = _block_d(d), _prec(q.dtype)
+    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd)
+    cols, chunks = triton.cdiv(d, bc), _grid_chunks(n, bn)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
     _swiglu_update[(b * h, chunks, cols)](k, v, w1, w2, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1), h, n, d,
-                                          chunks, TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
+                                          chunks, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec,
+                                          num_warps=warps)
     g = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d) * (-scale / n)
     wn = torch.cat([w1, w2], dim=-1).float() - (normalize_columns(g) if normalize_grad else g)
     wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
@@ -277,9 +284,9 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
 def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool = True):
     """Triton backward: (dq, dk, dv, dw1, dw2); recomputes every N x d intermediate from q, k, v and G."""
     b, h, n, d = q.shape
-    bd, prec, chunks = _block_d(d), _prec(q.dtype), _grid_chunks(n)
-    bc = _block_c(bd)
-    cols = triton.cdiv(d, bc)
+    bd, prec = _block_d(d), _prec(q.dtype)
+    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd)
+    cols, chunks = triton.cdiv(d, bc), _grid_chunks(n, bn)
     g = g.float()
     w = torch.cat([w1, w2], dim=-1).float()
     wn = w - (normalize_columns(g) if normalize_grad else g)
@@ -291,7 +298,8 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
     p2 = torch.empty_like(p1)
     _swiglu_apply_bwd[(b * h, chunks, cols)](q, do, wn1, wn2, dq_buf, p1, p2, *q.stride(), *do.stride(),
                                              dq_buf.stride(0), *dq.stride()[1:], h, n, d, chunks,
-                                             TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
+                                             TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec,
+                                             num_warps=warps)
     dwn = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
     dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
     dg1, dg2 = dg[..., :d].contiguous(), dg[..., d:].contiguous()
@@ -300,7 +308,8 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
     _swiglu_update_bwd[(b * h, chunks, cols)](k, v, w1, w2, dg1, dg2, dk_buf, dv, p1, p2, *k.stride(), *v.stride(),
                                               *_wstrides(w1), dk_buf.stride(0), *dk.stride()[1:], *dv.stride(),
                                               h, n, d, chunks, -scale / n,
-                                              TILES=TILES, BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
+                                              TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec,
+                                              num_warps=warps)
     dq, dk = _merge_col_blocks(dq_buf, q.dtype), _merge_col_blocks(dk_buf, q.dtype)
     dw = dwn + torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
     if w1.shape[0] == 1:
