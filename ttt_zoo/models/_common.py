@@ -4,7 +4,7 @@ import argparse
 import contextlib
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -207,8 +207,15 @@ def _resolve_hub_weights(variant: str, kwargs: Dict[str, Any]) -> None:
     kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, hf_hub_id=None)
 
 
-def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
-    """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles)."""
+def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indices: Any = None,
+                    **kwargs) -> nn.Module:
+    """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles).
+
+    ``default_out_indices``: for backbones, the ``features_only`` outputs (timm's getter over
+    ``forward_intermediates``) unless the caller passes ``out_indices``."""
+    if default_out_indices is not None:
+        out_indices = kwargs.pop("out_indices", default_out_indices)
+        kwargs["feature_cfg"] = dict(out_indices=out_indices, feature_cls="getter")
     if pretrained:
         _resolve_hub_weights(variant, kwargs)
         _resolve_local_weights(variant, kwargs)

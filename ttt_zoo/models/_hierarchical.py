@@ -8,12 +8,24 @@ downsamples differs); everything else lives here.
 from typing import Any, Dict, List, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from timm.layers import register_notrace_function
 from timm.models._features import feature_take_indices
 
 from ._common import TTTClassifier
 
-__all__ = ["HierarchicalTTT"]
+__all__ = ["HierarchicalTTT", "pad_to_multiple"]
+
+
+@register_notrace_function
+def pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad an NCHW map on the right/bottom so H and W are multiples of ``multiple`` (the stems' stride)."""
+    ph = (multiple - x.shape[-2] % multiple) % multiple
+    pw = (multiple - x.shape[-1] % multiple) % multiple
+    if ph or pw:
+        x = F.pad(x, (0, pw, 0, ph))
+    return x
 
 
 class HierarchicalTTT(TTTClassifier):

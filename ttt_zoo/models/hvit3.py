@@ -8,18 +8,16 @@ backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
                       unwrap_checkpoint, validate_state_dict, with_hub_ids)
-from ._hierarchical import HierarchicalTTT
+from ._hierarchical import HierarchicalTTT, pad_to_multiple
 
 __all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -36,16 +34,6 @@ class ConvNormAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.norm(self.conv(x)))
-
-
-@register_notrace_function
-def pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad an NCHW map on the right/bottom so H and W are multiples of ``multiple``."""
-    ph = (multiple - x.shape[-2] % multiple) % multiple
-    pw = (multiple - x.shape[-1] % multiple) % multiple
-    if ph or pw:
-        x = F.pad(x, (0, pw, 0, ph))
-    return x
 
 
 class Stem(nn.Module):
@@ -206,12 +194,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: HViT3) -> Dict[str, 
 
 
 def _create_hvit3(variant: str, pretrained: bool = False, **kwargs) -> HViT3:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return build_ttt_model(
-        HViT3, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs)
+    return build_ttt_model(HViT3, variant, pretrained, default_out_indices=(0, 1, 2, 3),
+                           pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:

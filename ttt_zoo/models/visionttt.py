@@ -24,7 +24,7 @@ from timm.models._features import feature_take_indices
 from ttt_zoo.layers import TTTBlock
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
                       unwrap_checkpoint, validate_state_dict)
-from ._hierarchical import HierarchicalTTT
+from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from ._plain import PlainTTTViT, resample_checkpoint_pos_embed
 
 __all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
@@ -141,11 +141,6 @@ class VisionTTTStage(nn.Module):
         return t.reshape(b, h, w, c)
 
 
-@register_notrace_function
-def _pad_to_4(x: torch.Tensor) -> torch.Tensor:
-    return F.pad(x, (0, (4 - x.shape[-1] % 4) % 4, 0, (4 - x.shape[-2] % 4) % 4))
-
-
 class VisionTTTH(HierarchicalTTT):
     """Vittt-H: 4x4 stem + LN -> 4 stages (PatchMerging, Vittt blocks) -> LN -> mean pool -> head.
 
@@ -197,7 +192,7 @@ class VisionTTTH(HierarchicalTTT):
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, self.model_name)
-        x = self.patch_embed.proj(_pad_to_4(x)).permute(0, 2, 3, 1)
+        x = self.patch_embed.proj(pad_to_multiple(x, 4)).permute(0, 2, 3, 1)
         return self.patch_embed.norm(x)
 
     def forward_intermediates(
@@ -292,9 +287,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
 
 
 def _create(cls, variant: str, pretrained: bool, default_out: Any, **kwargs) -> nn.Module:
-    out_indices = kwargs.pop("out_indices", default_out)
-    return build_ttt_model(cls, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                           feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
+    return build_ttt_model(cls, variant, pretrained, default_out_indices=default_out,
+                           pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 def _cfg(**kwargs) -> Dict[str, Any]:

@@ -53,12 +53,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: ViT3) -> Dict[str, t
 
 
 def _create_vit3(variant: str, pretrained: bool = False, **kwargs) -> ViT3:
-    out_indices = kwargs.pop("out_indices", 3)
-    return build_ttt_model(
-        ViT3, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs)
+    return build_ttt_model(ViT3, variant, pretrained, default_out_indices=3,
+                           pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
