@@ -272,7 +272,9 @@ class TTTClassifier(nn.Module):
     """The classifier part every image family shares: mean pool (``global_pool='avg'``) or none (``''``, per-location
     logits), dropout, Linear ``head`` over ``num_features``; features are NHWC or NCHW per ``output_fmt``.
 
-    Subclasses build their trunk, then call :meth:`init_head`; ``forward_features`` is theirs.
+    Subclasses build their trunk, then call :meth:`init_head`; ``forward_features`` and ``forward`` are theirs:
+    ``forward`` must live in the module whose globals hold the ``register_notrace_function`` helpers the trace
+    meets (torch.fx autowraps only the traced ``forward``'s module globals).
     """
 
     def __init__(self, num_classes: int, global_pool: str, in_chans: int, display_name: str = ""):
@@ -312,6 +314,3 @@ class TTTClassifier(nn.Module):
         if self.global_pool == "" and not nhwc:  # no pooling: per-location logits, NCHW
             return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))

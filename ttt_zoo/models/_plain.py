@@ -144,6 +144,9 @@ class PlainTTTViT(TTTClassifier):
         x = self.norm(x)
         return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
     def forward_intermediates(
             self,
             x: torch.Tensor,

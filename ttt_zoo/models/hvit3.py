@@ -148,6 +148,10 @@ class HViT3(HierarchicalTTT):
         check_image(x, self.in_chans, 1, 1, "HViT3")
         return self.pos_drop(self.patch_embed(x))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
+        return self.forward_head(self.forward_features(x))
+
     def forward_intermediates(
             self,
             x: torch.Tensor,

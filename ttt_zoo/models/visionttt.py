@@ -195,6 +195,10 @@ class VisionTTTH(HierarchicalTTT):
         x = self.patch_embed.proj(pad_to_multiple(x, 4)).permute(0, 2, 3, 1)
         return self.patch_embed.norm(x)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
+        return self.forward_head(self.forward_features(x))
+
     def forward_intermediates(
             self,
             x: torch.Tensor,
