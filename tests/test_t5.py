@@ -47,6 +47,20 @@ def test_filter_rejects_wrong_size():
         checkpoint_filter_fn(bad, model)
 
 
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_filter_resamples_pos_embed_of_other_grid(prefix):
+    """A 7x7 pos_embed (optionally after a DeiT class-token slot) loads into a 4x4-grid model, bicubic-resampled."""
+    from timm.layers import resample_abs_pos_embed
+    model = T5(img_size=64, patch_size=16, embed_dim=32, depth=1, num_heads=2, num_classes=5)
+    grid = torch.randn(1, 49, 32)
+    sd = dict(model.state_dict(), pos_embed=torch.cat([torch.randn(1, prefix, 32), grid], 1))
+    out = checkpoint_filter_fn(sd, model)["pos_embed"]
+    torch.testing.assert_close(out, resample_abs_pos_embed(grid, new_size=[4, 4], old_size=[7, 7], num_prefix_tokens=0))
+    sd["pos_embed"] = torch.randn(1, 20, 32)
+    with pytest.raises(CheckpointError, match="20 tokens is not a square grid"):
+        checkpoint_filter_fn(sd, model)
+
+
 @pytest.mark.parametrize("name,count", [("t5_tiny", 6_205_480), ("t5_small", 23_026_792), ("t5_base", 79_270_376),
                                         ("t5_plus_tiny", 6_205_480), ("t5_plus_base", 79_270_376)])
 def test_param_counts_exact(name, count):

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from timm.layers import LayerNorm2d
 
-from ttt_zoo.models._common import CheckpointError, safe_torch_load, unwrap_checkpoint, validate_state_dict
+from ttt_zoo.models import _common
+from ttt_zoo.models._common import CheckpointError, unwrap_checkpoint, validate_state_dict
 from ttt_zoo.models.hvit3 import HViT3Backbone, backbone_filter_fn
 
 __all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "load_checkpoint_file", "HVIT3_ARCHS"]
@@ -38,10 +39,7 @@ def load_checkpoint_file(path: str) -> Dict[str, Any]:
         raise FileNotFoundError(
             f"Backbone checkpoint {path!r} not found. Set init_cfg=dict(type='Pretrained', checkpoint=<file>) to an "
             f"existing classification (.pth/.safetensors) or det/seg checkpoint.")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path)
-    return safe_torch_load(path)
+    return _common.load_checkpoint_file(path)
 
 
 def _pretrained_path(init_cfg: Optional[Dict[str, Any]]) -> Optional[str]:

@@ -4,16 +4,16 @@ import argparse
 import contextlib
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
-from timm.layers import register_notrace_function
+from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
-           "with_hub_ids"]
+           "with_hub_ids", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
 
 
 class CheckpointError(ValueError):
@@ -207,8 +207,15 @@ def _resolve_hub_weights(variant: str, kwargs: Dict[str, Any]) -> None:
     kwargs["pretrained_cfg_overlay"] = dict(kwargs.get("pretrained_cfg_overlay") or {}, hf_hub_id=None)
 
 
-def build_ttt_model(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
-    """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles)."""
+def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indices: Any = None,
+                    **kwargs) -> nn.Module:
+    """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles).
+
+    ``default_out_indices``: for backbones, the ``features_only`` outputs (timm's getter over
+    ``forward_intermediates``) unless the caller passes ``out_indices``."""
+    if default_out_indices is not None:
+        out_indices = kwargs.pop("out_indices", default_out_indices)
+        kwargs["feature_cfg"] = dict(out_indices=out_indices, feature_cls="getter")
     if pretrained:
         _resolve_hub_weights(variant, kwargs)
         _resolve_local_weights(variant, kwargs)
@@ -235,3 +242,75 @@ def factory_device(device: Optional[Union[str, torch.device]]):
 def drop_path_schedule(rate: float, depth: int) -> List[float]:
     """Stochastic-depth rates rising linearly 0 -> rate over ``depth`` blocks (no tensors: meta-device safe)."""
     return [rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]
+
+
+def init_weights(m: nn.Module) -> None:
+    """Every Linear (head included) trunc_normal(.02) / zero bias; LayerNorm 1/0; convs keep PyTorch's init."""
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+def reset_inner_parameters(model: nn.Module) -> None:
+    """(Re-)initialise the TTT inner parameters of every mixer in ``model`` (after ``model.apply(init_weights)``)."""
+    for m in model.modules():
+        if hasattr(m, "reset_inner_parameters"):
+            m.reset_inner_parameters()
+
+
+def check_global_pool(global_pool: str, model_name: str = "") -> None:
+    if global_pool not in ("avg", ""):
+        where = f" for {model_name}" if model_name else ""
+        raise ValueError(f"global_pool must be 'avg' or ''{where}, got {global_pool!r}")
+
+
+class TTTClassifier(nn.Module):
+    """The classifier part every image family shares: mean pool (``global_pool='avg'``) or none (``''``, per-location
+    logits), dropout, Linear ``head`` over ``num_features``; features are NHWC or NCHW per ``output_fmt``.
+
+    Subclasses build their trunk, then call :meth:`init_head`; ``forward_features`` and ``forward`` are theirs:
+    ``forward`` must live in the module whose globals hold the ``register_notrace_function`` helpers the trace
+    meets (torch.fx autowraps only the traced ``forward``'s module globals).
+    """
+
+    def __init__(self, num_classes: int, global_pool: str, in_chans: int, display_name: str = ""):
+        super().__init__()
+        self.model_name = type(self).__name__
+        check_global_pool(global_pool, display_name or self.model_name)
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.in_chans = in_chans
+        self.output_fmt = "NCHW"
+
+    def init_head(self, num_features: int, drop_rate: float) -> None:
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(num_features, self.num_classes) if self.num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            check_global_pool(global_pool)
+            self.global_pool = global_pool
+        ref = next(self.parameters())  # the stem's weight: the new head's device and dtype
+        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+                     if num_classes > 0 else nn.Identity())
+        self.head.train(self.training)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        nhwc = self.output_fmt == "NHWC"
+        if self.global_pool == "avg":
+            x = x.mean(dim=(1, 2)) if nhwc else x.mean(dim=(2, 3))
+        x = self.head_drop(x)
+        if pre_logits:
+            return x
+        if self.global_pool == "" and not nhwc:  # no pooling: per-location logits, NCHW
+            return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(x)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from timm.layers import PatchEmbed, register_notrace_function, to_2tuple
+from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_to_map

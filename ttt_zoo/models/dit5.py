@@ -8,7 +8,6 @@ gives the TTT inner weights the paper's 2x learning rate.  No trained DiT5 weigh
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import torch
 from torch import nn
 from timm.models import generate_default_cfgs, register_model
 

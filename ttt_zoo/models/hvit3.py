@@ -8,16 +8,16 @@ backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
-from ._common import build_ttt_model, check_image, drop_path_schedule, factory_device, unwrap_checkpoint, validate_state_dict, with_hub_ids
+from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
+                      unwrap_checkpoint, validate_state_dict, with_hub_ids)
+from ._hierarchical import HierarchicalTTT, pad_to_multiple
 
 __all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -34,16 +34,6 @@ class ConvNormAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.norm(self.conv(x)))
-
-
-@register_notrace_function
-def pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad an NCHW map on the right/bottom so H and W are multiples of ``multiple``."""
-    ph = (multiple - x.shape[-2] % multiple) % multiple
-    pw = (multiple - x.shape[-1] % multiple) % multiple
-    if ph or pw:
-        x = F.pad(x, (0, pw, 0, ph))
-    return x
 
 
 class Stem(nn.Module):
@@ -112,7 +102,7 @@ class HViT3Stage(nn.Module):
         return self.downsample(x) if self.downsample is not None else x
 
 
-class HViT3(nn.Module):
+class HViT3(HierarchicalTTT):
     """Stem (stride 4) -> 4 stages -> BatchNorm -> mean pool -> head."""
 
     def __init__(
@@ -131,113 +121,35 @@ class HViT3(nn.Module):
             drop_path_rate: float = 0.0,
             mixer: str = "vit3",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
-            device: Optional[Union[str, torch.device]] = None,
-            dtype: Optional[torch.dtype] = None,
     ):
-        super().__init__()
-        with factory_device(device):
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '' for H-ViT3, got {global_pool!r}")
-            if not (len(embed_dim) == len(depths) == len(num_heads)):
-                raise ValueError("embed_dim, depths and num_heads need one entry per stage")
-            self.num_classes = num_classes
-            self.global_pool = global_pool
-            self.in_chans = in_chans
-            self.embed_dim = list(embed_dim)
-            self.num_features = self.head_hidden_size = embed_dim[-1]
-            self.num_stages = len(depths)
-            self.grad_checkpointing = False
+        super().__init__(num_classes, global_pool, in_chans, embed_dim[-1], display_name="H-ViT3")
+        if not (len(embed_dim) == len(depths) == len(num_heads)):
+            raise ValueError("embed_dim, depths and num_heads need one entry per stage")
+        self.embed_dim = list(embed_dim)
+        self.num_stages = len(depths)
 
-            self.patch_embed = Stem(in_chans, embed_dim[0])
-            self.pos_drop = nn.Dropout(drop_rate)
-            dpr = drop_path_schedule(drop_path_rate, sum(depths))
-            self.layers = nn.ModuleList()
-            self.feature_info = []
-            for i in range(self.num_stages):
-                start = sum(depths[:i])
-                self.layers.append(HViT3Stage(
-                    embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
-                    mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
-                self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-            self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
-            self.head_drop = nn.Dropout(drop_rate)
-            self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-            self.apply(self._init_weights)
-            for m in self.modules():
-                if hasattr(m, "reset_inner_parameters"):
-                    m.reset_inner_parameters()
-        if dtype is not None:
-            self.to(dtype=dtype)
+        self.patch_embed = Stem(in_chans, embed_dim[0])
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = drop_path_schedule(drop_path_rate, sum(depths))
+        self.layers = nn.ModuleList()
+        self.feature_info = []
+        for i in range(self.num_stages):
+            start = sum(depths[:i])
+            self.layers.append(HViT3Stage(
+                embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
+                mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
+            self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+        self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
+        self.init_head(self.num_features, drop_rate)
+        self.apply(init_weights)
+        reset_inner_parameters(self)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-    # ----- timm model API -----
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return set()
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(
-            stem=r"^patch_embed",
-            blocks=r"^layers\.(\d+)" if coarse else [
-                (r"^layers\.(\d+)\.downsample", (0,)),
-                (r"^layers\.(\d+)\.blocks\.(\d+)", None),
-                (r"^norm", (99999,)),
-            ])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for stage in self.layers:
-            stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        ref = self.patch_embed.conv[0].conv.weight
-        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-                     if num_classes > 0 else nn.Identity())
-        self.head.train(self.training)
-
-    # ----- forward -----
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, "HViT3")
         return self.pos_drop(self.patch_embed(x))
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Returns the BatchNorm-ed (B, C, H/32, W/32) map."""
-        x = self._stem(x)
-        for stage in self.layers:
-            x = stage(x)
-        return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == "avg":
-            x = x.mean(dim=(2, 3))
-        x = self.head_drop(x)
-        if pre_logits:
-            return x
-        if self.global_pool == "":  # no pooling: per-location logits, NCHW
-            return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        return self.head(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
 
     def forward_intermediates(
@@ -269,13 +181,8 @@ class HViT3(nn.Module):
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> List[int]:
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        self.layers = self.layers[:max_index + 1]
+        take_indices = super().prune_intermediate_layers(indices, prune_norm, prune_head)
         self.layers[-1].downsample = None
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
         return take_indices
 
 
@@ -291,12 +198,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: HViT3) -> Dict[str, 
 
 
 def _create_hvit3(variant: str, pretrained: bool = False, **kwargs) -> HViT3:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return build_ttt_model(
-        HViT3, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs)
+    return build_ttt_model(HViT3, variant, pretrained, default_out_indices=(0, 1, 2, 3),
+                           pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
@@ -361,10 +264,8 @@ class HViT3Backbone(nn.Module):
             HViT3Stage(embed_dim[i], embed_dim[i + 1] if i + 1 < len(depths) else None, depths[i], num_heads[i],
                        mlp_ratio, True, dpr[sum(depths[:i]):sum(depths[:i + 1])], 0.0, mixer, mixer_kwargs)
             for i in range(len(depths))])
-        self.apply(HViT3._init_weights)
-        for m in self.modules():
-            if hasattr(m, "reset_inner_parameters"):
-                m.reset_inner_parameters()
+        self.apply(init_weights)
+        reset_inner_parameters(self)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         for stage in self.layers:

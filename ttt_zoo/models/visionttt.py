@@ -8,7 +8,6 @@ models (Vittt-H): Swin layout (4x4 stem + LN, PatchMerging between stages), no w
 whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official ViT3 code).
 """
 
-import contextlib
 import math
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -18,12 +17,15 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
+from timm.layers import register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
-from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict
+from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
+                      unwrap_checkpoint, validate_state_dict)
+from ._hierarchical import HierarchicalTTT, pad_to_multiple
+from ._plain import PlainTTTViT, resample_checkpoint_pos_embed
 
 __all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
 
@@ -44,50 +46,27 @@ class SwiGluMlp(nn.Module):
         return self.drop(self.fc2(F.silu(gate) * value))
 
 
-def _init_weights(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.LayerNorm):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
-
-
-def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float], proj_drop: float, qkv_bias: bool,
-                 mlp_ratio: float, mixer_kwargs: Optional[Dict[str, Any]]) -> nn.ModuleList:
+def _vittt_heads(dim: int, head_dim: int, mixer_kwargs: Optional[Dict[str, Any]]) -> Tuple[int, Dict[str, Any]]:
+    """(num_heads, mixer kwargs) of the TTT-Linear mixer for width ``dim``."""
     if dim % head_dim:
         raise ValueError(f"width {dim} is not divisible by head_dim {head_dim}")
     mk = dict(mixer_kwargs or {})
     mk.setdefault("head_dim", head_dim)
+    return dim // mk["head_dim"], mk
+
+
+def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float], proj_drop: float, qkv_bias: bool,
+                 mlp_ratio: float, mixer_kwargs: Optional[Dict[str, Any]]) -> nn.ModuleList:
+    num_heads, mk = _vittt_heads(dim, head_dim, mixer_kwargs)
     norm_layer = partial(nn.LayerNorm, eps=1e-6)
     return nn.ModuleList([
-        TTTBlock(dim, dim // mk["head_dim"], mixer="ttt_linear", mlp_ratio=mlp_ratio, cpe=False, qkv_bias=qkv_bias,
+        TTTBlock(dim, num_heads, mixer="ttt_linear", mlp_ratio=mlp_ratio, cpe=False, qkv_bias=qkv_bias,
                  proj_drop=proj_drop, drop_path=drop_path[i], norm_layer=norm_layer,
                  mlp_layer=partial(SwiGluMlp, drop=proj_drop), mixer_kwargs=mk)
         for i in range(depth)])
 
 
-def _factory_device(device: Optional[Union[str, torch.device]]):
-    """Create parameters directly on ``device`` (timm passes ``device=``/``dtype=`` to constructors)."""
-    return torch.device(device) if device is not None else contextlib.nullcontext()
-
-
-def _reset_inner(model: nn.Module) -> None:
-    for m in model.modules():
-        if hasattr(m, "reset_inner_parameters"):
-            m.reset_inner_parameters()
-
-
-@register_notrace_function
-def _resized_pos_embed(pos: torch.Tensor, grid: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
-    """The (1, H*W, C) position embedding for ``feat_size``, bicubic-resampled from the trained ``grid``."""
-    if tuple(feat_size) == tuple(grid):
-        return pos
-    return resample_abs_pos_embed(pos, new_size=list(feat_size), old_size=list(grid), num_prefix_tokens=0)
-
-
-class VisionTTT(nn.Module):
+class VisionTTT(PlainTTTViT):
     """Patch embedding + position embedding -> Vittt blocks (TTT-Linear mixer, SwiGLU) -> LN -> mean pool -> head."""
 
     def __init__(
@@ -107,135 +86,13 @@ class VisionTTT(nn.Module):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
             mixer_kwargs: Optional[Dict[str, Any]] = None,
-            device: Optional[Union[str, torch.device]] = None,
-            dtype: Optional[torch.dtype] = None,
     ):
-        super().__init__()
-        with _factory_device(device):
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '' for VisionTTT, got {global_pool!r}")
-            self.num_classes = num_classes
-            self.global_pool = global_pool
-            self.in_chans = in_chans
-            self.patch_size = patch_size
-            self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-            self.output_fmt = "NHWC"
-            self.grad_checkpointing = False
-
-            self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                                          embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
-            self.grid_size = tuple(self.patch_embed.grid_size)
-            self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size[0] * self.grid_size[1], embed_dim))
-            self.pos_drop = nn.Dropout(pos_drop_rate)
-            dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
-            self.blocks = _make_blocks(embed_dim, depth, head_dim, dpr, proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs)
-            self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
-            self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-            self.head_drop = nn.Dropout(drop_rate)
-            self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-            trunc_normal_(self.pos_embed, std=0.02)
-            self.apply(_init_weights)
-            _reset_inner(self)
-        if dtype is not None:
-            self.to(dtype=dtype)
-
-    # ----- timm model API -----
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return {"pos_embed"}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r"^pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        ref = self.pos_embed
-        self.head = (nn.Linear(self.embed_dim, num_classes, device=ref.device, dtype=ref.dtype)
-                     if num_classes > 0 else nn.Identity())
-        self.head.train(self.training)
-
-    # ----- forward -----
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        check_image(x, self.in_chans, self.patch_size, self.patch_size, type(self).__name__)
-        x = self.patch_embed(x)  # B, H, W, C
-        feat_size = (x.shape[1], x.shape[2])
-        x = x.flatten(1, 2) + _resized_pos_embed(self.pos_embed, self.grid_size, feat_size)
-        return self.pos_drop(x), feat_size
-
-    def _run_block(self, i: int, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        blk = self.blocks[i]
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
-        return blk(x, feat_size)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Returns the normalised (B, H, W, C) token map."""
-        x, feat_size = self._embed(x)
-        for i in range(len(self.blocks)):
-            x = self._run_block(i, x, feat_size)
-        x = self.norm(x)
-        return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == "avg":
-            x = x.mean(dim=(1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Block outputs at stride ``patch_size`` as (B, C, H, W) (``NCHW``) or (B, N, C) (``NLC``)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        x, feat_size = self._embed(x)
-        b = x.shape[0]
-        last = max_index + 1 if stop_early else len(self.blocks)
-        intermediates = []
-        for i in range(last):
-            x = self._run_block(i, x, feat_size)
-            if i in take_indices:
-                y = self.norm(x) if norm else x
-                if output_fmt == "NCHW":
-                    y = y.reshape(b, feat_size[0], feat_size[1], -1).permute(0, 3, 1, 2).contiguous()
-                intermediates.append(y)
-        if intermediates_only:
-            return intermediates
-        x = self.norm(x).reshape(b, feat_size[0], feat_size[1], -1)
-        return x, intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
+        num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer_kwargs)
+        super().__init__(
+            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
+            qkv_bias, mixer="ttt_linear", mixer_kwargs=mk, cpe=False, pos_embed=True, drop_rate=drop_rate,
+            pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
+            mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate))
 
 
 @register_notrace_function
@@ -284,12 +141,7 @@ class VisionTTTStage(nn.Module):
         return t.reshape(b, h, w, c)
 
 
-@register_notrace_function
-def _pad_to_4(x: torch.Tensor) -> torch.Tensor:
-    return F.pad(x, (0, (4 - x.shape[-1] % 4) % 4, 0, (4 - x.shape[-2] % 4) % 4))
-
-
-class VisionTTTH(nn.Module):
+class VisionTTTH(HierarchicalTTT):
     """Vittt-H: 4x4 stem + LN -> 4 stages (PatchMerging, Vittt blocks) -> LN -> mean pool -> head.
 
     Any input size works: the image is zero-padded right/bottom to a multiple of 4 and odd maps are padded before
@@ -312,101 +164,39 @@ class VisionTTTH(nn.Module):
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
             mixer_kwargs: Optional[Dict[str, Any]] = None,
-            device: Optional[Union[str, torch.device]] = None,
-            dtype: Optional[torch.dtype] = None,
     ):
-        super().__init__()
-        with _factory_device(device):
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '' for VisionTTTH, got {global_pool!r}")
-            if len(head_dim) != len(depths):
-                raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
-            self.num_classes = num_classes
-            self.global_pool = global_pool
-            self.in_chans = in_chans
-            self.num_stages = len(depths)
-            dims = [embed_dim * 2 ** i for i in range(self.num_stages)]
-            self.embed_dim = dims
-            self.num_features = self.head_hidden_size = dims[-1]
-            self.output_fmt = "NHWC"
-            self.grad_checkpointing = False
+        super().__init__(num_classes, global_pool, in_chans, embed_dim * 2 ** (len(depths) - 1))
+        if len(head_dim) != len(depths):
+            raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
+        self.num_stages = len(depths)
+        dims = [embed_dim * 2 ** i for i in range(self.num_stages)]
+        self.embed_dim = dims
+        self.output_fmt = "NHWC"
 
-            self.patch_embed = nn.Sequential()
-            self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
-            self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
-            dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
-            self.layers = nn.ModuleList()
-            self.feature_info = []
-            for i in range(self.num_stages):
-                start = sum(depths[:i])
-                self.layers.append(VisionTTTStage(
-                    dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
-                    proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs))
-                self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-            self.norm = nn.LayerNorm(self.num_features)
-            self.head_drop = nn.Dropout(drop_rate)
-            self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-            self.apply(_init_weights)
-            _reset_inner(self)
-        if dtype is not None:
-            self.to(dtype=dtype)
+        self.patch_embed = nn.Sequential()
+        self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
+        self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
+        dpr = drop_path_schedule(drop_path_rate, sum(depths))
+        self.layers = nn.ModuleList()
+        self.feature_info = []
+        for i in range(self.num_stages):
+            start = sum(depths[:i])
+            self.layers.append(VisionTTTStage(
+                dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
+                proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs))
+            self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+        self.norm = nn.LayerNorm(self.num_features)
+        self.init_head(self.num_features, drop_rate)
+        self.apply(init_weights)
+        reset_inner_parameters(self)
 
-    # ----- timm model API -----
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return set()
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(
-            stem=r"^patch_embed",
-            blocks=r"^layers\.(\d+)" if coarse else [
-                (r"^layers\.(\d+)\.downsample", (0,)),
-                (r"^layers\.(\d+)\.blocks\.(\d+)", None),
-                (r"^norm", (99999,)),
-            ])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        for stage in self.layers:
-            stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        ref = self.patch_embed.proj.weight
-        self.head = (nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-                     if num_classes > 0 else nn.Identity())
-        self.head.train(self.training)
-
-    # ----- forward -----
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        check_image(x, self.in_chans, 1, 1, type(self).__name__)
-        x = self.patch_embed.proj(_pad_to_4(x)).permute(0, 2, 3, 1)
+        check_image(x, self.in_chans, 1, 1, self.model_name)
+        x = self.patch_embed.proj(pad_to_multiple(x, 4)).permute(0, 2, 3, 1)
         return self.patch_embed.norm(x)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Returns the normalised (B, H/32, W/32, C) map."""
-        x = self._stem(x)
-        for stage in self.layers:
-            x = stage(x)
-        return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == "avg":
-            x = x.mean(dim=(1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
 
     def forward_intermediates(
@@ -433,16 +223,6 @@ class VisionTTTH(nn.Module):
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        self.layers = self.layers[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
 
 
 # ----------------------------------------------------------------------------- analysis utility
@@ -501,21 +281,18 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
     sd = unwrap_checkpoint(state_dict)
     pos = sd.get("pos_embed")
     if isinstance(model, VisionTTT) and pos is not None and pos.shape != model.pos_embed.shape:
-        n = pos.shape[1]
-        prefix = 0 if int(math.isqrt(n)) ** 2 == n else 1
-        side = int(math.isqrt(n - prefix))
-        if side * side != n - prefix:
-            raise ValueError(f"Cannot resample a pos_embed of {n} tokens: not a square grid (+ optional class slot).")
-        sd["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(model.grid_size), old_size=[side, side],
-                                                 num_prefix_tokens=prefix)[:, prefix:]
+        resampled = resample_checkpoint_pos_embed(pos, model.grid_size)
+        if resampled is None:
+            raise ValueError(f"Cannot resample a pos_embed of {pos.shape[1]} tokens: not a square grid "
+                             f"(+ optional class slot).")
+        sd["pos_embed"] = resampled
     validate_state_dict(sd, model)
     return sd
 
 
 def _create(cls, variant: str, pretrained: bool, default_out: Any, **kwargs) -> nn.Module:
-    out_indices = kwargs.pop("out_indices", default_out)
-    return build_ttt_model(cls, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                           feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
+    return build_ttt_model(cls, variant, pretrained, default_out_indices=default_out,
+                           pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 def _cfg(**kwargs) -> Dict[str, Any]:

@@ -1,0 +1,190 @@
+"""The plain (one-stride) TTT ViT shared by ViT3, T5 and Vision-TTT.
+
+Patch embedding [+ learned position embedding] -> ``TTTBlock`` s -> LayerNorm -> mean pool -> head, with timm's model
+API.  The families differ only in the constructor arguments (mixer and its kwargs, CPE or position embedding, MLP).
+"""
+
+import math
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
+from timm.models._features import feature_take_indices
+
+from ttt_zoo.layers import TTTBlock
+from ._common import TTTClassifier, check_image, drop_path_schedule, init_weights, reset_inner_parameters
+
+__all__ = ["PlainTTTViT", "resample_pos_embed", "resample_checkpoint_pos_embed"]
+
+
+@register_notrace_function
+def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(1, gh*gw, C) learned embedding -> (1, H*W, C) for the runtime map (bicubic, as timm's ViT)."""
+    if grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]:
+        return pos_embed
+    return resample_abs_pos_embed(pos_embed, new_size=[feat_size[0], feat_size[1]],
+                                  old_size=[grid_size[0], grid_size[1]], num_prefix_tokens=0)
+
+
+def resample_checkpoint_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int]) -> Optional[torch.Tensor]:
+    """A checkpoint's (1, n, C) embedding of a square grid (optionally after one class-token slot, dropped)
+    resampled to ``grid_size``; None when ``n`` is not such a grid."""
+    n = pos_embed.shape[1]
+    for prefix in (0, 1):
+        side = math.isqrt(max(n - prefix, 0))
+        if side > 0 and side * side == n - prefix:
+            return resample_abs_pos_embed(pos_embed[:, prefix:], new_size=list(grid_size), old_size=[side, side],
+                                          num_prefix_tokens=0)
+    return None
+
+
+class PlainTTTViT(TTTClassifier):
+    """Patch embedding [+ pos_embed] -> TTT blocks -> LayerNorm -> mean pool -> head; features are (B, H, W, C).
+
+    Args (besides timm's usual ones):
+        mixer, mixer_kwargs: the token mixer of every block (``ttt_zoo.layers.create_mixer``).
+        cpe: residual depthwise-conv position encoding at the start of each block.
+        pos_embed: learned absolute position embedding (resampled for other input sizes).
+        mlp_layer: the blocks' MLP (default ``TokenMlp``).
+        min_size: smallest input side (default ``patch_size``).
+    """
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]],
+            patch_size: int,
+            in_chans: int,
+            num_classes: int,
+            global_pool: str,
+            embed_dim: int,
+            depth: int,
+            num_heads: int,
+            mlp_ratio: float,
+            qkv_bias: bool,
+            mixer: str,
+            mixer_kwargs: Optional[Dict[str, Any]],
+            cpe: bool,
+            pos_embed: bool,
+            drop_rate: float = 0.0,
+            pos_drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.0,
+            mlp_layer: Optional[Callable[..., nn.Module]] = None,
+            min_size: int = 0,
+    ):
+        super().__init__(num_classes, global_pool, in_chans)
+        self.patch_size = patch_size
+        self.min_size = max(min_size, patch_size)
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.output_fmt = "NHWC"
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
+                                      embed_dim=embed_dim, flatten=False, output_fmt="NHWC", strict_img_size=False)
+        self.grid_size: Tuple[int, int] = (int(self.patch_embed.grid_size[0]), int(self.patch_embed.grid_size[1]))
+        if pos_embed:
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.grid_size[0] * self.grid_size[1], embed_dim))
+            self.pos_drop = nn.Dropout(pos_drop_rate)
+        else:
+            self.pos_embed = None
+            self.pos_drop = None
+        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        dpr = drop_path_schedule(drop_path_rate, depth)
+        self.blocks = nn.ModuleList([
+            TTTBlock(embed_dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, cpe=cpe, qkv_bias=qkv_bias,
+                     proj_drop=proj_drop_rate, drop_path=dpr[i], norm_layer=norm_layer, mlp_layer=mlp_layer,
+                     mixer_kwargs=mixer_kwargs)
+            for i in range(depth)])
+        self.feature_info = [dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}") for i in range(depth)]
+        self.norm = norm_layer(embed_dim)
+        self.init_head(embed_dim, drop_rate)
+        if self.pos_embed is not None:
+            trunc_normal_(self.pos_embed, std=0.02)
+        # official: every Linear (head included) trunc_normal(.02) / zero bias; LayerNorm 1/0; convs PyTorch default
+        self.apply(init_weights)
+        reset_inner_parameters(self)
+
+    # ----- timm model API -----
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {"pos_embed"} if self.pos_embed is not None else set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        stem = r"^pos_embed|^patch_embed" if self.pos_embed is not None else r"^patch_embed"
+        return dict(stem=stem, blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    # ----- forward -----
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        check_image(x, self.in_chans, self.patch_size, self.min_size, self.model_name)
+        x = self.patch_embed(x)  # B, H, W, C
+        feat_size = (x.shape[1], x.shape[2])
+        x = x.flatten(1, 2)
+        if self.pos_embed is not None:
+            x = x + resample_pos_embed(self.pos_embed, self.grid_size, feat_size)
+        if self.pos_drop is not None:
+            x = self.pos_drop(x)
+        return x, feat_size
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Returns the normalised (B, H, W, C) token map."""
+        x, feat_size = self._embed(x)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
+        x = self.norm(x)
+        return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Block outputs at stride ``patch_size`` as (B, C, H, W) (``NCHW``) or (B, N, C) (``NLC``)."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x, feat_size = self._embed(x)
+        b = x.shape[0]
+        last = max_index + 1 if stop_early else len(self.blocks)
+        intermediates = []
+        for i, blk in enumerate(self.blocks[:last]):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                if output_fmt == "NCHW":
+                    y = y.reshape(b, feat_size[0], feat_size[1], -1).permute(0, 3, 1, 2).contiguous()
+                intermediates.append(y)
+        if intermediates_only:
+            return intermediates
+        x = self.norm(x).reshape(b, feat_size[0], feat_size[1], -1)
+        return x, intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
