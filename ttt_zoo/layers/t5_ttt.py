@@ -18,7 +18,7 @@ from .block import map_to_tokens, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
-__all__ = ["T5TTT", "key_instance_norm", "neighborhood_attention_2d", "neighborhood_indices"]
+__all__ = ["T5TTT", "key_instance_norm"]
 
 
 @register_mixer("t5")
