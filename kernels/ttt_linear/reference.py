@@ -208,7 +208,7 @@ def ttt_linear_reference(
     gn: Optional[torch.Tensor] = None
     if return_grad_norm:
         gg = grads[0] if len(grads) == 1 else torch.cat(grads, 1)
-        gn = k.norm(dim=-1) * gg.reshape(bsz, heads, n, d).norm(dim=-1)
+        gn = torch.linalg.vector_norm(k, dim=-1) * torch.linalg.vector_norm(gg.reshape(bsz, heads, n, d), dim=-1)
     return out.to(out_dtype), gn
 
 
@@ -250,7 +250,7 @@ def ttt_linear_naive(
         z_bar = qc @ w + b - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ g
         outs.append(qc + F.layer_norm(z_bar, [d], eps=eps) * lnw + lnb if ln_residual else z_bar)
         if return_grad_norm:
-            norms.append(kc.norm(dim=-1) * g.norm(dim=-1))
+            norms.append(torch.linalg.vector_norm(kc, dim=-1) * torch.linalg.vector_norm(g, dim=-1))
         step = eta[:, :, -1, :, None] * g  # the last row carries the state on
         w = w - kc.transpose(-1, -2) @ step
         b = b - step.sum(-2, keepdim=True)

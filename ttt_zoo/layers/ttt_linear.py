@@ -29,14 +29,6 @@ def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> Non
                          f"pass feat_size=(H, W) with H * W == N.")
 
 
-@register_notrace_function
-def _bidir_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-                w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int,
-                ln_residual: bool, rope_theta: Optional[float], return_grad_norm: bool, backend: Optional[str]
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # one leaf for fx: the scan loops over mini-batches in Python
-    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, 1e-6,
-                            return_grad_norm, backend)
 _QK_MODES = ("shared", "conv_q")
 
 
@@ -161,10 +153,10 @@ class TTTLinearMixer(TTTMixer):
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         dt = q.dtype
-        return _bidir_scan(
+        return ttt_linear_bidir(
             q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
             self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
-            self.rope_theta if self.inner_rope else None, return_grad_norm, self.backend)
+            self.rope_theta if self.inner_rope else None, 1e-6, return_grad_norm, self.backend)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape

@@ -79,8 +79,8 @@ def _reset_inner(model: nn.Module) -> None:
             m.reset_inner_parameters()
 
 
-@register_notrace_function
-def _resized_pos_embed(pos: torch.Tensor, grid: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
+@register_notrace_function  # fx leaf (fx autowraps only public names)
+def resized_pos_embed(pos: torch.Tensor, grid: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
     """The (1, H*W, C) position embedding for ``feat_size``, bicubic-resampled from the trained ``grid``."""
     if tuple(feat_size) == tuple(grid):
         return pos
@@ -169,10 +169,10 @@ class VisionTTT(nn.Module):
 
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        check_image(x, self.in_chans, self.patch_size, self.patch_size, type(self).__name__)
+        check_image(x, self.in_chans, self.patch_size, self.patch_size, "VisionTTT")
         x = self.patch_embed(x)  # B, H, W, C
         feat_size = (x.shape[1], x.shape[2])
-        x = x.flatten(1, 2) + _resized_pos_embed(self.pos_embed, self.grid_size, feat_size)
+        x = x.flatten(1, 2) + resized_pos_embed(self.pos_embed, self.grid_size, feat_size)
         return self.pos_drop(x), feat_size
 
     def _run_block(self, i: int, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
@@ -184,8 +184,11 @@ class VisionTTT(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the normalised (B, H, W, C) token map."""
         x, feat_size = self._embed(x)
-        for i in range(len(self.blocks)):
-            x = self._run_block(i, x, feat_size)
+        for blk in self.blocks:  # TorchScript cannot index a ModuleList with a variable
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+            else:
+                x = blk(x, feat_size)
         x = self.norm(x)
         return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
 
@@ -239,7 +242,7 @@ class VisionTTT(nn.Module):
 
 
 @register_notrace_function
-def _pad_even(x: torch.Tensor) -> torch.Tensor:
+def pad_even(x: torch.Tensor) -> torch.Tensor:
     """Zero-pad a (B, H, W, C) map on the bottom/right to even H and W."""
     return F.pad(x, (0, 0, 0, x.shape[2] % 2, 0, x.shape[1] % 2))
 
@@ -253,7 +256,7 @@ class PatchMerging(nn.Module):
         self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _pad_even(x)
+        x = pad_even(x)
         b, h, w, c = x.shape
         x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
         return self.reduction(self.norm(x))
@@ -285,7 +288,7 @@ class VisionTTTStage(nn.Module):
 
 
 @register_notrace_function
-def _pad_to_4(x: torch.Tensor) -> torch.Tensor:
+def pad_to_4(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, (4 - x.shape[-1] % 4) % 4, 0, (4 - x.shape[-2] % 4) % 4))
 
 
@@ -389,8 +392,8 @@ class VisionTTTH(nn.Module):
 
     # ----- forward -----
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
-        check_image(x, self.in_chans, 1, 1, type(self).__name__)
-        x = self.patch_embed.proj(_pad_to_4(x)).permute(0, 2, 3, 1)
+        check_image(x, self.in_chans, 1, 1, "VisionTTTH")
+        x = self.patch_embed.proj(pad_to_4(x)).permute(0, 2, 3, 1)
         return self.patch_embed.norm(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
