@@ -94,13 +94,14 @@ def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Te
 
 
 def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-                 state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, keep_grads: bool, carry: bool
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                 state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, keep_grads: bool, carry: bool,
+                 shared: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Mini-batches of one length ``c = tau.shape[0]``.
 
     qa, ka: (BH, nc * c, d + 1) with a trailing 1; tgt: (BH, nc * c, d) the target (or, with ``lnw2``, the
     LayerNorm-gradient constant, and then ``state`` must have zero-mean rows); lr: (BH, nc * c);
     state: (BH, d + 1, d) = [W; b].
+    ``shared``: q = k (Vittt's default), then one bmm gives both z = k S and the output's q S.
     Returns z_bar (BH, nc * c, d), the inner gradients g (if ``keep_grads``) and the outgoing state (if ``carry``).
     """
     bh, m, da = qa.shape
@@ -113,14 +114,15 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     # state-independent parts, all mini-batches at once: -eta * (q k^T + 1) (causal), -k_j eta_{c,j}, [k; q]
     attn = torch.matmul(qc, kc.transpose(-1, -2)) * torch.tril(-tau[:, None] * lrc)
     kel = (kc * (-tau[c - 1] * lrc).transpose(-1, -2)).transpose(-1, -2).unbind(1)  # (BH, d+1, c) each
-    kq = torch.cat([kc, qc], dim=2).unbind(1)
+    kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
     tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
     eps_t = torch.full([1], eps, dtype=qa.dtype, device=qa.device)
     inplace = not torch.is_grad_enabled()  # inference: update the state in place
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
-        z, o = torch.bmm(kq[i], state).split(c, 1)
+        zo = torch.bmm(kq[i], state)
+        z, o = (zo, zo) if shared else zo.split(c, 1)
         g = _ln_grad(z, tgt_l[i], lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tgt_l[i]
         outs.append(o)
         grads.append(g)
@@ -167,10 +169,12 @@ def ttt_linear_reference(
     bh = bsz * heads
     out_dtype = q.dtype
     cd = _compute_dtype(q.dtype)
-    q, k, lr, tau = q.to(cd), k.to(cd), lr.to(cd).reshape(bh, n), tau.to(cd)
+    shared = q is k
+    q, lr, tau = q.to(cd), lr.to(cd).reshape(bh, n), tau.to(cd)
+    k = q if shared else k.to(cd)
     one = torch.ones(bsz, heads, n, 1, device=q.device, dtype=cd)
-    qa = torch.cat([q, one], -1).reshape(bh, n, d + 1)
     ka = torch.cat([k, one], -1).reshape(bh, n, d + 1)
+    qa = ka if shared else torch.cat([q, one], -1).reshape(bh, n, d + 1)
     state = torch.cat([w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d)], 2)
     state = state.reshape(bh, d + 1, d)
     if ln_residual:
@@ -190,13 +194,13 @@ def ttt_linear_reference(
     grads: List[torch.Tensor] = []
     if full > 0:
         zb, g, state = _scan_chunks(qa[:, :full], ka[:, :full], tgt[:, :full], lr[:, :full], tau, state, lnw2, eps,
-                                    return_grad_norm, n > full)
+                                    return_grad_norm, n > full, shared)
         parts.append(zb)
         if g is not None:
             grads.append(g)
     if n > full:
         zb, g, state = _scan_chunks(qa[:, full:], ka[:, full:], tgt[:, full:], lr[:, full:], tau[:n - full], state,
-                                    lnw2, eps, return_grad_norm, False)
+                                    lnw2, eps, return_grad_norm, False, shared)
         parts.append(zb)
         if g is not None:
             grads.append(g)
@@ -270,9 +274,14 @@ def bidir_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Te
     bsz = q.shape[0]
     if (w0.shape[0] != 1 and w0.shape[0] != 2) or b0.shape[0] != w0.shape[0]:
         raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {list(w0.shape)}")
-    q2, k2, v2 = _flip_both(q), _flip_both(k), _flip_both(v)
+    q2, v2 = _flip_both(q), _flip_both(v)
     if rope_theta is not None:
-        q2, k2 = inner_rope(q2, mini_batch, rope_theta), inner_rope(k2, mini_batch, rope_theta)
+        q2 = inner_rope(q2, mini_batch, rope_theta)
+    k2 = q2  # shared q = k: formed once (the scan then also skips the second projection)
+    if k is not q:
+        k2 = _flip_both(k)
+        if rope_theta is not None:
+            k2 = inner_rope(k2, mini_batch, rope_theta)
     if w0.shape[0] == 2:
         w0 = w0.repeat_interleave(bsz, dim=0)
         b0 = b0.repeat_interleave(bsz, dim=0)

@@ -122,28 +122,28 @@ class TTTLinearMixer(TTTMixer):
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def _conv(self, t: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        # (B, N, C) tokens viewed as a channels-last (B, C, H, W) map: no transposing copies in or out
         b, n, c = t.shape
-        t = self.conv(t.transpose(1, 2).reshape(b, c, feat_size[0], feat_size[1]))
-        return t.flatten(2).transpose(1, 2)
+        t = self.conv(t.reshape(b, feat_size[0], feat_size[1], c).permute(0, 3, 1, 2))
+        return t.permute(0, 2, 3, 1).reshape(b, n, c)
 
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
         c = x.shape[2]
         _check_tokens(x, feat_size, "TTTLinearMixer")
-        weight = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
-        pb = self.proj.bias
-        if pb is None:
-            pb = torch.zeros(3 * c, device=x.device, dtype=self.lr_proj.bias.dtype)
-        bias = torch.cat([pb, self.lr_proj.bias], 0)
         src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
-        u = F.linear(src, weight, bias)
-        u_qk, u_g, u_v, logits = torch.split(u, [c, c, c, self.num_heads], dim=-1)
+        u_qk, u_g, u_v = torch.split(self.proj(src), [c, c, c], dim=-1)
+        logits = self.lr_proj(src)
         if self.proj_per_direction:
             # the backward direction's q/k, v and lr projections run on the flipped sequence (same values)
-            ub = F.linear(src.flip(1), torch.cat([weight[:c], weight[2 * c:]], 0),
-                          torch.cat([bias[:c], bias[2 * c:]], 0)).flip(1)
-            u_qk, u_v, logits = torch.split(ub, [c, c, self.num_heads], dim=-1)
+            w, pb = self.proj.weight, self.proj.bias
+            bqv: Optional[torch.Tensor] = None
+            if pb is not None:
+                bqv = torch.cat([pb[:c], pb[2 * c:]], 0)
+            src_b = src.flip(1)
+            u_qk, u_v = torch.split(F.linear(src_b, torch.cat([w[:c], w[2 * c:]], 0), bqv).flip(1), [c, c], dim=-1)
+            logits = self.lr_proj(src_b).flip(1)
         k = self._heads(u_qk)
         q = self._heads(self._conv(u_qk, feat_size)) if self.qk_mode == "conv_q" else k
         v = self._heads(u_v)
