@@ -121,8 +121,10 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
-        zo = torch.bmm(kq[i], state)
-        z, o = (zo, zo) if shared else zo.split(c, 1)
+        z = torch.bmm(kq[i], state)
+        o = z
+        if not shared:
+            z, o = z[:, :c], z[:, c:]
         g = _ln_grad(z, tgt_l[i], lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tgt_l[i]
         outs.append(o)
         grads.append(g)
