@@ -117,7 +117,6 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
     tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
     eps_t = torch.full([1], eps, dtype=qa.dtype, device=qa.device)
-    inplace = not torch.is_grad_enabled()  # inference: update the state in place
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
@@ -129,7 +128,7 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
         outs.append(o)
         grads.append(g)
         if carry or i < nc - 1:
-            state = state.baddbmm_(kel[i], g) if inplace else torch.baddbmm(state, kel[i], g)
+            state = torch.baddbmm(state, kel[i], g)
     # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
     gs = torch.stack(grads, 1)
     z_bar = torch.baddbmm(torch.stack(outs, 1).reshape(bh * nc, c, d), attn.reshape(bh * nc, c, c),

@@ -51,7 +51,8 @@ class TTTLinearMixer(TTTMixer):
         inner_ln_residual: inner model ``x + LN(xW + b)`` with target ``v - k`` (ttt-lm); False gives the paper's
             literal ``f(x) = xW + b`` with target v.
         proj_per_direction: apply the q/k, v and lr projections once per scan direction, as the paper's FLOP count
-            assumes; outputs are identical, it only costs 2*N*D^2 extra MACs.  Default False: project once, flip.
+            assumes, and the scan forms q S apart from k S (q = k); outputs are identical, it only costs extra MACs.
+            Default False: project once, flip, and share q = k.
         backend: force the op backend (``'torch'`` or ``'triton'``).
     """
     inner_param_names = ("w0", "b0", "tau_offset", "ttt_norm_weight", "ttt_norm_bias", "lr_proj")
@@ -146,6 +147,8 @@ class TTTLinearMixer(TTTMixer):
             logits = self.lr_proj(src_b).flip(1)
         k = self._heads(u_qk)
         q = self._heads(self._conv(u_qk, feat_size)) if self.qk_mode == "conv_q" else k
+        if self.proj_per_direction and q is k:
+            q = k.clone()  # a distinct q: the scan then forms q S apart from k S, as the paper's FLOP count does
         v = self._heads(u_v)
         lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
         return q, k, v, lr, u_g
