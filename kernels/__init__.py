@@ -14,7 +14,7 @@ from .inner_mlp.ops import mlp_ttt_triton_entry, t5_swiglu_ttt_triton_entry  # n
 from .key_norm import key_norm_reference, key_norm_torch  # noqa: E402
 from .key_norm.ops import key_norm_triton_entry  # noqa: E402
 from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
-from .ttt_linear import inner_rope, token_tau, ttt_linear_reference  # noqa: E402
+from .ttt_linear import inner_rope, token_tau, ttt_linear_bidir_reference, ttt_linear_reference  # noqa: E402
 from .ttt_linear.ops import ttt_linear_bidir_op, ttt_linear_op  # noqa: E402
 from .ttt_linear.recompute import ttt_linear_bidir_naive, ttt_linear_bidir_torch, ttt_linear_torch  # noqa: E402
 from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
@@ -90,13 +90,21 @@ def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=
                                                     eps, return_grad_norm)
 
 
-def ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, rope_theta=10000.0,
-                     eps=1e-6, return_grad_norm=False, backend=None):
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device, the scan loops over mini-batches
+def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                     w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int = 16,
+                     ln_residual: bool = True, rope_theta: Optional[float] = 10000.0, eps: float = 1e-6,
+                     return_grad_norm: bool = False, backend: Optional[str] = None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.reference.ttt_linear_bidir``.
 
     torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
     torch_naive: the reference under autograd.  ``return_grad_norm=True`` always runs the PyTorch reference.
+    TorchScript compiles the reference scan (``ttt_linear.reference.ttt_linear_bidir_reference``).
     """
+    if torch.jit.is_scripting():
+        return ttt_linear_bidir_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
+                                          eps, return_grad_norm)
     return get_op("ttt_linear_bidir", q.device, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
                                                           ln_residual, rope_theta, eps, return_grad_norm)
 
@@ -105,4 +113,5 @@ __all__ = ["available_ops", "get_op", "register_op", "resolve_backend",
            "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
            "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
            "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
-           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "inner_rope", "token_tau"]
+           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "ttt_linear_bidir_reference",
+           "inner_rope", "token_tau"]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt_zoo.kernels import ttt_linear_bidir, ttt_linear_reference
+from ttt_zoo.kernels.ttt_linear import ttt_linear_naive
 from ttt_zoo.layers import create_mixer
 
 TOL = 1e-10
@@ -149,6 +150,11 @@ def test_dual_form_matches_naive_one_direction(n, ln_residual):
     ref, ref_gn = naive_scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert (out - ref).abs().max().item() < TOL
     assert (gn - ref_gn).abs().max().item() < TOL
+    plain, plain_gn = ttt_linear_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual, return_grad_norm=True)
+    assert (plain - ref).abs().max().item() < TOL and (plain_gn - ref_gn).abs().max().item() < TOL
+    shared, _ = ttt_linear_reference(k, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)  # the q = k path
+    shared_ref, _ = ttt_linear_naive(k, k.clone(), v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
+    assert (shared - shared_ref).abs().max().item() < TOL
     # the inner updates are not negligible: without them the output would be far off
     frozen, _ = ttt_linear_reference(q, k, v, 0 * lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert (frozen - ref).abs().max().item() > 1e-2

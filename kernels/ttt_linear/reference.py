@@ -6,14 +6,25 @@ Per head the inner model is ``f(x) = x + LN(x W + b)`` (``ln_residual=True``, tt
 state and token i reads ``W_i = W_0 - sum_{j<=i} eta_ij k_j^T g_j`` (inclusive causal mask); the step is
 factorised as ``eta_ij = tau_i * lr_j`` (tau by position in the mini-batch, lr per token).  Only one state
 ``(B, heads, d, d)`` per mini-batch exists at a time; nothing of size B x N x d x d is formed.
+
+Two implementations of the same scan (both TorchScript-compilable, both differentiable by autograd):
+
+- :func:`ttt_linear_reference` (the ``torch`` path on CPU): the bias is folded into the state as one extra row
+  (``[k, 1] @ [W; b]``), batch and heads are one ``bmm`` batch, everything that does not depend on the state
+  (targets, the causal ``eta * (q k^T + 1)`` block, ``k * eta_last``) is formed for all mini-batches at once, and the
+  loop per mini-batch is 3 ``bmm``s and a closed-form LayerNorm gradient; outputs are formed inside the loop,
+  so no per-mini-batch state is kept in inference.
+- :func:`ttt_linear_naive` (``torch_naive``): the plain form, the per-mini-batch states stacked and the outputs
+  formed afterwards.
 """
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ttt_linear_reference", "ttt_linear_bidir", "ln_l2_grad", "inner_rope", "token_tau"]
+__all__ = ["ttt_linear_reference", "ttt_linear_naive", "ttt_linear_bidir", "ttt_linear_bidir_reference",
+           "ln_l2_grad", "inner_rope", "token_tau"]
 
 
 def ln_l2_grad(z: torch.Tensor, target: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
@@ -37,22 +48,92 @@ def token_tau(tau_offset: torch.Tensor) -> torch.Tensor:
 def inner_rope(x: torch.Tensor, mini_batch: int, theta: float = 10000.0) -> torch.Tensor:
     """Rotary embedding of the position inside the mini-batch (``t mod b``) on ``x: (B, heads, N, d)``.
 
-    Rotate-half layout: channel p pairs with channel p + d/2.
+    Rotate-half layout: channel p pairs with channel p + d/2.  The angle table has only ``b x d/2`` entries (built
+    in float64, then cast); it is gathered to the N positions.
     """
     n, d = x.shape[-2], x.shape[-1]
     if d % 2:
         raise ValueError(f"inner RoPE needs an even head dim, got {d}")
+    half = d // 2
     freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
-    pos = (torch.arange(n, device=x.device) % mini_batch).to(torch.float64)
-    ang = pos[:, None] * freq[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    ang = torch.arange(min(n, mini_batch), device=x.device, dtype=torch.float64)[:, None] * freq[None, :]
+    pos = torch.arange(n, device=x.device) % mini_batch
+    cos, sin = ang.cos().to(x.dtype)[pos], ang.sin().to(x.dtype)[pos]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([torch.addcmul(x1 * cos, x2, sin, value=-1.0), torch.addcmul(x2 * cos, x1, sin)], dim=-1)
 
 
-def _layer_norm(z: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(z, (z.shape[-1],), eps=eps) * w + b
+def _check_scan_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                     w0: torch.Tensor, b0: torch.Tensor, mini_batch: int) -> None:
+    bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    if list(k.shape) != list(q.shape) or list(v.shape) != list(q.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if list(lr.shape) != [bsz, heads, n]:
+        raise ValueError(f"lr must be (B, heads, N) = {[bsz, heads, n]}, got {list(lr.shape)}")
+    if list(tau.shape) != [mini_batch]:
+        raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {list(tau.shape)}")
+    if w0.dim() != 4 or b0.dim() != 4 or list(w0.shape[1:]) != [heads, d, d] or list(b0.shape[1:]) != [heads, 1, d]:
+        raise ValueError(f"w0 must be (B|1, {heads}, {d}, {d}) and b0 (B|1, {heads}, 1, {d}); "
+                         f"got {list(w0.shape)} and {list(b0.shape)}")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are computed in float32 (state, LayerNorm statistics)."""
+    return dtype if dtype == torch.float32 or dtype == torch.float64 else torch.float32
+
+
+def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Tensor, inv_d: float) -> torch.Tensor:
+    """:func:`ln_l2_grad` for a ``z`` whose rows already have zero mean, with ``c = (ln_b - target) * ln_w``,
+    ``lnw2 = ln_w^2`` and ``eps`` (a 1-element tensor) precomputed: 11 small ops."""
+    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True)
+    rstd = torch.rsqrt(torch.addcmul(eps, norm, norm, value=inv_d))
+    xh = z * rstd
+    gx = torch.addcmul(c, xh, lnw2)
+    m = torch.addcmul(gx.sum(-1, keepdim=True), xh, (gx * xh).sum(-1, keepdim=True))
+    return torch.sub(gx, m, alpha=inv_d) * rstd
+
+
+def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                 state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, keep_grads: bool, carry: bool,
+                 shared: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Mini-batches of one length ``c = tau.shape[0]``.
+
+    qa, ka: (BH, nc * c, d + 1) with a trailing 1; tgt: (BH, nc * c, d) the target (or, with ``lnw2``, the
+    LayerNorm-gradient constant, and then ``state`` must have zero-mean rows); lr: (BH, nc * c);
+    state: (BH, d + 1, d) = [W; b].
+    ``shared``: q = k (Vittt's default), then one bmm gives both z = k S and the output's q S.
+    Returns z_bar (BH, nc * c, d), the inner gradients g (if ``keep_grads``) and the outgoing state (if ``carry``).
+    """
+    bh, m, da = qa.shape
+    d = da - 1
+    c = tau.shape[0]
+    nc = m // c
+    qc = qa.reshape(bh, nc, c, da)
+    kc = ka.reshape(bh, nc, c, da)
+    lrc = lr.reshape(bh, nc, 1, c)
+    # state-independent parts, all mini-batches at once: -eta * (q k^T + 1) (causal), -k_j eta_{c,j}, [k; q]
+    attn = torch.matmul(qc, kc.transpose(-1, -2)) * torch.tril(-tau[:, None] * lrc)
+    kel = (kc * (-tau[c - 1] * lrc).transpose(-1, -2)).transpose(-1, -2).unbind(1)  # (BH, d+1, c) each
+    kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
+    tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
+    eps_t = torch.full([1], eps, dtype=qa.dtype, device=qa.device)
+    outs: List[torch.Tensor] = []
+    grads: List[torch.Tensor] = []
+    for i in range(nc):
+        z = torch.bmm(kq[i], state)
+        o = z
+        if not shared:
+            z, o = z[:, :c], z[:, c:]
+        g = _ln_grad(z, tgt_l[i], lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tgt_l[i]
+        outs.append(o)
+        grads.append(g)
+        if carry or i < nc - 1:
+            state = torch.baddbmm(state, kel[i], g)
+    # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
+    gs = torch.stack(grads, 1)
+    z_bar = torch.baddbmm(torch.stack(outs, 1).reshape(bh * nc, c, d), attn.reshape(bh * nc, c, c),
+                          gs.reshape(bh * nc, c, d))
+    return z_bar.reshape(bh, m, d), (gs.reshape(bh, m, d) if keep_grads else None), state
 
 
 def ttt_linear_reference(
@@ -84,57 +165,160 @@ def ttt_linear_reference(
     Returns:
         (out (B, heads, N, d), grad_norm or None)
     """
-    bsz, heads, n, d = q.shape
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if lr.shape != (bsz, heads, n):
-        raise ValueError(f"lr must be (B, heads, N) = {(bsz, heads, n)}, got {tuple(lr.shape)}")
-    if tau.shape != (mini_batch,):
-        raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {tuple(tau.shape)}")
-    if w0.shape[-3:] != (heads, d, d) or b0.shape[-3:] != (heads, 1, d):
-        raise ValueError(f"w0 must be (B|1, {heads}, {d}, {d}) and b0 (B|1, {heads}, 1, {d}); "
-                         f"got {tuple(w0.shape)} and {tuple(b0.shape)}")
+    _check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    bh = bsz * heads
     out_dtype = q.dtype
-    cd = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32  # low precision: fp32 state
-    q, k, v, lr, tau = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd)
-    w0, b0, ln_w, ln_b = w0.to(cd), b0.to(cd), ln_w.to(cd), ln_b.to(cd)
-    lnw = ln_w.view(1, heads, 1, d)
-    lnb = ln_b.view(1, heads, 1, d)
-    # full mini-batches form one group, a shorter last one a second; inside a group only the state recursion
-    # runs chunk by chunk, the outputs of all its chunks are formed at once afterwards
-    w = w0.expand(bsz, heads, d, d)
-    b = b0.expand(bsz, heads, 1, d)
+    cd = _compute_dtype(q.dtype)
+    shared = q is k
+    q, lr, tau = q.to(cd), lr.to(cd).reshape(bh, n), tau.to(cd)
+    k = q if shared else k.to(cd)
+    one = torch.ones(bsz, heads, n, 1, device=q.device, dtype=cd)
+    ka = torch.cat([k, one], -1).reshape(bh, n, d + 1)
+    qa = ka if shared else torch.cat([q, one], -1).reshape(bh, n, d + 1)
+    state = torch.cat([w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d)], 2)
+    state = state.reshape(bh, d + 1, d)
+    if ln_residual:
+        # LN(z) ignores each row's mean, so the state is kept with zero-mean rows: z = [k, 1] S is then centred,
+        # and it stays so (every update k^T g has zero-mean rows, since g does); z_bar only feeds LN(z_bar)
+        state = state - state.mean(-1, keepdim=True)
+    lnw = ln_w.to(cd).reshape(1, heads, 1, d)
+    lnb = ln_b.to(cd).reshape(1, heads, 1, d)
+    lnw2: Optional[torch.Tensor] = None
+    if ln_residual:
+        tgt = ((lnb - (v.to(cd) - k)) * lnw).reshape(bh, n, d)
+        lnw2 = (lnw * lnw).expand(bsz, heads, 1, d).reshape(bh, 1, d)
+    else:
+        tgt = v.to(cd).reshape(bh, n, d)
     full = n // mini_batch * mini_batch
-    groups = [(0, full, mini_batch)] if full else []
+    parts: List[torch.Tensor] = []
+    grads: List[torch.Tensor] = []
+    if full > 0:
+        zb, g, state = _scan_chunks(qa[:, :full], ka[:, :full], tgt[:, :full], lr[:, :full], tau, state, lnw2, eps,
+                                    return_grad_norm, n > full, shared)
+        parts.append(zb)
+        if g is not None:
+            grads.append(g)
     if n > full:
-        groups.append((full, n, n - full))
-    outs, norms = [], []
-    for s, e, c in groups:
-        nc = (e - s) // c
-        qg = q[:, :, s:e].reshape(bsz, heads, nc, c, d)
-        kg = k[:, :, s:e].reshape(bsz, heads, nc, c, d)
-        tg = (v[:, :, s:e] - k[:, :, s:e] if ln_residual else v[:, :, s:e]).reshape(bsz, heads, nc, c, d)
-        eta = torch.tril(tau[:c, None] * lr[:, :, s:e].reshape(bsz, heads, nc, 1, c))  # eta_ij = tau_i lr_j, j<=i
-        eta_last = eta[..., -1, :, None]  # (B, h, nc, c, 1): the last row carries the state on
-        ws, bs, gs = [], [], []
-        for i in range(nc):
-            kc = kg[:, :, i]
-            z = kc @ w + b
-            g = ln_l2_grad(z, tg[:, :, i], lnw, lnb, eps) if ln_residual else z - tg[:, :, i]
-            ws.append(w)
-            bs.append(b)
-            gs.append(g)
-            step = eta_last[:, :, i] * g
-            w = w - kc.transpose(-1, -2) @ step
-            b = b - step.sum(-2, keepdim=True)
-        wg, bg, gg = torch.stack(ws, 2), torch.stack(bs, 2), torch.stack(gs, 2)
-        z_bar = qg @ wg + bg - (eta * (qg @ kg.transpose(-1, -2) + 1.0)) @ gg
-        o = qg + _layer_norm(z_bar, lnw[:, :, None], lnb[:, :, None], eps) if ln_residual else z_bar
-        outs.append(o.reshape(bsz, heads, e - s, d))
+        zb, g, state = _scan_chunks(qa[:, full:], ka[:, full:], tgt[:, full:], lr[:, full:], tau[:n - full], state,
+                                    lnw2, eps, return_grad_norm, False, shared)
+        parts.append(zb)
+        if g is not None:
+            grads.append(g)
+    z_bar = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).reshape(bsz, heads, n, d)
+    if ln_residual:
+        out = torch.addcmul(q + lnb, F.layer_norm(z_bar, [d], eps=eps), lnw)
+    else:
+        out = z_bar
+    gn: Optional[torch.Tensor] = None
+    if return_grad_norm:
+        gg = grads[0] if len(grads) == 1 else torch.cat(grads, 1)
+        gn = torch.linalg.vector_norm(k, dim=-1) * torch.linalg.vector_norm(gg.reshape(bsz, heads, n, d), dim=-1)
+    return out.to(out_dtype), gn
+
+
+def ttt_linear_naive(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lr: torch.Tensor,
+        tau: torch.Tensor,
+        w0: torch.Tensor,
+        b0: torch.Tensor,
+        ln_w: torch.Tensor,
+        ln_b: torch.Tensor,
+        mini_batch: int = 16,
+        ln_residual: bool = True,
+        eps: float = 1e-6,
+        return_grad_norm: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The same scan written plainly (arguments as :func:`ttt_linear_reference`): per mini-batch the state
+    recursion; the states of all mini-batches are stacked and the outputs formed from them afterwards."""
+    _check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    out_dtype = q.dtype
+    cd = _compute_dtype(q.dtype)
+    q, k, v, lr, tau = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd)
+    lnw = ln_w.to(cd).view(1, heads, 1, d)
+    lnb = ln_b.to(cd).view(1, heads, 1, d)
+    w = w0.to(cd).expand(bsz, heads, d, d)
+    b = b0.to(cd).expand(bsz, heads, 1, d)
+    outs: List[torch.Tensor] = []
+    norms: List[torch.Tensor] = []
+    for s in range(0, n, mini_batch):
+        e = min(s + mini_batch, n)
+        qc, kc = q[:, :, s:e], k[:, :, s:e]
+        tc = v[:, :, s:e] - kc if ln_residual else v[:, :, s:e]
+        eta = torch.tril(tau[:e - s, None] * lr[:, :, None, s:e])  # eta_ij = tau_i lr_j, j <= i
+        z = kc @ w + b
+        g = ln_l2_grad(z, tc, lnw, lnb, eps) if ln_residual else z - tc
+        z_bar = qc @ w + b - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ g
+        outs.append(qc + F.layer_norm(z_bar, [d], eps=eps) * lnw + lnb if ln_residual else z_bar)
         if return_grad_norm:
-            norms.append((kg.norm(dim=-1) * gg.norm(dim=-1)).reshape(bsz, heads, e - s))
+            norms.append(torch.linalg.vector_norm(kc, dim=-1) * torch.linalg.vector_norm(g, dim=-1))
+        step = eta[:, :, -1, :, None] * g  # the last row carries the state on
+        w = w - kc.transpose(-1, -2) @ step
+        b = b - step.sum(-2, keepdim=True)
     out = torch.cat(outs, dim=2).to(out_dtype)
     return out, (torch.cat(norms, dim=2) if return_grad_norm else None)
+
+
+def _flip_both(x: torch.Tensor) -> torch.Tensor:
+    """(B, ...) -> (2B, ...): the sequence (dim 2) and its reverse, stacked on the batch axis."""
+    return torch.cat([x, x.flip(2)], dim=0)
+
+
+def bidir_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, w0: torch.Tensor,
+                 b0: torch.Tensor, mini_batch: int, rope_theta: Optional[float]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both scan directions stacked on the batch axis (2B), in-chunk RoPE applied, W0/b0 per direction."""
+    bsz = q.shape[0]
+    if (w0.shape[0] != 1 and w0.shape[0] != 2) or b0.shape[0] != w0.shape[0]:
+        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {list(w0.shape)}")
+    q2, v2 = _flip_both(q), _flip_both(v)
+    if rope_theta is not None:
+        q2 = inner_rope(q2, mini_batch, rope_theta)
+    k2 = q2  # shared q = k: formed once (the scan then also skips the second projection)
+    if k is not q:
+        k2 = _flip_both(k)
+        if rope_theta is not None:
+            k2 = inner_rope(k2, mini_batch, rope_theta)
+    if w0.shape[0] == 2:
+        w0 = w0.repeat_interleave(bsz, dim=0)
+        b0 = b0.repeat_interleave(bsz, dim=0)
+    return q2, k2, v2, _flip_both(lr), w0, b0
+
+
+def bidir_outputs(out: torch.Tensor, gn: Optional[torch.Tensor], bsz: int
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sum of the forward scan and the re-flipped backward scan; grad norms stacked (2, B, heads, N)."""
+    out = out[:bsz] + out[bsz:].flip(2)
+    if gn is not None:
+        gn = torch.stack([gn[:bsz], gn[bsz:].flip(2)])
+    return out, gn
+
+
+def ttt_linear_bidir_reference(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lr: torch.Tensor,
+        tau: torch.Tensor,
+        w0: torch.Tensor,
+        b0: torch.Tensor,
+        ln_w: torch.Tensor,
+        ln_b: torch.Tensor,
+        mini_batch: int = 16,
+        ln_residual: bool = True,
+        rope_theta: Optional[float] = 10000.0,
+        eps: float = 1e-6,
+        return_grad_norm: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`ttt_linear_bidir` with the scan fixed to :func:`ttt_linear_reference` (TorchScript-compilable)."""
+    q2, k2, v2, lr2, w0, b0 = bidir_inputs(q, k, v, lr, w0, b0, mini_batch, rope_theta)
+    out, gn = ttt_linear_reference(q2, k2, v2, lr2, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
+                                   return_grad_norm)
+    return bidir_outputs(out, gn, q.shape[0])
 
 
 def ttt_linear_bidir(
@@ -162,22 +346,7 @@ def ttt_linear_bidir(
     ``scan`` is the single-direction op (default :func:`ttt_linear_reference`).
     Returns (out (B, heads, N, d), grad_norm (2, B, heads, N) in original token order, or None).
     """
-    bsz = q.shape[0]
-    if w0.shape[0] not in (1, 2) or b0.shape[0] != w0.shape[0]:
-        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {tuple(w0.shape)}")
-
-    q2 = torch.cat([q, q.flip(2)], dim=0)
-    k2 = torch.cat([k, k.flip(2)], dim=0)
-    v2 = torch.cat([v, v.flip(2)], dim=0)
-    if rope_theta is not None:
-        q2, k2 = inner_rope(q2, mini_batch, rope_theta), inner_rope(k2, mini_batch, rope_theta)
-    lr2 = torch.cat([lr, lr.flip(2)], dim=0)
-    if w0.shape[0] == 2:
-        w0 = w0.repeat_interleave(bsz, dim=0)
-        b0 = b0.repeat_interleave(bsz, dim=0)
+    q2, k2, v2, lr2, w0, b0 = bidir_inputs(q, k, v, lr, w0, b0, mini_batch, rope_theta)
     scan = scan or ttt_linear_reference
     out, gn = scan(q2, k2, v2, lr2, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, return_grad_norm)
-    out = out[:bsz] + out[bsz:].flip(2)
-    if gn is not None:
-        gn = torch.stack([gn[:bsz], gn[bsz:].flip(2)])
-    return out, gn
+    return bidir_outputs(out, gn, q.shape[0])

@@ -24,13 +24,6 @@ if _ONLY:
 NEEDS_NETWORK = {"test_model_load_pretrained", "test_model_features_pretrained"}
 
 
-# Known limitation (stated in the README): the Vision-TTT mini-batch scan is neither TorchScript-compilable (its op takes
-# a scan callable) nor torch.fx-traceable yet; every other test of timm's suite runs on these models.
-NOT_SCRIPTABLE = ("visionttt_",)
-SCRIPT_OR_FX_TESTS = {"test_model_forward_torchscript", "test_model_forward_fx", "test_model_backward_fx",
-                      "test_model_forward_fx_torchscript"}
-
-
 def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
@@ -39,9 +32,6 @@ def pytest_collection_modifyitems(config, items):
         (keep if name in OUR_MODELS else drop).append(item)
     import pytest
     for item in keep:
-        name = str(item.callspec.params.get("model_name", ""))
-        if item.originalname in SCRIPT_OR_FX_TESTS and name.startswith(NOT_SCRIPTABLE):
-            item.add_marker(pytest.mark.skip(reason="Vision-TTT scan: TorchScript/fx not supported yet"))
         if item.originalname in NEEDS_NETWORK and not os.environ.get("TTT_ZOO_ALLOW_DOWNLOADS"):
             item.add_marker(pytest.mark.skip(reason="downloads released weights (no network in tests); "
                                                     "set TTT_ZOO_ALLOW_DOWNLOADS=1 to run"))

@@ -29,14 +29,6 @@ def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> Non
                          f"pass feat_size=(H, W) with H * W == N.")
 
 
-@register_notrace_function
-def _bidir_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-                w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int,
-                ln_residual: bool, rope_theta: Optional[float], return_grad_norm: bool, backend: Optional[str]
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # one leaf for fx: the scan loops over mini-batches in Python
-    return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, 1e-6,
-                            return_grad_norm, backend)
 _QK_MODES = ("shared", "conv_q")
 
 
@@ -59,7 +51,8 @@ class TTTLinearMixer(TTTMixer):
         inner_ln_residual: inner model ``x + LN(xW + b)`` with target ``v - k`` (ttt-lm); False gives the paper's
             literal ``f(x) = xW + b`` with target v.
         proj_per_direction: apply the q/k, v and lr projections once per scan direction, as the paper's FLOP count
-            assumes; outputs are identical, it only costs 2*N*D^2 extra MACs.  Default False: project once, flip.
+            assumes, and the scan forms q S apart from k S (q = k); outputs are identical, it only costs extra MACs.
+            Default False: project once, flip, and share q = k.
         backend: force the op backend (``'torch'`` or ``'triton'``).
     """
     inner_param_names = ("w0", "b0", "tau_offset", "ttt_norm_weight", "ttt_norm_bias", "lr_proj")
@@ -130,30 +123,32 @@ class TTTLinearMixer(TTTMixer):
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def _conv(self, t: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        # (B, N, C) tokens viewed as a channels-last (B, C, H, W) map: no transposing copies in or out
         b, n, c = t.shape
-        t = self.conv(t.transpose(1, 2).reshape(b, c, feat_size[0], feat_size[1]))
-        return t.flatten(2).transpose(1, 2)
+        t = self.conv(t.reshape(b, feat_size[0], feat_size[1], c).permute(0, 3, 1, 2))
+        return t.permute(0, 2, 3, 1).reshape(b, n, c)
 
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
         c = x.shape[2]
         _check_tokens(x, feat_size, "TTTLinearMixer")
-        weight = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
-        pb = self.proj.bias
-        if pb is None:
-            pb = torch.zeros(3 * c, device=x.device, dtype=self.lr_proj.bias.dtype)
-        bias = torch.cat([pb, self.lr_proj.bias], 0)
         src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
-        u = F.linear(src, weight, bias)
-        u_qk, u_g, u_v, logits = torch.split(u, [c, c, c, self.num_heads], dim=-1)
+        u_qk, u_g, u_v = torch.split(self.proj(src), [c, c, c], dim=-1)
+        logits = self.lr_proj(src)
         if self.proj_per_direction:
             # the backward direction's q/k, v and lr projections run on the flipped sequence (same values)
-            ub = F.linear(src.flip(1), torch.cat([weight[:c], weight[2 * c:]], 0),
-                          torch.cat([bias[:c], bias[2 * c:]], 0)).flip(1)
-            u_qk, u_v, logits = torch.split(ub, [c, c, self.num_heads], dim=-1)
+            w, pb = self.proj.weight, self.proj.bias
+            bqv: Optional[torch.Tensor] = None
+            if pb is not None:
+                bqv = torch.cat([pb[:c], pb[2 * c:]], 0)
+            src_b = src.flip(1)
+            u_qk, u_v = torch.split(F.linear(src_b, torch.cat([w[:c], w[2 * c:]], 0), bqv).flip(1), [c, c], dim=-1)
+            logits = self.lr_proj(src_b).flip(1)
         k = self._heads(u_qk)
         q = self._heads(self._conv(u_qk, feat_size)) if self.qk_mode == "conv_q" else k
+        if self.proj_per_direction and q is k:
+            q = k.clone()  # a distinct q: the scan then forms q S apart from k S, as the paper's FLOP count does
         v = self._heads(u_v)
         lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
         return q, k, v, lr, u_g
@@ -161,10 +156,10 @@ class TTTLinearMixer(TTTMixer):
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         dt = q.dtype
-        return _bidir_scan(
+        return ttt_linear_bidir(
             q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
             self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
-            self.rope_theta if self.inner_rope else None, return_grad_norm, self.backend)
+            self.rope_theta if self.inner_rope else None, 1e-6, return_grad_norm, self.backend)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
