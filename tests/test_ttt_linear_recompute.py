@@ -114,3 +114,20 @@ def test_bad_inputs_raise():
         R.ttt_linear_bidir_torch(*x[:5], x[5].expand(3, -1, -1, -1), x[6].expand(3, -1, -1, -1), *x[7:], 4)
     with pytest.raises(ValueError, match="w0 must be"):
         R.ttt_linear_torch(*x[:5], x[5][..., :3], *x[6:], 4)
+
+
+def test_inference_path_returns_no_grad_norm_unless_asked():
+    from ttt_zoo.kernels.ttt_linear.recompute import ttt_linear_torch
+    from ttt_zoo.kernels.ttt_linear.reference import token_tau, ttt_linear_reference
+    b, h, n, d = 1, 2, 20, 8
+    q, k, v = [torch.randn(b, h, n, d) for _ in range(3)]
+    lr = torch.rand(b, h, n) * 0.1
+    tau = token_tau(torch.zeros(8))
+    w0, b0 = torch.randn(1, h, d, d) * 0.1, torch.zeros(1, h, 1, d)
+    ln_w, ln_b = torch.ones(h, d), torch.zeros(h, d)
+    with torch.no_grad():
+        out, gn = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
+        ref, _ = ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
+        _, gn2 = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8, return_grad_norm=True)
+    assert gn is None and gn2.shape == (b, h, n)
+    torch.testing.assert_close(out, ref)

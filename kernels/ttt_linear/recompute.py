@@ -388,7 +388,8 @@ def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16,
     Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
     """
     if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
-        return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
+        return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
+                                    return_grad_norm)
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = single_inputs(q, k, w0, b0)
     return TTTLinearScan.apply(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None
