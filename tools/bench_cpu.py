@@ -23,13 +23,9 @@ import subprocess
 import sys
 import time
 
+from ttt_zoo.benchmark import TINY_MODELS as FAMILIES  # --families key -> (label, model)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = {  # --families key -> (label prefix, timm model name)
-    "vit3": ("ViT3-T", "vit3_tiny"),
-    "hvit3": ("H-ViT3-T", "hvit3_tiny"),
-    "t5": ("T5-T", "t5_tiny"),
-    "visionttt": ("Vittt-T", "visionttt_tiny"),
-}
 PATHS = [  # label suffix, TTT_ZOO_BACKEND
     ("before: reference, plain autograd", "torch_naive"),
     ("after: recomputing torch path", "torch"),

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from ttt_zoo.benchmark import TINY_MODELS as FAMILIES  # --families key -> (label, model)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = {"vit3": ("ViT3-T", "vit3_tiny"), "hvit3": ("H-ViT3-T", "hvit3_tiny"), "t5": ("T5-T", "t5_tiny"),
-            "visionttt": ("Vittt-T", "visionttt_tiny")}
 BACKENDS = [("triton", "triton"), ("torch (recompute)", "torch"), ("torch_naive", "torch_naive")]
 
 

@@ -11,7 +11,11 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["measure", "scaling_table", "format_table", "rss_kb", "reset_peak", "peak_kb"]
+__all__ = ["measure", "scaling_table", "format_table", "rss_kb", "reset_peak", "peak_kb", "TINY_MODELS"]
+
+# the tiny model of each TTT family, as the benchmark scripts name them: key -> (label, timm model name)
+TINY_MODELS = {"vit3": ("ViT3-T", "vit3_tiny"), "hvit3": ("H-ViT3-T", "hvit3_tiny"), "t5": ("T5-T", "t5_tiny"),
+               "visionttt": ("Vittt-T", "visionttt_tiny")}
 
 
 def rss_kb() -> int:
