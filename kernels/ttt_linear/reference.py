@@ -83,8 +83,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Tensor, inv_d: float) -> torch.Tensor:
-    """:func:`ln_l2_grad` for a ``z`` whose rows already have zero mean, with ``c = (ln_b - target) * ln_w``,
-    ``lnw2 = ln_w^2`` and ``eps`` (a 1-element tensor) precomputed: 11 small ops."""
+    """:func:`ln_l2_grad` with ``c = (ln_b - target) * ln_w``, ``lnw2 = ln_w^2`` and ``eps`` (a 1-element tensor)
+    precomputed.  ``z`` is centred here: a rounding-level row mean left in would be fed back, with the same sign,
+    into every later state and grow geometrically over the mini-batches."""
+    z = z - z.mean(-1, keepdim=True)
     norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True)
     rstd = torch.rsqrt(torch.addcmul(eps, norm, norm, value=inv_d))
     xh = z * rstd
@@ -99,7 +101,7 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     """Mini-batches of one length ``c = tau.shape[0]``.
 
     qa, ka: (BH, nc * c, d + 1) with a trailing 1; tgt: (BH, nc * c, d) the target (or, with ``lnw2``, the
-    LayerNorm-gradient constant, and then ``state`` must have zero-mean rows); lr: (BH, nc * c);
+    LayerNorm-gradient constant); lr: (BH, nc * c);
     state: (BH, d + 1, d) = [W; b].
     ``shared``: q = k (Vittt's default), then one bmm gives both z = k S and the output's q S.
     Returns z_bar (BH, nc * c, d), the inner gradients g (if ``keep_grads``) and the outgoing state (if ``carry``).
@@ -178,10 +180,6 @@ def ttt_linear_reference(
     qa = ka if shared else torch.cat([q, one], -1).reshape(bh, n, d + 1)
     state = torch.cat([w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d)], 2)
     state = state.reshape(bh, d + 1, d)
-    if ln_residual:
-        # LN(z) ignores each row's mean, so the state is kept with zero-mean rows: z = [k, 1] S is then centred,
-        # and it stays so (every update k^T g has zero-mean rows, since g does); z_bar only feeds LN(z_bar)
-        state = state - state.mean(-1, keepdim=True)
     lnw = ln_w.to(cd).reshape(1, heads, 1, d)
     lnb = ln_b.to(cd).reshape(1, heads, 1, d)
     lnw2: Optional[torch.Tensor] = None
