@@ -6,7 +6,7 @@ import timm
 import torch
 
 import ttt_zoo
-from ttt_zoo.cli import model_stats
+from ttt_zoo.cli.list import model_stats
 
 PAPER = {  # exact official parameter counts (spec §2, §3) and the papers' GFLOPs at 224
     "vit3_tiny": (6_149_416, 1.2), "vit3_small": (23_799_400, 4.8), "vit3_base": (90_055_912, 18.0),
