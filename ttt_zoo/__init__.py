@@ -5,8 +5,11 @@ import importlib.util as _ilu
 import os as _os
 import sys as _sys
 
-if _ilu.find_spec(__name__ + ".kernels") is None:  # pragma: no cover - source checkout without install (torch.hub)
-    _src = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
+# In a source checkout (torch.hub, a git worktree, an editable install) the top-level kernels/ folder beside this
+# package is ttt_zoo.kernels, so the checkout's own kernels run; an installed wheel ships it as ttt_zoo/kernels.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+_src = _os.path.join(_root, "kernels")
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_src, "__init__.py")):
     _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_src, "__init__.py"),
                                          submodule_search_locations=[_src])
     _mod = _ilu.module_from_spec(_spec)
