@@ -69,6 +69,13 @@ def _outputs(name, model):
 
 
 def _record(name):
+    try:
+        return _record_model(name)
+    except Exception as e:  # noqa: BLE001 - a model that cannot run at its default size is recorded as such
+        return {"failure": f"{type(e).__name__}: {e}"}, {}
+
+
+def _record_model(name):
     import timm
     torch.manual_seed(0)
     model = timm.create_model(name)
@@ -118,16 +125,19 @@ def main(argv=None):
     p.add_argument("mode", choices=["save", "check"])
     p.add_argument("dir")
     p.add_argument("--models", nargs="*")
+    p.add_argument("--resume", action="store_true", help="save: skip models already in DIR")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     os.makedirs(a.dir, exist_ok=True)
     bad = 0
     for name in _models(a.models):
-        rec, tens = _record(name)
         jpath, tpath = os.path.join(a.dir, f"{name}.json"), os.path.join(a.dir, f"{name}.safetensors")
+        if a.mode == "save" and a.resume and os.path.exists(jpath):
+            continue
+        rec, tens = _record(name)
         if a.mode == "save":
             for path, write in ((jpath, lambda f: json.dump(rec, open(f, "w"), indent=1, sort_keys=True)),
-                                (tpath, lambda f: save_file(tens, f))):
+                                (tpath, lambda f: save_file(tens, f)))[:2 if tens else 1]:
                 write(path + ".tmp")
                 os.replace(path + ".tmp", path)
             print(f"saved {name}")
@@ -135,7 +145,7 @@ def main(argv=None):
         old = json.load(open(jpath))
         new = json.loads(json.dumps(rec))
         diffs = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-        old_t = load_file(tpath)
+        old_t = load_file(tpath) if os.path.exists(tpath) else {}
         if set(old_t) != set(tens):
             diffs.append(f"output set {sorted(set(old_t) ^ set(tens))}")
         worst = 0.0
