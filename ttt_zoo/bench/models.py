@@ -49,6 +49,12 @@ class _Setup:
         h, w = spec["img_size"]
         model = create(spec["model"], (h, w), spec.get("model_kwargs") or {})
         self.param_count = sum(p.numel() for p in model.parameters())
+        for key, value in (spec.get("set_attr") or {}).items():  # e.g. T5 mixers' `recompute` switch
+            hits = [m for m in model.modules() if hasattr(m, key)]
+            if not hits:
+                raise ValueError(f"--set-attr {key}: no submodule of {spec['model']} has an attribute {key!r}")
+            for m in hits:
+                setattr(m, key, value)
         fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
         model = model.to(self.device, memory_format=fmt).train(self.train)
         self.model = model

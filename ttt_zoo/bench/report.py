@@ -135,18 +135,18 @@ def plot_results(rows: List[Dict], path: str, title: str = "") -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     sizes = sorted({(r["img_h"] * r["img_w"], str(r["img_size"])) for r in rows})
     styles = {"infer": "-o", "train": "--s"}
-    for label in dict.fromkeys(r["label"] for r in rows):
-        for p in PHASES:
+    for i, label in enumerate(dict.fromkeys(r["label"] for r in rows)):
+        for p in PHASES:  # one colour per model, one line style per phase
             for ax, key in zip(axes, ("step_time", "peak_mem_mb")):
                 pts = sorted((r["img_h"] * r["img_w"], r[f"{p}_{key}"]) for r in rows
-                             if r["label"] == label and r.get(f"{p}_{key}") is not None)
+                             if r["label"] == label and r.get(f"{p}_{key}"))
                 if pts:
-                    ax.plot(*zip(*pts), styles[p], label=f"{label} ({PHASES[p].split()[0]})")
+                    ax.plot(*zip(*pts), styles[p], color=f"C{i}", label=f"{label} ({PHASES[p].split()[0]})")
     for ax, ylabel in zip(axes, ("ms per step", "peak memory growth (MB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([s for s, _ in sizes], [lab for _, lab in sizes], rotation=45)
-        ax.minorticks_off()
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("image size (pixels, log scale)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

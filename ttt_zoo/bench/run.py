@@ -31,6 +31,7 @@ class BenchConfig:
     threads: Optional[int] = None
     backends: Sequence[Optional[str]] = (None,)  # TTT_ZOO_BACKEND per run of the zoo models; None: leave as is
     model_kwargs: Dict = dataclasses.field(default_factory=dict)
+    set_attr: Dict = dataclasses.field(default_factory=dict)  # attribute -> value on every submodule having it
     saved_mem: bool = False
     repeats: int = 1
     before: Optional[Tuple[str, str]] = None  # (label, source tree) of older code also measured for `models`
@@ -70,7 +71,8 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
     return dict(model=c["model"], img_size=[h, w], phase=phase, batch_size=_batch(cfg, h, w), device=cfg.device,
                 amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=cfg.torchcompile,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
-                model_kwargs=cfg.model_kwargs, saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top)
+                model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
+                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top)
 
 
 def _merge(runs: List[Dict]) -> Dict:

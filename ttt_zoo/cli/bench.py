@@ -54,7 +54,7 @@ def _non_negative(text: str) -> int:
 
 def _kwarg(text: str):
     if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--model-kwargs takes key=value, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     k, v = text.split("=", 1)
     try:
         v = ast.literal_eval(v)
@@ -141,7 +141,8 @@ def run(args) -> int:
                       amp_dtype=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
                       torchcompile=args.torchcompile, num_warm_iter=args.num_warm_iter,
                       num_bench_iter=args.num_bench_iter, threads=args.threads, backends=args.backend or [None],
-                      model_kwargs=dict(args.model_kwargs or []), saved_mem=args.saved_mem, repeats=args.repeats,
+                      model_kwargs=dict(args.model_kwargs or []),
+                      set_attr=dict(args.set_attr or []), saved_mem=args.saved_mem, repeats=args.repeats,
                       before=before, top=args.profile_top)
     protocol = (f"{'Profile' if args.profile else 'Benchmark'}: every (model, size, phase) in a fresh subprocess, "
                 f"all side by side in this run; {cfg.num_warm_iter} warm-up + {cfg.num_bench_iter} timed steps, "
@@ -207,6 +208,8 @@ def add_parser(sub) -> None:
     g.add_argument("--backend", nargs="+", choices=BACKENDS, default=None,
                    help="TTT op backend(s) (TTT_ZOO_BACKEND in the child); several: each is measured")
     g.add_argument("--model-kwargs", nargs="+", type=_kwarg, metavar="KEY=VALUE", help="passed to create_model")
+    g.add_argument("--set-attr", nargs="+", type=_kwarg, metavar="KEY=VALUE",
+                   help="set this attribute on every submodule of --model that has it (e.g. recompute=False)")
     g.add_argument("--before", default=None, metavar="REV",
                    help="also measure --model with the ttt_zoo code of this git revision")
     g = p.add_argument_group("how")
