@@ -58,7 +58,8 @@ def format_table(rows: List[Dict]) -> str:
             continue
         cpu = any(r.get(f"{p}_cpu_time") is not None for r in prow)
         head = ["img size", "model", "batch", "params (M)", "GMACs", "ms / step", "samples / s", "peak MB"]
-        head += ["CPU ms"] * cpu + (["GFLOP/s"] if p == "infer" else [])
+        saved = any(r.get(f"{p}_saved_mb") is not None for r in prow)
+        head += ["CPU ms"] * cpu + ["saved MB"] * saved + (["GFLOP/s"] if p == "infer" else [])
         if ref:
             head += [f"time / {ref}", f"memory / {ref}"]
         lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -73,6 +74,8 @@ def format_table(rows: List[Dict]) -> str:
             cells += [_fmt(ms), _fmt(r[f"{p}_samples_per_sec"]), _fmt(mem)]
             if cpu:
                 cells.append(_fmt(r.get(f"{p}_cpu_time")))
+            if saved:
+                cells.append(_fmt(r.get(f"{p}_saved_mb")))
             if p == "infer":
                 g = r.get("infer_gmacs")
                 cells.append(_fmt(2 * g * r["infer_batch_size"] / (ms / 1e3)) if g else "-")

@@ -111,6 +111,8 @@ def run(args) -> int:
         if missing:
             p.error(f"--ops: no benchmark shapes defined for {missing} (add them to ttt_zoo/bench/ops.py OPS)")
         backends = [b for b in (args.backend or ["triton", "torch", "torch_naive"]) if b != "auto"]
+        if not backends:
+            p.error("--ops measures named backends: give --backend triton, torch and/or torch_naive")
         device, dtype = ("cpu", "float32") if args.dry_run else (args.device, args.dtype)
         warm, iters = (0, 1) if args.dry_run else (args.num_warm_iter, args.num_bench_iter)
         rows = run_ops(ops, device, dtype, backends, warm, iters, dry_run=args.dry_run, threads=args.threads)
