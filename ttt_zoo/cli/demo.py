@@ -29,7 +29,7 @@ def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained
 
 def run(args) -> int:
     from ttt_zoo import list_zoo_models
-    from ttt_zoo.benchmark import format_table, scaling_table
+    from ttt_zoo.bench import format_table, scaling_table
     print("== ttt-zoo: registered models ==")
     list_run(argparse.Namespace(filter="", img_size=224))
     print(f"\n== Classifying a real photograph ({os.path.basename(ASSET_IMAGE)}, CC0) ==")

@@ -1,0 +1,119 @@
+"""``ttt-zoo bench``: a tiny end-to-end run on the CPU, the op dry run, the report code and argument errors.
+
+Timings here are not benchmarks (1 warm-up + 1 step on a shared machine); the tests check the plumbing: that every
+key timm's benchmark.py writes is there with sane values, that the parameter count is the model's, that the
+outputs are written, and that bad arguments are refused with a message saying what to do.
+"""
+import csv
+import json
+import math
+import os
+
+import pytest
+import timm
+import torch
+
+import ttt_zoo  # noqa: F401
+from ttt_zoo.bench import format_table, measure_steps, scaling_exponents, write_results
+from ttt_zoo.cli import main
+
+TIMM_KEYS = ("samples_per_sec", "step_time", "batch_size", "img_size", "gmacs")
+
+
+def test_bench_end_to_end_cpu(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", "vit3_tiny", "--peers", "test_vit", "--img-size", "48x32", "--bench", "both",
+               "-b", "2", "--num-warm-iter", "1", "--num-bench-iter", "1", "--device", "cpu", "--threads", "1",
+               "--output", str(out), "--results-file", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr()
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["machine"]["torch"] == torch.__version__ and data["machine"]["threads"] == "1"
+    rows = {r["model"]: r for r in data["results"]}
+    assert set(rows) == {"vit3_tiny", "test_vit"}
+    for name, r in rows.items():
+        n_params = sum(p.numel() for p in timm.create_model(name, img_size=(48, 32)).parameters())
+        assert r["param_count"] * 1e6 == pytest.approx(n_params, abs=0.5)
+        for p in ("infer", "train"):
+            for k in TIMM_KEYS:
+                assert f"{p}_{k}" in r, (name, p, k)
+            assert r[f"{p}_img_size"] == "48x32" and r[f"{p}_batch_size"] == 2
+            assert r[f"{p}_step_time"] > 0 and r[f"{p}_gmacs"] > 0 and r[f"{p}_peak_mem_mb"] >= 0
+            assert r[f"{p}_samples_per_sec"] == pytest.approx(2e3 / r[f"{p}_step_time"], rel=1e-3)
+            assert r[f"{p}_threads"] == 1
+        # training keeps activations and gradients: more memory than inference
+        assert r["train_peak_mem_mb"] > r["infer_peak_mem_mb"]
+    assert rows["vit3_tiny"]["infer_gmacs"] > rows["test_vit"]["infer_gmacs"]
+    md = (out / "bench.md").read_text()
+    assert "time / test_vit" in md and "| 48x32 | vit3_tiny |" in md and "torch " + torch.__version__ in md
+    assert not (out / "results.csv").exists()  # --results-file given: no second results file in --output
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in capsys.readouterr().out
+    else:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ops_dry_run(tmp_path):
+    rc = main(["bench", "--ops", "key_instance_norm", "--dry-run", "--results-file", str(tmp_path / "ops.csv"),
+               "--output", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "ops.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["backend"] for r in rows] == ["triton", "torch", "torch_naive"]
+    for r in rows:
+        assert float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0
+        assert float(r["out_diff"]) < 1e-5 and float(r["grad_rel_diff"]) < 1e-5  # fp32 vs the fp32 reference
+    assert "DRY RUN" in (tmp_path / "ops.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no_such_model"], "unknown model 'no_such_model'"),
+    (["--peers", "no_such_peer"], "unknown model 'no_such_peer'"),
+    (["--img-size", "abc"], "bad image size 'abc'"),
+    (["--img-size", "0"], "bad image size '0'"),
+    (["--img-size", "224x"], "bad image size '224x'"),
+    (["-b", "0"], "expected a positive integer"),
+    (["--results-file", "r.txt"], "must end in .csv or .json"),
+    (["--ops", "no_such_op", "--dry-run"], "unknown op(s) ['no_such_op']"),
+    (["--dry-run"], "--dry-run applies to --ops"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--device", "cpu", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _row(label, role, h, infer_ms, mem):
+    return dict(model=label, label=label, role=role, img_size=h, img_h=h, img_w=h, param_count=1.0,
+                infer_step_time=infer_ms, infer_samples_per_sec=1e3 / infer_ms, infer_batch_size=1,
+                infer_peak_mem_mb=mem, infer_gmacs=0.5)
+
+
+def test_report_ratios_exponents_and_files(tmp_path):
+    # "a" scales linearly in pixels, the peer "b" as pixels^1.5; a is 2x slower than b at 64, 2x faster at 256
+    rows = [_row("a", "model", 64, 20.0, 10.0), _row("b", "peer", 64, 10.0, 20.0),
+            _row("a", "model", 256, 320.0, 40.0), _row("b", "peer", 256, 640.0, 80.0)]
+    exps = scaling_exponents(rows)
+    assert exps[("a", "infer")] == pytest.approx(1.0) and exps[("b", "infer")] == pytest.approx(1.5)
+    table = format_table(rows)
+    assert "| 64 | a | 1 | 1.00 | 0.500 | 20.0 | 50.0 | 10.0 | 50.0 | 2.00x | 0.50x |" in table
+    assert "| 256 | a |" in table and "| 0.50x | 0.50x |" in table
+    write_results(str(tmp_path / "r.csv"), rows)
+    with open(tmp_path / "r.csv") as f:
+        back = list(csv.DictReader(f))
+    assert [float(r["infer_step_time"]) for r in back] == [20.0, 10.0, 320.0, 640.0]
+    write_results(str(tmp_path / "r.json"), rows, dict(cpu="x"))
+    assert json.loads((tmp_path / "r.json").read_text())["results"] == rows
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]  # atomic writes leave no temp files
+    with pytest.raises(ValueError, match="csv or .json"):
+        write_results(str(tmp_path / "r.txt"), rows)
+
+
+def test_measure_steps_sees_peak_memory_and_time():
+    n = 16 * 2 ** 20  # 64 MiB of fp32, allocated and touched inside the step, freed after it
+    res = measure_steps(lambda: torch.ones(n).sum(), "cpu", 1, 2)
+    assert res["step_time"] > 0 and len(res["step_times"]) == 2
+    assert 56 < res["peak_mem_mb"] < 200
+    assert math.isfinite(res["cpu_time"])

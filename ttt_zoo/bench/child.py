@@ -1,0 +1,29 @@
+"""Entry point of one fresh measuring process: ``python -m ttt_zoo.bench.child KIND SPEC_JSON``.
+
+Prints one line ``RESULT_TAG + json`` with the result; errors raise (the parent reports the traceback's end).
+"""
+
+import json
+import os
+import sys
+
+
+def main(kind: str, spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    import ttt_zoo  # registers the models
+    if spec.get("src") and not os.path.abspath(ttt_zoo.__file__).startswith(os.path.abspath(spec["src"])):
+        raise RuntimeError(f"ttt_zoo imported from {ttt_zoo.__file__}, not from {spec['src']}")
+    from .measure import RESULT_TAG
+    if kind == "model":
+        from .models import bench_model as fn
+    elif kind == "profile":
+        from .models import profile_model as fn
+    elif kind == "ops":
+        from .ops import bench_ops as fn
+    else:
+        raise ValueError(f"unknown benchmark kind {kind!r}")
+    print(RESULT_TAG + json.dumps(fn(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

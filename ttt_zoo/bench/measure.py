@@ -1,0 +1,182 @@
+"""The measuring code every benchmark mode shares: step timing, peak memory, the fresh-subprocess runner, the
+machine description and atomic writes.
+
+Peak memory is the growth over the state before the first measured call (model and inputs already built):
+on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated``; on the CPU the process's peak resident set
+(VmHWM, reset through ``/proc/self/clear_refs``) above its RSS. That is what a user sees ("training grows my
+process by X"), it covers every allocator (PyTorch's CPU allocator is plain malloc) and needs no tracing hooks.
+"""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, Optional
+
+__all__ = ["rss_kb", "reset_peak", "peak_kb", "PeakMemory", "measure_steps", "run_child", "machine_info",
+           "describe_machine", "atomic_write", "RESULT_TAG"]
+
+RESULT_TAG = "@@ttt-zoo-bench@@ "  # prefixes the one result line a child prints
+
+
+def rss_kb() -> int:
+    """Current resident set size of this process (KiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, the peak RSS, to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_kb() -> int:
+    """Peak resident set size (VmHWM) since the last :func:`reset_peak` (KiB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
+
+class PeakMemory:
+    """Peak memory growth (MiB) between :meth:`start` and :meth:`stop`; ``None`` where it cannot be read."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.base = None
+
+    def start(self) -> None:
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        try:
+            self.base = rss_kb() * 1024
+            reset_peak()
+        except OSError:  # not Linux: no resettable peak RSS
+            self.base = None
+
+    def stop(self) -> Optional[float]:
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / 2 ** 20
+        if self.base is None:
+            return None
+        return max(peak_kb() * 1024 - self.base, 0) / 2 ** 20
+
+
+def measure_steps(step: Callable[[], object], device: str, num_warm: int, num_bench: int) -> Dict:
+    """``num_warm`` untimed then ``num_bench`` timed calls of ``step``.
+
+    Returns the median wall time per step (ms), the median process CPU time per step (ms; CPU only), every wall
+    time, and the peak memory growth over all calls (warm-up included, so one-time allocations count).
+    """
+    import torch
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mem = PeakMemory(device)
+    mem.start()
+    for _ in range(num_warm):
+        step()
+    sync()
+    wall, cpu = [], []
+    for _ in range(max(num_bench, 1)):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        sync()
+        wall.append(1e3 * (time.perf_counter() - t0))
+        cpu.append(1e3 * (time.process_time() - c0))
+    return dict(step_time=statistics.median(wall), cpu_time=None if cuda else statistics.median(cpu),
+                step_times=wall, peak_mem_mb=mem.stop())
+
+
+def _package_root() -> str:
+    import ttt_zoo
+    return os.path.dirname(os.path.dirname(os.path.abspath(ttt_zoo.__file__)))
+
+
+def run_child(kind: str, spec: Dict, env: Optional[Dict[str, Optional[str]]] = None, src: Optional[str] = None,
+              timeout: Optional[float] = None) -> Dict:
+    """Run one measurement (``ttt_zoo.bench.child``) in a fresh Python process and return its result dict.
+
+    ``env`` entries are set in the child (``None`` removes one); ``src`` is a source tree whose ``ttt_zoo`` the
+    child imports instead of this one. A failed child returns ``{"error": ...}`` with the end of its stderr.
+    """
+    child_env = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v is None:
+            child_env.pop(k, None)
+        else:
+            child_env[k] = v
+    paths = [p for p in (src, _package_root(), child_env.get("PYTHONPATH")) if p]
+    child_env["PYTHONPATH"] = os.pathsep.join(paths)
+    cmd = [sys.executable, "-m", "ttt_zoo.bench.child", kind, json.dumps(spec)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timed out after {timeout:.0f} s")
+    results = [line[len(RESULT_TAG):] for line in out.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if results:
+        return json.loads(results[-1])
+    tail = out.stderr.strip().splitlines()[-12:]
+    return dict(error=(tail[-1] if tail else f"child exited with status {out.returncode}"), traceback="\n".join(tail))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info(device: str, threads: Optional[int] = None) -> Dict[str, str]:
+    """What the numbers were measured on: CPU / GPU, library versions, threads, load."""
+    import torch
+    info = dict(cpu=_cpu_name(), cores=str(os.cpu_count()),
+                threads=str(threads or torch.get_num_threads()), torch=torch.__version__,
+                timm=_version("timm"), triton=_version("triton"), cuda=str(torch.version.cuda),
+                python=platform.python_version())
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    if hasattr(os, "getloadavg"):
+        info["load_before"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return info
+
+
+def describe_machine(info: Dict[str, str]) -> str:
+    parts = [f"GPU {info['gpu']}" if "gpu" in info else None, f"CPU {info['cpu']} ({info['cores']} cores, "
+             f"{info['threads']} torch threads)", f"torch {info['torch']}", f"timm {info['timm']}",
+             f"triton {info['triton']}", f"CUDA {info['cuda']}", f"load before the run {info.get('load_before', '?')}",
+             info["date"]]
+    return "; ".join(p for p in parts if p)
+
+
+def atomic_write(path: str, data, binary: bool = False) -> None:
+    """Write ``data`` (str or bytes, or a callable writing to a file object) next to ``path``, then os.replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else dict(newline=""))) as f:
+            data(f) if callable(data) else f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

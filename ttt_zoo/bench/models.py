@@ -1,0 +1,148 @@
+"""Whole-model measurements, run inside a fresh child process (see ``child.py``).
+
+One call measures one (model, image size, phase) with the shared :func:`~ttt_zoo.bench.measure.measure_steps`:
+``inference`` is ``model.eval()`` under ``torch.no_grad()``; ``train`` is ``model.train()``, forward,
+cross-entropy against random labels (mean square for non-logit outputs), backward, gradients set to None before
+each step; no optimizer step, so the time is the model's alone.
+"""
+
+import contextlib
+from typing import Dict, List, Tuple
+
+import torch
+
+__all__ = ["create", "bench_model", "profile_model", "count_gmacs"]
+
+
+def create(name: str, img_size: Tuple[int, int], model_kwargs: Dict, device=None) -> torch.nn.Module:
+    """``timm.create_model`` at ``img_size`` where the model takes ``img_size`` (timm ViTs do), else as is."""
+    import timm
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        try:
+            return timm.create_model(name, img_size=tuple(img_size), **model_kwargs)
+        except TypeError as e:
+            if "img_size" not in str(e):
+                raise
+            return timm.create_model(name, **model_kwargs)
+
+
+def count_gmacs(name: str, img_size: Tuple[int, int], model_kwargs: Dict) -> float:
+    """Multiply-accumulates per sample (GMACs, as timm and the papers count them), on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = create(name, img_size, model_kwargs, device="meta").eval()
+    x = torch.empty(1, getattr(model, "in_chans", 3), *img_size, device="meta")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(x)
+    return counter.get_total_flops() / 2 / 1e9
+
+
+class _Setup:
+    """Model, input and one step as the spec asks (shared by the benchmark and the profiler)."""
+
+    def __init__(self, spec: Dict):
+        self.spec = spec
+        self.device = spec["device"]
+        self.train = spec["phase"] == "train"
+        torch.manual_seed(0)
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        h, w = spec["img_size"]
+        model = create(spec["model"], (h, w), spec.get("model_kwargs") or {})
+        self.param_count = sum(p.numel() for p in model.parameters())
+        for key, value in (spec.get("set_attr") or {}).items():  # e.g. T5 mixers' `recompute` switch
+            hits = [m for m in model.modules() if hasattr(m, key)]
+            if not hits:
+                raise ValueError(f"--set-attr {key}: no submodule of {spec['model']} has an attribute {key!r}")
+            for m in hits:
+                setattr(m, key, value)
+        fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
+        model = model.to(self.device, memory_format=fmt).train(self.train)
+        self.model = model
+        self.x = torch.randn(spec["batch_size"], getattr(model, "in_chans", 3), h, w, device=self.device)
+        self.x = self.x.contiguous(memory_format=fmt)
+        self.target = torch.randint(0, max(getattr(model, "num_classes", 0) or 1, 1), (spec["batch_size"],),
+                                    device=self.device)
+        self.run = torch.compile(model, backend=spec["torchcompile"]) if spec.get("torchcompile") else model
+        amp = spec.get("amp_dtype")
+        dev_type = torch.device(self.device).type
+        self.autocast = (lambda: torch.autocast(dev_type, dtype=getattr(torch, amp))) if amp else \
+            contextlib.nullcontext
+
+    def loss(self, out):
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if out.ndim == 2 and out.shape[-1] > 1:
+            return torch.nn.functional.cross_entropy(out.float(), self.target)
+        return out.float().square().mean()
+
+    def step(self):
+        if self.train:
+            self.model.zero_grad(set_to_none=True)
+            with self.autocast():
+                loss = self.loss(self.run(self.x))
+            loss.backward()
+        else:
+            with torch.no_grad(), self.autocast():
+                self.run(self.x)
+
+
+def _saved_tensor_mb(s: _Setup) -> float:
+    """MiB of distinct non-parameter storages autograd keeps after one training forward (deterministic)."""
+    params = {p.untyped_storage().data_ptr() for p in s.model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), s.autocast():
+        s.loss(s.run(s.x))
+    return sum(seen.values()) / 2 ** 20
+
+
+def bench_model(spec: Dict) -> Dict:
+    """timm's result keys (``samples_per_sec``, ``step_time`` in ms, ``batch_size``, ``img_size``, ``param_count``
+    in millions, ``gmacs`` per sample) plus ``peak_mem_mb``, ``cpu_time`` (ms, CPU only) and ``threads``."""
+    from .measure import measure_steps
+    s = _Setup(spec)
+    try:
+        m = measure_steps(s.step, s.device, spec["num_warm_iter"], spec["num_bench_iter"])
+    except torch.cuda.OutOfMemoryError as e:  # report it in the table, do not hide it
+        return dict(error=f"CUDA out of memory: {str(e)[:120]}")
+    h, w = spec["img_size"]
+    out = dict(samples_per_sec=round(1e3 * spec["batch_size"] / m["step_time"], 3), step_time=round(m["step_time"], 3),
+               batch_size=spec["batch_size"], img_size=h if h == w else f"{h}x{w}",
+               param_count=s.param_count / 1e6, peak_mem_mb=None if m["peak_mem_mb"] is None else
+               round(m["peak_mem_mb"], 2), threads=torch.get_num_threads())
+    if m["cpu_time"] is not None:
+        out["cpu_time"] = round(m["cpu_time"], 3)
+    try:
+        out["gmacs"] = round(count_gmacs(spec["model"], (h, w), spec.get("model_kwargs") or {}), 4)
+    except Exception as e:  # noqa: BLE001 - a model the meta device cannot run still gets its timings
+        out["gmacs"] = None
+        out["gmacs_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    if spec.get("saved_mem") and s.train:
+        out["saved_mb"] = round(_saved_tensor_mb(s), 2)
+    return out
+
+
+def profile_model(spec: Dict) -> Dict:
+    """torch.profiler operator breakdown: the ``top`` operators by self time over ``num_bench_iter`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+    s = _Setup(spec)
+    for _ in range(max(spec["num_warm_iter"], 1)):
+        s.step()
+    cuda = s.device.startswith("cuda")
+    iters = max(spec["num_bench_iter"], 1)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(iters):
+            s.step()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted((e for e in prof.key_averages() if getattr(e, attr) > 0), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in events)
+    rows: List = [dict(op=e.key, ms=getattr(e, attr) / iters / 1e3, share=100.0 * getattr(e, attr) / total,
+                       calls=e.count // iters) for e in events[:spec.get("top", 12)]]
+    return dict(total_ms=total / iters / 1e3, ops=rows)

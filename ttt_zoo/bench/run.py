@@ -1,0 +1,178 @@
+"""Running a benchmark: every measurement in a fresh subprocess, all configurations side by side in one run."""
+
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .measure import run_child
+from .ops import OPS
+
+__all__ = ["BenchConfig", "run_models", "run_profiles", "run_ops", "export_revision"]
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    models: Sequence[str] = ("vit3_tiny",)
+    peers: Sequence[str] = ()
+    img_sizes: Sequence[Tuple[int, int]] = ((224, 224),)
+    phases: Sequence[str] = ("infer", "train")
+    batch_size: int = 1
+    batch_tokens: Optional[int] = None  # batch = max(1, batch_tokens // (H/16 * W/16)) instead of batch_size
+    device: str = "cpu"
+    amp_dtype: Optional[str] = None  # "bfloat16" | "float16": autocast; None: fp32
+    channels_last: bool = False
+    torchcompile: Optional[str] = None  # torch.compile backend, e.g. "inductor"
+    num_warm_iter: int = 2
+    num_bench_iter: int = 10
+    threads: Optional[int] = None
+    backends: Sequence[Optional[str]] = (None,)  # TTT_ZOO_BACKEND per run of the zoo models; None: leave as is
+    model_kwargs: Dict = dataclasses.field(default_factory=dict)
+    set_attr: Dict = dataclasses.field(default_factory=dict)  # attribute -> value on every submodule having it
+    saved_mem: bool = False
+    repeats: int = 1
+    before: Optional[Tuple[str, str]] = None  # (label, source tree) of older code also measured for `models`
+    top: int = 12  # profile: operators listed
+    timeout: Optional[float] = None  # seconds per child
+
+
+def _configs(cfg: BenchConfig) -> List[Dict]:
+    """(label, model, backend, role, src) of every configuration, in table order."""
+    out = []
+    tag_backend = len(cfg.backends) > 1 or cfg.backends[0] is not None
+    for name in cfg.models:
+        for b in cfg.backends:
+            label = f"{name} [{b}]" if tag_backend and b else name
+            if cfg.before:
+                out.append(dict(label=f"{label} ({cfg.before[0]})", model=name, backend=b, role="model",
+                                src=cfg.before[1]))
+            out.append(dict(label=label, model=name, backend=b, role="model", src=None))
+    out += [dict(label=name, model=name, backend=None, role="peer", src=None) for name in cfg.peers]
+    return out
+
+
+def _batch(cfg: BenchConfig, h: int, w: int) -> int:
+    return max(1, cfg.batch_tokens // max(1, (h // 16) * (w // 16))) if cfg.batch_tokens else cfg.batch_size
+
+
+def _env(cfg: BenchConfig, backend: Optional[str]) -> Dict[str, Optional[str]]:
+    env: Dict[str, Optional[str]] = {}
+    if backend is not None:
+        env["TTT_ZOO_BACKEND"] = backend
+    if cfg.threads:
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
+    return env
+
+
+def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
+    return dict(model=c["model"], img_size=[h, w], phase=phase, batch_size=_batch(cfg, h, w), device=cfg.device,
+                amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=cfg.torchcompile,
+                num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
+                model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
+                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top)
+
+
+def _merge(runs: List[Dict]) -> Dict:
+    """Median over repeats of the times and memory; the rest from the first run."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for k in ("step_time", "cpu_time", "peak_mem_mb"):
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        if vals:
+            out[k] = round(statistics.median(vals), 3)
+    out["samples_per_sec"] = round(1e3 * out["batch_size"] / out["step_time"], 3)
+    if len(runs) > 1:
+        out["repeats"] = len(ok)
+    return out
+
+
+def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
+    """One row per (configuration, image size) with timm's ``infer_`` / ``train_`` keys."""
+    configs = _configs(cfg)
+    runs: Dict[tuple, List[Dict]] = {}
+    for rep in range(cfg.repeats):  # repeats interleaved, so load from other processes hits every config alike
+        for h, w in cfg.img_sizes:
+            for c in configs:
+                for p in cfg.phases:
+                    r = run_child("model", _spec(cfg, c, h, w, "train" if p == "train" else "inference"),
+                                  _env(cfg, c["backend"]), src=c["src"], timeout=cfg.timeout)
+                    runs.setdefault((c["label"], h, w, p), []).append(r)
+                    if "error" in r:
+                        log(f"FAILED {c['label']} {h}x{w} {p}: {r['error']}\n{r.get('traceback', '')}")
+                    else:
+                        log(f"{c['label']:>28} {h}x{w} {p:5s} {r['step_time']:10.2f} ms/step "
+                            f"{r['samples_per_sec']:9.2f} samples/s  peak {r['peak_mem_mb'] or 0:8.1f} MB"
+                            + (f"  (repeat {rep + 1})" if cfg.repeats > 1 else ""))
+    rows = []
+    for h, w in cfg.img_sizes:
+        for c in configs:
+            row = dict(model=c["model"], label=c["label"], role=c["role"], backend=c["backend"] or "",
+                       img_size=h if h == w else f"{h}x{w}", img_h=h, img_w=w, device=cfg.device,
+                       amp_dtype=cfg.amp_dtype or "float32", channels_last=cfg.channels_last,
+                       torchcompile=cfg.torchcompile or "")
+            for p in cfg.phases:
+                r = _merge(runs[(c["label"], h, w, p)])
+                if "error" in r:
+                    row[f"{p}_error"] = r["error"]
+                    continue
+                row.setdefault("param_count", r.pop("param_count"))
+                r.pop("param_count", None)
+                row.update({f"{p}_{k}": v for k, v in r.items()})
+            rows.append(row)
+    return rows
+
+
+def run_profiles(cfg: BenchConfig, log=print) -> List[Dict]:
+    """torch.profiler breakdown per (configuration, size, phase), each in a fresh subprocess."""
+    out = []
+    for h, w in cfg.img_sizes:
+        for c in _configs(cfg):
+            for p in cfg.phases:
+                r = run_child("profile", _spec(cfg, c, h, w, "train" if p == "train" else "inference"),
+                              _env(cfg, c["backend"]), src=c["src"], timeout=cfg.timeout)
+                r.update(label=c["label"], img_size=f"{h}x{w}", phase=p)
+                log(f"{c['label']} {h}x{w} {p}: " + (f"FAILED {r['error']}" if "error" in r else
+                                                     f"{r['total_ms']:.1f} ms self time per step"))
+                out.append(r)
+    return out
+
+
+def run_ops(ops: Sequence[str], device: str, dtype: str, backends: Sequence[str], num_warm: int, num_bench: int,
+            dry_run: bool = False, threads: Optional[int] = None, log=print) -> List[Dict]:
+    """Every shape x backend of each op; one fresh subprocess per op. ``dry_run``: tiny shapes on the CPU, with
+    the Triton kernels in the interpreter, to check the whole path without a GPU."""
+    rows = []
+    env = {"TRITON_INTERPRET": "1"} if dry_run else {}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    for op in ops:
+        spec = dict(op=op, device=device, dtype=dtype, backends=list(backends), num_warm_iter=num_warm,
+                    num_bench_iter=num_bench, shapes=OPS[op][3] if dry_run else OPS[op][2])
+        r = run_child("ops", spec, env)
+        if "error" in r:
+            log(f"FAILED {op}: {r['error']}\n{r.get('traceback', '')}")
+            rows.append(dict(op=op, shape="-", dtype=dtype, backend="-", error=r["error"]))
+        else:
+            rows += r["rows"]
+    return rows
+
+
+def export_revision(root: str, rev: str) -> str:
+    """The tree of git revision ``rev`` in a temporary folder (``ttt_zoo/kernels`` linked as the package maps it)."""
+    dst = tempfile.mkdtemp(prefix="ttt_zoo_bench_")
+    try:
+        archive = subprocess.run(["git", "-C", root, "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
+    except subprocess.CalledProcessError as e:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise ValueError(f"--before {rev}: cannot export it from the git checkout {root} "
+                         f"({(e.stderr or b'').decode().strip() or e})") from None
+    kernels = os.path.join(dst, "ttt_zoo", "kernels")
+    if not os.path.exists(kernels) and os.path.isdir(os.path.join(dst, "kernels")):
+        os.symlink(os.path.join(dst, "kernels"), kernels)
+    return dst
