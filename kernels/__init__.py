@@ -14,7 +14,8 @@ from .inner_mlp.ops import mlp_ttt_triton_entry, t5_swiglu_ttt_triton_entry  # n
 from .key_norm import key_norm_reference, key_norm_torch  # noqa: E402
 from .key_norm.ops import key_norm_triton_entry  # noqa: E402
 from .t5_ttt import t5_swiglu_ttt_reference  # noqa: E402
-from .ttt_linear import inner_rope, token_tau, ttt_linear_bidir_reference, ttt_linear_reference  # noqa: E402
+from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_reference, ttt_linear_naive,  # noqa: E402
+                         ttt_linear_reference)
 from .ttt_linear.ops import ttt_linear_bidir_op, ttt_linear_op  # noqa: E402
 from .ttt_linear.recompute import ttt_linear_bidir_naive, ttt_linear_bidir_torch, ttt_linear_torch  # noqa: E402
 from .vit3_ttt.ops import HAS_TRITON, dwconv_ttt_op, qkv_ttt_op, swiglu_ttt_op  # noqa: E402
@@ -30,7 +31,7 @@ register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_triton_entry if 
             t5_swiglu_ttt_reference)
 register_op("key_instance_norm", key_norm_torch, key_norm_triton_entry if HAS_TRITON else None, key_norm_reference)
 # TTT-Linear (Vision-TTT): one direction, and both directions in one launch (ttt_zoo::ttt_linear_scan_*)
-register_op("ttt_linear", ttt_linear_torch, ttt_linear_op if HAS_TRITON else None, ttt_linear_reference)
+register_op("ttt_linear", ttt_linear_torch, ttt_linear_op if HAS_TRITON else None, ttt_linear_naive)
 register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op if HAS_TRITON else None,
             ttt_linear_bidir_naive)
 
@@ -84,7 +85,8 @@ def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=
                return_grad_norm=False, backend=None):
     """Causal TTT-Linear mini-batch scan; see ``ttt_linear.reference.ttt_linear_reference``.
 
-    torch: recomputing backward (``ttt_linear.recompute``); triton: the fused scan kernels; torch_naive: the reference.
+    torch: recomputing backward (``ttt_linear.recompute``); triton: the fused scan kernels; torch_naive: the plain
+    per-mini-batch scan (``ttt_linear_naive``) under autograd.
     """
     return get_op("ttt_linear", q.device, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
                                                     eps, return_grad_norm)
@@ -99,7 +101,7 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
     """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.reference.ttt_linear_bidir``.
 
     torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
-    torch_naive: the reference under autograd.  ``return_grad_norm=True`` always runs the PyTorch reference.
+    torch_naive: the plain per-mini-batch scan under autograd.  ``return_grad_norm=True`` runs a PyTorch scan.
     TorchScript compiles the reference scan (``ttt_linear.reference.ttt_linear_bidir_reference``).
     """
     if torch.jit.is_scripting():

@@ -1,12 +1,13 @@
 """The recomputing PyTorch TTT-Linear scan (analytic backward) vs. autograd of the reference, in float64.
 
 Also: gradcheck of the analytic backward on tiny shapes, the custom ops' schema / fake kernels (opcheck) and the
-dispatch table (torch = recomputing path, torch_naive = reference).
+dispatch table (torch = recomputing path, torch_naive = the plain per-mini-batch scan).
 """
 import pytest
 import torch
 
 from ttt_zoo.kernels import get_op, ttt_linear_bidir, ttt_linear_reference
+from ttt_zoo.kernels.ttt_linear import ttt_linear_naive
 from ttt_zoo.kernels.ttt_linear import ops
 from ttt_zoo.kernels.ttt_linear import recompute as R
 from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_bidir as reference_bidir
@@ -90,7 +91,7 @@ def test_opcheck_fake_kernels():
 def test_dispatch_table():
     cpu = torch.device("cpu")
     assert get_op("ttt_linear", cpu) is R.ttt_linear_torch
-    assert get_op("ttt_linear", cpu, "torch_naive") is ttt_linear_reference
+    assert get_op("ttt_linear", cpu, "torch_naive") is ttt_linear_naive
     assert get_op("ttt_linear_bidir", cpu) is R.ttt_linear_bidir_torch
     assert get_op("ttt_linear_bidir", torch.device("meta")) is R.ttt_linear_bidir_torch
     assert get_op("ttt_linear_bidir", cpu, "torch_naive") is R.ttt_linear_bidir_naive

@@ -33,7 +33,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .reference import ttt_linear_bidir, ttt_linear_reference
+from .reference import ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
            "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
@@ -413,9 +413,10 @@ def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
 def ttt_linear_bidir_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                            rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
                            ) -> Tuple[Tensor, Optional[Tensor]]:
-    """The reference bidirectional scan (flipped copies, plain autograd); the ``torch_naive`` backend."""
+    """The ``torch_naive`` backend: flipped copies and the plain per-mini-batch scan (``ttt_linear_naive``), plain
+    autograd; independent of the batched reference scan, so it serves as the float64 ground truth."""
     return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
-                            scan=ttt_linear_reference, return_grad_norm=return_grad_norm)
+                            scan=ttt_linear_naive, return_grad_norm=return_grad_norm)
 
 
 def _needs_grad(*ts: Tensor) -> bool:
