@@ -11,8 +11,8 @@ from ttt_zoo.models.visionttt import checkpoint_filter_fn
 
 from test_ttt_linear import _randomize, naive_mixer
 
-PLAIN = ["visionttt_tiny", "visionttt_small", "visionttt_base"]
-HIER = ["visionttt_h_tiny", "visionttt_h_small", "visionttt_h_base"]
+HIER = timm.list_models("visionttt_h_*")  # from the registry
+PLAIN = [n for n in timm.list_models(module="visionttt") if n not in HIER]
 # spec §2.3 table (plain; the spec counts a (T+1) x D position embedding, ours is T x D: D fewer) and
 # spec §2.4 variant A' (head dim 32 everywhere, biases) / variant B (head dims 32, 64, 64, 64)
 SPEC_PARAMS_M = {"visionttt_tiny": 5.907, "visionttt_small": 22.444, "visionttt_base": 87.409,
@@ -41,8 +41,9 @@ def _gmacs(model, size=(224, 224)):
 
 def test_registered_names():
     names = ttt_zoo.list_zoo_models()
-    for n in PLAIN + HIER:
-        assert n in names
+    # every registered Vision-TTT model has its spec and paper numbers below
+    assert sorted(PLAIN + HIER) == sorted(SPEC_PARAMS_M) == sorted(PAPER_GFLOPS)
+    assert set(PLAIN + HIER) <= set(names)
     assert not [n for n in names if n.startswith(("vittt_", "h_vittt_"))]
 
 

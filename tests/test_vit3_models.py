@@ -29,6 +29,8 @@ def test_exact_params_and_gflops_within_5pct(name):
 
 
 def test_registered_and_listed():
+    # every registered ViT3 / H-ViT3 model has its paper numbers above
+    assert set(PAPER) == set(timm.list_models(module="vit3")) | set(timm.list_models(module="hvit3"))
     assert set(PAPER) <= set(ttt_zoo.list_zoo_models())
     assert not any(n.startswith(("vittt_", "h_vittt_")) for n in ttt_zoo.list_zoo_models())
 
@@ -130,6 +132,19 @@ def test_bad_inputs_have_clear_errors():
         hvit(torch.randn(3, 64, 64))
     with pytest.raises(ValueError, match="Did you mean 'vit3_tiny'"):
         ttt_zoo.create_model("vit3_tinyy")
+
+
+@pytest.mark.parametrize("family", sorted(ttt_zoo.list_zoo_families(include_diffusion=True)))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])
+def test_integer_images_say_a_float_image_is_expected(family, dtype):
+    """Every family (diffusion latents too) refuses an integer tensor before any layer sees it, saying how to fix it."""
+    name = ttt_zoo.list_zoo_families(include_diffusion=True)[family]
+    with torch.device("meta"):
+        model = timm.create_model(name).eval()
+    x = torch.zeros(2, model.in_chans, 64, 64, dtype=dtype)
+    args = (x, torch.zeros(2), torch.zeros(2, dtype=torch.long)) if ttt_zoo.is_diffusion_model(name) else (x,)
+    with pytest.raises(TypeError, match=r"expects a floating-point image batch.*x\.float\(\) / 255.*mean and std"):
+        model(*args)
 
 
 def test_torch_hub_local(tmp_path):

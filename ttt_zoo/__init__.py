@@ -23,15 +23,40 @@ from .linearize import linearize, param_groups  # noqa: E402  (ttt_zoo.linearize
 
 
 
+def is_diffusion_model(model_name: str) -> bool:
+    """True for the diffusion transformers (``forward(x, t, y)``): their pretrained cfg names no classifier."""
+    import timm
+    return timm.models.get_pretrained_cfg(model_name.split(".")[0]).classifier is None
+
+
 def list_zoo_models(include_diffusion: bool = False):
     """Names of the models ttt_zoo registers with timm (timm records the registering module's short name).
 
     By default the image models only (what timm's own test suite checks); ``include_diffusion=True`` adds the
     diffusion transformers (dit, dit3, dit5), whose forward is ``(x, t, y)``."""
     import timm
-    from .models import DIFFUSION_MODULES, MODEL_MODULES
-    modules = [m for m in MODEL_MODULES if include_diffusion or m not in DIFFUSION_MODULES]
-    return sorted(n for m in modules for n in timm.list_models(module=m))
+    from .models import MODEL_MODULES
+    names = sorted(n for m in MODEL_MODULES for n in timm.list_models(module=m))
+    return names if include_diffusion else [n for n in names if not is_diffusion_model(n)]
+
+
+#: size names in the order of growing models (``*_tiny`` < ``*_s_*`` < ... < ``*_xl_*``)
+_SIZES = ("tiny", "s", "small", "b", "base", "l", "large", "xl")
+
+
+def list_zoo_families(include_diffusion: bool = False):
+    """``{family: its smallest model}``, derived from the registry: the family is the name before the size
+    (``t5_plus_tiny`` -> ``t5_plus``, ``dit3_s_2`` -> ``dit3``), the smallest model the one of the first size
+    (then the shortest name: ``dit_s_2`` before ``dit_s_4``)."""
+    out = {}
+    for name in list_zoo_models(include_diffusion):
+        parts = name.split("_")
+        i = next((j for j, p in enumerate(parts) if p in _SIZES), len(parts))
+        family = "_".join(parts[:i])
+        rank = (_SIZES.index(parts[i]) if i < len(parts) else len(_SIZES), len(name), name)
+        if family not in out or rank < out[family][0]:
+            out[family] = (rank, name)
+    return {f: n for f, (_, n) in sorted(out.items())}
 
 
 def create_model(model_name: str, pretrained: bool = False, **kwargs):
@@ -46,5 +71,6 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
     return timm.create_model(model_name, pretrained=pretrained, **kwargs)
 
 
-__all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "linearize", "param_groups",
+__all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "list_zoo_families", "is_diffusion_model",
+           "linearize", "param_groups",
            "__version__"]

@@ -13,7 +13,7 @@ import timm  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401  (registers our models before test_models.py is collected)
 
-OUR_MODELS = set(ttt_zoo.list_zoo_models()) if hasattr(ttt_zoo, "list_zoo_models") else set()
+OUR_MODELS = set(ttt_zoo.list_zoo_models())  # the image models (the diffusion ones take (x, t, y))
 _ONLY = os.environ.get("TTT_ZOO_TIMM_MODELS")
 if _ONLY:
     OUR_MODELS &= set(_ONLY.split(","))

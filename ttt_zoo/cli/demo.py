@@ -28,20 +28,21 @@ def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained
 
 
 def run(args) -> int:
-    from ttt_zoo import list_zoo_models
+    from ttt_zoo import list_zoo_families
     from ttt_zoo.bench import format_table, scaling_table
     print("== ttt-zoo: registered models ==")
     list_run(argparse.Namespace(filter="", img_size=224))
     print(f"\n== Classifying a real photograph ({os.path.basename(ASSET_IMAGE)}, CC0) ==")
     print("NOTE: weights are randomly initialised (no download here), so these labels are NOT meaningful;\n"
           "      pass --pretrained on a machine that can reach the authors' checkpoints for real predictions.")
-    families = [n for n in ("vit3_tiny", "hvit3_tiny", "visionttt_tiny", "t5_tiny") if n in list_zoo_models()]
-    for name in families:
+    families = list_zoo_families()  # the smallest model of every image family, from the registry
+    for name in families.values():
         top = classify_image(name, pretrained=args.pretrained)
         print(f"{name:<16} " + ", ".join(f"{lab} ({p:.3f})" for lab, p in top))
     if not args.skip_bench:
-        print("\n== CPU scaling, batch 1, inference: vit3_tiny vs timm deit_tiny_patch16_224 (side by side) ==")
-        rows = scaling_table(["vit3_tiny", "deit_tiny_patch16_224"], args.sizes, iters=args.iters)
+        vit3 = families["vit3"]
+        print(f"\n== CPU scaling, batch 1, inference: {vit3} vs timm deit_tiny_patch16_224 (side by side) ==")
+        rows = scaling_table([vit3, "deit_tiny_patch16_224"], args.sizes, iters=args.iters)
         print(format_table(rows))
         print("latency: median ms per forward; memory: peak RSS growth during the forward (MB).")
     return 0

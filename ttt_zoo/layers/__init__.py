@@ -1,4 +1,4 @@
-from .mixer import TTTMixer, create_mixer, list_mixers, register_mixer
+from .mixer import TTTMixer, create_mixer, family_mixer_kwargs, list_mixers, register_mixer
 from .vit3_ttt import ViT3TTT
 from .attention import SoftmaxAttention
 from .dit5_mixer import DiT5MixedAttention
@@ -8,6 +8,6 @@ from .block import TTTBlock, TokenMlp, map_to_tokens, tokens_to_map
 from .t5_ttt import T5TTT
 from .rope import apply_rope_2d, rope_2d_tables
 
-__all__ = ["TTTMixer", "create_mixer", "list_mixers", "register_mixer", "ViT3TTT", "TTTLinearMixer", "SoftmaxAttention",
+__all__ = ["TTTMixer", "create_mixer", "family_mixer_kwargs", "list_mixers", "register_mixer", "ViT3TTT", "TTTLinearMixer", "SoftmaxAttention",
            "DiT5MixedAttention", "T5TTT", "neighborhood_attention_2d", "TTTBlock", "TokenMlp", "map_to_tokens",
            "tokens_to_map", "apply_rope_2d", "rope_2d_tables"]

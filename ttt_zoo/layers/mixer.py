@@ -2,16 +2,18 @@
 
 A mixer maps tokens ``x: (B, N, C)`` laid out in raster order on a feature map of ``feat_size = (H, W)``
 (``N == H * W``) to ``(B, N, C)``.  The map shape is always passed explicitly, so non-square inputs work.
-Families pick a mixer by name through :func:`create_mixer`.
+Its constructor takes ``(dim, num_heads=, qkv_bias=, proj_drop=, **its own options)``.  Every family takes the
+mixer as a model kwarg (``timm.create_model(name, mixer='my_mixer', mixer_kwargs={...})``) and builds it through
+:func:`create_mixer`; see docs/adding_a_mixer.md.
 """
 
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from timm.layers import register_notrace_module
 
-__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers"]
+__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers", "family_mixer_kwargs"]
 
 _MIXERS: Dict[str, Callable[..., "TTTMixer"]] = {}
 
@@ -48,3 +50,12 @@ def create_mixer(name: str, dim: int, **kwargs) -> TTTMixer:
 
 def list_mixers() -> List[str]:
     return sorted(_MIXERS)
+
+
+def family_mixer_kwargs(mixer: str, family_mixer: str, family_defaults: Dict[str, Any],
+                        mixer_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The mixer options a family passes: its defaults for its own mixer (e.g. H-ViT3's ``rope=True`` for
+    ``'vit3'``) only when that mixer is chosen, then the caller's ``mixer_kwargs`` for whichever mixer it is."""
+    kwargs = dict(family_defaults) if mixer == family_mixer else {}
+    kwargs.update(mixer_kwargs or {})
+    return kwargs

@@ -1,16 +1,19 @@
-from .vit3 import ViT3
-from .hvit3 import HViT3, HViT3Backbone
-from .dit import DiT
-from . import dit3  # noqa: F401
-from .dit5 import linearize_dit
-from .t5 import T5
-from .visionttt import VisionTTT, VisionTTTH, gradient_magnitude_map
+"""The model families.  Every public module of this package is a family file: importing the package imports them
+all, which registers their models with timm, so a new family is its file alone."""
+import importlib as _importlib
+import pkgutil as _pkgutil
 
-__all__ = ["ViT3", "HViT3", "HViT3Backbone", "DiT", "linearize_dit", "T5", "VisionTTT", "VisionTTTH",
+#: timm module names of our model files (timm.list_models(module=...)): every module not starting with "_"
+MODEL_MODULES = tuple(sorted(m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+for _m in MODEL_MODULES:
+    _importlib.import_module(f"{__name__}.{_m}")
+
+from .vit3 import ViT3  # noqa: E402
+from .hvit3 import HViT3, HViT3Backbone, HVIT3_SIZES  # noqa: E402
+from .dit import DiT  # noqa: E402
+from .dit5 import linearize_dit  # noqa: E402
+from .t5 import T5  # noqa: E402
+from .visionttt import VisionTTT, VisionTTTH, gradient_magnitude_map  # noqa: E402
+
+__all__ = ["ViT3", "HViT3", "HViT3Backbone", "HVIT3_SIZES", "DiT", "linearize_dit", "T5", "VisionTTT", "VisionTTTH",
            "gradient_magnitude_map"]
-
-#: timm module names of our model files (timm.list_models(module=...))
-MODEL_MODULES = ("vit3", "hvit3", "t5", "visionttt", "dit", "dit3", "dit5")
-#: the diffusion models among them: forward(x, t, y), not image classifiers, so timm's classifier test suite
-#: (tools/timm_suite) cannot apply; list_zoo_models() leaves them out unless include_diffusion=True
-DIFFUSION_MODULES = ("dit", "dit3", "dit5")

@@ -24,6 +24,11 @@ class CheckpointError(ValueError):
 def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, model_name: str) -> None:
     """Raise a clear error for an input the model cannot take (TorchScript- and fx-compatible)."""
     shape = str(list(x.shape))
+    if not x.is_floating_point():
+        raise TypeError(
+            model_name + " expects a floating-point image batch, got an integer/bool tensor (shape " + shape
+            + "). Convert it first, e.g. x.float() / 255 then normalise with the model's mean and std (or use "
+            + "timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))).")
     if x.dim() != 4:
         raise ValueError(model_name + " expects a 4-D image batch (B, C, H, W), got shape " + shape + ".")
     if x.shape[1] != in_chans:

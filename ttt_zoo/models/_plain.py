@@ -9,9 +9,9 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
+from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
@@ -138,7 +138,7 @@ class PlainTTTViT(TTTClassifier):
         x, feat_size = self._embed(x)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+                x = checkpoint(blk, x, feat_size)
             else:
                 x = blk(x, feat_size)
         x = self.norm(x)
@@ -166,7 +166,7 @@ class PlainTTTViT(TTTClassifier):
         intermediates = []
         for i, blk in enumerate(self.blocks[:last]):
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(blk, x, feat_size, use_reentrant=False)
+                x = checkpoint(blk, x, feat_size)
             else:
                 x = blk(x, feat_size)
             if i in take_indices:

@@ -17,10 +17,9 @@ from functools import partial
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function
-from timm.models import generate_default_cfgs, register_model
+from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_to_map
 from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict, with_hub_ids
@@ -278,7 +277,7 @@ class DiT(nn.Module):
         c = self.t_embedder(t) + self.y_embedder(y)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(blk, x, c, feat_size, use_reentrant=False)
+                x = checkpoint(blk, x, c, feat_size)
             else:
                 x = blk(x, c, feat_size)
         x = self.final_layer(x, c)
@@ -359,7 +358,8 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
 
 
 def _dit(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:
-    return create_dit(f"dit_{size}_{patch}", pretrained, **dict(dit_args(size, patch), mixer="softmax", **kwargs))
+    args = dict(dit_args(size, patch), mixer="softmax")
+    return create_dit(f"dit_{size}_{patch}", pretrained, **dict(args, **kwargs))
 
 
 @register_model

@@ -8,18 +8,25 @@ backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import generate_default_cfgs, register_model
+from timm.models import checkpoint, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ttt_zoo.layers import TTTBlock, map_to_tokens, tokens_to_map
+from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
                       unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 
-__all__ = ["HViT3", "HViT3Backbone", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
+__all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
+
+#: the H-ViT3 sizes (one table: the classifiers below, the dense-prediction backbones and the hub use it)
+HVIT3_SIZES = {
+    "tiny": dict(embed_dim=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16)),
+    "small": dict(embed_dim=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16)),
+    "base": dict(embed_dim=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20)),
+}
+_TINY = HVIT3_SIZES["tiny"]
 
 
 class ConvNormAct(nn.Module):
@@ -77,8 +84,7 @@ class HViT3Stage(nn.Module):
                  qkv_bias: bool, drop_path: Sequence[float], proj_drop: float, mixer: str,
                  mixer_kwargs: Optional[Dict[str, Any]]):
         super().__init__()
-        mk = dict(rope=True)
-        mk.update(mixer_kwargs or {})
+        mk = family_mixer_kwargs(mixer, "vit3", dict(rope=True), mixer_kwargs)  # 2-D RoPE in the ViT3 mixer
         self.blocks = nn.ModuleList([
             TTTBlock(dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, mlp_dwconv=True, qkv_bias=qkv_bias,
                      proj_drop=proj_drop, drop_path=drop_path[i], mixer_kwargs=mk)
@@ -92,7 +98,7 @@ class HViT3Stage(nn.Module):
         t = map_to_tokens(x)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                t = torch.utils.checkpoint.checkpoint(blk, t, feat_size, use_reentrant=False)
+                t = checkpoint(blk, t, feat_size)
             else:
                 t = blk(t, feat_size)
         return tokens_to_map(t, feat_size)
@@ -111,9 +117,9 @@ class HViT3(HierarchicalTTT):
             in_chans: int = 3,
             num_classes: int = 1000,
             global_pool: str = "avg",
-            embed_dim: Sequence[int] = (64, 128, 320, 512),
-            depths: Sequence[int] = (1, 3, 9, 4),
-            num_heads: Sequence[int] = (2, 4, 10, 16),
+            embed_dim: Sequence[int] = _TINY["embed_dim"],
+            depths: Sequence[int] = _TINY["depths"],
+            num_heads: Sequence[int] = _TINY["num_heads"],
             mlp_ratio: float = 4.0,
             qkv_bias: bool = True,
             drop_rate: float = 0.0,
@@ -225,30 +231,27 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
 @register_model
 def hvit3_tiny(pretrained: bool = False, **kwargs) -> HViT3:
     """H-ViT3-T: 28.7M params, 4.9 GFLOPs, 84.0% top-1 (paper, MESA + EMA)."""
-    args = dict(embed_dim=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16))
-    return _create_hvit3("hvit3_tiny", pretrained, **dict(args, **kwargs))
+    return _create_hvit3("hvit3_tiny", pretrained, **dict(HVIT3_SIZES["tiny"], **kwargs))
 
 
 @register_model
 def hvit3_small(pretrained: bool = False, **kwargs) -> HViT3:
     """H-ViT3-S: 54.4M params, 8.8 GFLOPs, 84.9% top-1 (paper, MESA + EMA)."""
-    args = dict(embed_dim=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16))
-    return _create_hvit3("hvit3_small", pretrained, **dict(args, **kwargs))
+    return _create_hvit3("hvit3_small", pretrained, **dict(HVIT3_SIZES["small"], **kwargs))
 
 
 @register_model
 def hvit3_base(pretrained: bool = False, **kwargs) -> HViT3:
     """H-ViT3-B: 94.4M params, 16.7 GFLOPs, 85.5% top-1 (paper, MESA + EMA)."""
-    args = dict(embed_dim=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20))
-    return _create_hvit3("hvit3_base", pretrained, **dict(args, **kwargs))
+    return _create_hvit3("hvit3_base", pretrained, **dict(HVIT3_SIZES["base"], **kwargs))
 
 
 class HViT3Backbone(nn.Module):
     """Dense-prediction H-ViT3 (official mmdet/mmseg ``ViTTT`` layout): stage outputs after LayerNorms
     ``norm{i}`` at strides 4/8/16/32; no final BatchNorm and no head.  Heads default to ``dim // 32``."""
 
-    def __init__(self, in_chans: int = 3, embed_dim: Sequence[int] = (64, 128, 320, 512),
-                 depths: Sequence[int] = (1, 3, 9, 4), num_heads: Optional[Sequence[int]] = None,
+    def __init__(self, in_chans: int = 3, embed_dim: Sequence[int] = _TINY["embed_dim"],
+                 depths: Sequence[int] = _TINY["depths"], num_heads: Optional[Sequence[int]] = None,
                  mlp_ratio: float = 4.0, drop_path_rate: float = 0.1, out_indices: Sequence[int] = (0, 1, 2, 3),
                  mixer: str = "vit3", mixer_kwargs: Optional[Dict[str, Any]] = None):
         super().__init__()

@@ -7,12 +7,13 @@ Official keys are kept (``Transformer-to-TTT/T5/models.py``).  Use :func:`ttt_zo
 pretrained timm ViT / DeiT.
 """
 
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import generate_default_cfgs, register_model
 
+from ttt_zoo.layers import family_mixer_kwargs
 from ._common import CheckpointError, build_ttt_model, unwrap_checkpoint, validate_state_dict
 from ._plain import PlainTTTViT, resample_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
 
@@ -39,15 +40,23 @@ class T5(PlainTTTViT):
             pos_drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
+            mixer: str = "t5",
+            mixer_kwargs: Optional[Dict[str, Any]] = None,
     ):
         """
         Args:
-            na_kernel: 0 for T5; 5 (paper default) or 3 for T5+ (neighbourhood attention averaged in, Eq. 15).
+            na_kernel: 0 for T5; 5 (paper default) or 3 for T5+ (neighbourhood attention averaged in, Eq. 15),
+                an option of the ``'t5'`` mixer.
+            mixer, mixer_kwargs: the token mixer of every block (``ttt_zoo.layers.create_mixer``).
             Others as timm's VisionTransformer.
         """
+        if na_kernel and mixer != "t5":
+            raise ValueError(f"na_kernel={na_kernel} (T5+) is an option of the 't5' mixer, not of {mixer!r}; "
+                             f"build t5_* (na_kernel=0) for another mixer.")
+        mk = family_mixer_kwargs(mixer, "t5", dict(na_kernel=na_kernel), mixer_kwargs)
         super().__init__(
             img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer="t5", mixer_kwargs=dict(na_kernel=na_kernel), cpe=False, pos_embed=True,
+            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True,
             drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
             drop_path_rate=drop_path_rate, min_size=patch_size * max(na_kernel, 1))
         self.na_kernel = na_kernel

@@ -14,14 +14,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function
-from timm.models import generate_default_cfgs, register_model
+from timm.models import checkpoint, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from ttt_zoo.layers import TTTBlock
+from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
                       unwrap_checkpoint, validate_state_dict)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
@@ -46,21 +45,21 @@ class SwiGluMlp(nn.Module):
         return self.drop(self.fc2(F.silu(gate) * value))
 
 
-def _vittt_heads(dim: int, head_dim: int, mixer_kwargs: Optional[Dict[str, Any]]) -> Tuple[int, Dict[str, Any]]:
-    """(num_heads, mixer kwargs) of the TTT-Linear mixer for width ``dim``."""
+def _vittt_heads(dim: int, head_dim: int, mixer: str, mixer_kwargs: Optional[Dict[str, Any]]
+                 ) -> Tuple[int, Dict[str, Any]]:
+    """(num_heads, mixer kwargs) for width ``dim``; ``head_dim`` is also an option of the TTT-Linear mixer."""
     if dim % head_dim:
         raise ValueError(f"width {dim} is not divisible by head_dim {head_dim}")
-    mk = dict(mixer_kwargs or {})
-    mk.setdefault("head_dim", head_dim)
-    return dim // mk["head_dim"], mk
+    mk = family_mixer_kwargs(mixer, "ttt_linear", dict(head_dim=head_dim), mixer_kwargs)
+    return dim // mk.get("head_dim", head_dim), mk
 
 
 def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float], proj_drop: float, qkv_bias: bool,
-                 mlp_ratio: float, mixer_kwargs: Optional[Dict[str, Any]]) -> nn.ModuleList:
-    num_heads, mk = _vittt_heads(dim, head_dim, mixer_kwargs)
+                 mlp_ratio: float, mixer: str, mixer_kwargs: Optional[Dict[str, Any]]) -> nn.ModuleList:
+    num_heads, mk = _vittt_heads(dim, head_dim, mixer, mixer_kwargs)
     norm_layer = partial(nn.LayerNorm, eps=1e-6)
     return nn.ModuleList([
-        TTTBlock(dim, num_heads, mixer="ttt_linear", mlp_ratio=mlp_ratio, cpe=False, qkv_bias=qkv_bias,
+        TTTBlock(dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, cpe=False, qkv_bias=qkv_bias,
                  proj_drop=proj_drop, drop_path=drop_path[i], norm_layer=norm_layer,
                  mlp_layer=partial(SwiGluMlp, drop=proj_drop), mixer_kwargs=mk)
         for i in range(depth)])
@@ -85,12 +84,13 @@ class VisionTTT(PlainTTTViT):
             pos_drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
+            mixer: str = "ttt_linear",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
     ):
-        num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer_kwargs)
+        num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer, mixer_kwargs)
         super().__init__(
             img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer="ttt_linear", mixer_kwargs=mk, cpe=False, pos_embed=True, drop_rate=drop_rate,
+            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True, drop_rate=drop_rate,
             pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
             mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate))
 
@@ -120,11 +120,12 @@ class VisionTTTStage(nn.Module):
     """[PatchMerging] -> Vittt blocks over the whole (H, W) map, on (B, H, W, C)."""
 
     def __init__(self, dim: int, out_dim: int, depth: int, head_dim: int, downsample: bool,
-                 drop_path: Sequence[float], proj_drop: float, qkv_bias: bool, mlp_ratio: float,
+                 drop_path: Sequence[float], proj_drop: float, qkv_bias: bool, mlp_ratio: float, mixer: str,
                  mixer_kwargs: Optional[Dict[str, Any]]):
         super().__init__()
         self.downsample = PatchMerging(dim, out_dim) if downsample else None
-        self.blocks = _make_blocks(out_dim, depth, head_dim, drop_path, proj_drop, qkv_bias, mlp_ratio, mixer_kwargs)
+        self.blocks = _make_blocks(out_dim, depth, head_dim, drop_path, proj_drop, qkv_bias, mlp_ratio, mixer,
+                                   mixer_kwargs)
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ class VisionTTTStage(nn.Module):
         t = x.reshape(b, h * w, c)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                t = torch.utils.checkpoint.checkpoint(blk, t, feat_size, use_reentrant=False)
+                t = checkpoint(blk, t, feat_size)
             else:
                 t = blk(t, feat_size)
         return t.reshape(b, h, w, c)
@@ -163,6 +164,7 @@ class VisionTTTH(HierarchicalTTT):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.1,
+            mixer: str = "ttt_linear",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
     ):
         super().__init__(num_classes, global_pool, in_chans, embed_dim * 2 ** (len(depths) - 1))
@@ -183,7 +185,7 @@ class VisionTTTH(HierarchicalTTT):
             start = sum(depths[:i])
             self.layers.append(VisionTTTStage(
                 dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
-                proj_drop_rate, qkv_bias, mlp_ratio, mixer_kwargs))
+                proj_drop_rate, qkv_bias, mlp_ratio, mixer, mixer_kwargs))
             self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
         self.norm = nn.LayerNorm(self.num_features)
         self.init_head(self.num_features, drop_rate)
