@@ -24,7 +24,6 @@ import inspect
 import json
 import os
 import shutil
-import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,11 +32,12 @@ import torch
 from torch import nn
 
 from ttt_zoo.cards import paper_results, parse_card, render_card, REQUIRED_CARD_KEYS
-from ttt_zoo.models._common import HUB_ORG, CheckpointError, safe_torch_load, unwrap_checkpoint
+from ttt_zoo.checkpoint import (HUB_ORG, CheckpointError, check_safetensors, hub_unavailable_error, load_checkpoint_file,
+                                unwrap_checkpoint)
 
 __all__ = [
     "HUB_ORG", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubFolderError", "hub_repo_id", "registered_pretrained",
-    "register_hub_architecture", "load_checkpoint_file", "read_weights", "read_config", "build_from_checkpoint",
+    "register_hub_architecture", "read_config", "build_from_checkpoint",
     "measure", "convert_checkpoint", "convert_all", "load_folder", "validate_folder", "push_folder",
     "install_to_hub_cache", "add_convert_parser", "add_push_parser", "main_convert", "main_push", "main",
 ]
@@ -125,54 +125,6 @@ def _sha256(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _check_safetensors_layout(path: str) -> None:
-    """Check the safetensors header against the file size; explain truncation precisely."""
-    size = os.path.getsize(path)
-    hint = (f"Delete it and convert again (`ttt-zoo convert`) or download it again.")
-    if size < 8:
-        raise CheckpointError(f"{path} is not a safetensors file: it holds only {size} bytes (truncated). {hint}")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise CheckpointError(
-                f"{path} is truncated or corrupt: its safetensors header claims {n} bytes but the file holds "
-                f"{size} bytes. {hint}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is corrupt: its safetensors header is not valid JSON ({e}). {hint}") from e
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    need = 8 + n + max(ends, default=0)
-    if size < need:
-        raise CheckpointError(
-            f"{path} is truncated: its header lists {len(ends)} tensors needing {need} bytes but the file holds "
-            f"{size} bytes ({need - size} missing). {hint}")
-
-
-def read_weights(path: str) -> Dict[str, torch.Tensor]:
-    """Load a safetensors file; a truncated or corrupt file gets a clear :class:`CheckpointError`."""
-    from safetensors.torch import load_file
-    if not os.path.isfile(path):
-        raise CheckpointError(f"Weights file {path} does not exist. Run `ttt-zoo convert` to create it.")
-    _check_safetensors_layout(path)
-    try:
-        return load_file(path, device="cpu")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
-        raise CheckpointError(f"{path} is corrupt ({type(e).__name__}: {e}). Delete it and convert it again.") from e
-
-
-def load_checkpoint_file(path: str) -> Dict[str, Any]:
-    """Read a checkpoint safely: ``.safetensors`` directly, anything else with ``torch.load(weights_only=True)``."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"Checkpoint {path} does not exist.")
-    if path.endswith(".safetensors"):
-        return read_weights(path)
-    ckpt = safe_torch_load(path)
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(f"Checkpoint {path} holds a {type(ckpt).__name__}, not a dict of tensors.")
-    return ckpt
 
 
 def read_config(folder: str) -> Dict[str, Any]:
@@ -516,7 +468,10 @@ def _resolve_folder(path_or_id: str, cache_dir: Optional[str] = None) -> str:
     if path_or_id.startswith("hf-hub:"):
         from huggingface_hub import snapshot_download
         repo, _, rev = path_or_id[len("hf-hub:"):].partition("@")
-        return snapshot_download(repo, revision=rev or None, cache_dir=cache_dir)
+        try:
+            return snapshot_download(repo, revision=rev or None, cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - offline / not found / network: one clear message
+            raise hub_unavailable_error(repo, "the model folder", e) from e
     if path_or_id.startswith("local-dir:"):
         path_or_id = path_or_id[len("local-dir:"):]
     return path_or_id
@@ -529,11 +484,14 @@ def load_folder(path_or_id: str, cache_dir: Optional[str] = None, **kwargs) -> n
     built from ``model_args`` and loaded strictly.  Folder problems raise clear errors first."""
     folder = _resolve_folder(path_or_id, cache_dir)
     cfg = read_config(folder)
-    sd = read_weights(os.path.join(folder, WEIGHTS_NAME))
+    weights = os.path.join(folder, WEIGHTS_NAME)
     arch = cfg["architecture"]
     if arch in _HUB_ARCHS:
-        model, _ = build_from_checkpoint(arch, sd, dict(cfg.get("model_args") or {}, **kwargs), source=folder)
+        model, _ = build_from_checkpoint(arch, weights, dict(cfg.get("model_args") or {}, **kwargs))
         return model
+    if not os.path.isfile(weights):
+        raise CheckpointError(f"Weights file {weights} does not exist. Run `ttt-zoo convert` to create it.")
+    check_safetensors(weights)  # header only: timm reads the file once, through ttt_zoo.checkpoint
     import timm
     return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs).eval()
 
@@ -575,11 +533,11 @@ def validate_folder(folder: str, source: Optional[str] = None, rtol: float = 1e-
         raise HubFolderError(f"{folder} holds pickle files {pickles}; hub folders carry only {WEIGHTS_NAME}. "
                              f"Remove them.")
     cfg = read_config(folder)
-    weights = read_weights(os.path.join(folder, WEIGHTS_NAME))
+    n_tensors = check_safetensors(os.path.join(folder, WEIGHTS_NAME))
     card = _check_card(folder, cfg)
     model = load_folder(folder)
     report = dict(folder=folder, files=files, architecture=cfg["architecture"], card=card,
-                  tensors=len(weights), source_checked=False)
+                  tensors=n_tensors, source_checked=False)
     if not check_source:
         return report
     prov = cfg.get("ttt_zoo") or {}
