@@ -330,4 +330,9 @@ def resolve_pretrained(variant: str, kwargs: Dict[str, Any]) -> None:
     if path:
         overlay.pop("file", None)
         overlay["state_dict"] = load_checkpoint_file(path)
+        n, cls = kwargs.get("num_classes"), pc.classifier if isinstance(pc.classifier, str) else None
+        if n is not None and n != pc.num_classes and cls:  # a fine-tune with the requested classes: keep its head
+            w = unwrap_checkpoint(overlay["state_dict"]).get(f"{cls}.weight")
+            if w is not None and w.dim() == 2 and w.shape[0] == n:
+                overlay["num_classes"] = n
     kwargs["pretrained_cfg_overlay"] = overlay

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -327,18 +328,100 @@ def _datasets(name: str, kind: str) -> List[str]:
 _SAME_ARCH_ARGS = ("num_classes", "in_chans", "img_size", "global_pool")
 
 
+def _partial_dir(out_dir: str, overwrite: bool) -> str:
+    """Check ``out_dir`` before any work and create the temporary folder beside it that the new files go into."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise HubFolderError(f"The output path {out_dir} is a file; give a folder path (it is created if needed).")
+    if os.path.isdir(out_dir):
+        if os.listdir(out_dir) and not overwrite:
+            raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to replace it.")
+        if not os.access(out_dir, os.W_OK):
+            raise HubFolderError(f"{out_dir} is read-only; make it writable or choose another output folder.")
+    parent, base = os.path.split(out_dir)
+    prefix = f".{base}.partial-"
+    for stale in os.listdir(parent) if os.path.isdir(parent) else []:  # left by a killed convert
+        pid = stale[len(prefix):].split("-")[0]
+        if stale.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    except OSError as e:
+        raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
+                             f"output folder you can write to.") from e
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
+
+
+def _swap_in(tmp: str, out_dir: str) -> None:
+    """Replace ``out_dir`` by the complete folder ``tmp``: a kill at any point leaves a complete folder (old or new).
+
+    Files of the old folder that conversion does not write (e.g. a .gitattributes) are kept."""
+    out_dir = os.path.abspath(out_dir)
+    if not os.path.isdir(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    for f in os.listdir(out_dir):
+        if not os.path.exists(os.path.join(tmp, f)):
+            src = os.path.join(out_dir, f)
+            (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, f))
+    if _exchange(tmp, out_dir):
+        shutil.rmtree(tmp)  # tmp now holds the old folder
+        return
+    old = tmp + ".old"  # two renames: in between, out_dir is briefly absent but both folders are complete
+    os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old)
+
+
 def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]] = None,
                        hub_id: Optional[str] = None, flops: bool = True, overwrite: bool = False,
                        source_url: Optional[str] = None) -> Dict[str, Any]:
     """Convert one checkpoint into a hub folder; returns the info the card was rendered from.
 
-    ``source_url``: where ``checkpoint`` was downloaded from, if known (the card only claims a release it knows)."""
+    The files are written into a temporary folder beside ``out_dir`` that replaces it only once complete, so an
+    existing folder is never lost.  ``source_url``: where ``checkpoint`` was downloaded from, if known (the card
+    only claims a release it knows)."""
+    tmp = _partial_dir(out_dir, overwrite)
+    try:
+        info = _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url)
+        _swap_in(tmp, out_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]],
+                  hub_id: Optional[str], flops: bool, source_url: Optional[str]) -> Dict[str, Any]:
+    """Write model.safetensors, config.json and README.md for ``checkpoint`` into the empty folder ``out_dir``."""
     from safetensors.torch import save_file
     from timm.models._hub import save_config_for_hf
     from ttt_zoo import __version__
 
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to overwrite it.")
     model, used_args = build_from_checkpoint(name, checkpoint, model_args)
     if "." not in name and (getattr(model, "pretrained_cfg", None) or {}).get("tag"):
         name = f"{name}.{model.pretrained_cfg['tag']}"  # 'vit3_tiny' -> its default tag 'vit3_tiny.in1k'
@@ -362,10 +445,6 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
     numbers = measure(model, input_size if kind != "diffusion" else None) if flops else dict(
         params=sum(p.numel() for p in model.parameters()), macs=None, macs_input=list(input_size))
 
-    os.makedirs(out_dir, exist_ok=True)
-    for f in (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME):
-        if os.path.exists(os.path.join(out_dir, f)):
-            os.remove(os.path.join(out_dir, f))
     save_file(sd, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     os.chmod(os.path.join(out_dir, WEIGHTS_NAME), 0o644)
 
