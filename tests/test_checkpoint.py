@@ -152,3 +152,74 @@ def test_not_a_dict_and_missing_file(tmp_path):
         load_checkpoint_file(str(path))
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint_file(str(tmp_path / "nope.pth"))
+
+
+# ----- mmengine: load_from / resume go through ttt_zoo.adapters._mm's weights-only loader (mmengine alone) -----
+
+class _MakeMarker:
+    """Unpickling this creates the folder ``path``: proof that code from the file ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+class _Getattr:
+    def __reduce__(self):
+        from mmengine.logging import HistoryBuffer
+        return (getattr, (HistoryBuffer, "__reduce_ex__"))
+
+
+def _runner(tmp_path, load_from):
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, inputs=None, data_samples=None, mode="tensor"):
+            return self.fc(inputs)
+    return Runner(model=Net(), work_dir=str(tmp_path / "work"), load_from=str(load_from),
+                  default_hooks=dict(logger=None), log_level="ERROR")
+
+
+def test_mmengine_load_from_refuses_a_malicious_pickle(tmp_path, monkeypatch):
+    pytest.importorskip("mmengine")
+    import numpy as np
+    from mmengine.logging import HistoryBuffer
+    from mmengine.runner.checkpoint import load_checkpoint
+    from ttt_zoo.adapters import _mm
+    _mm.install_safe_loader()  # what importing ttt_zoo.adapters.mmdet / .mmseg does
+    net = torch.nn.Linear(2, 2)
+    state = {"fc." + k: v for k, v in net.state_dict().items()}
+
+    ok = tmp_path / "ok.pth"  # what mmengine itself writes: meta, numpy, HistoryBuffer
+    buf = HistoryBuffer()
+    buf.update(1.5)
+    torch.save({"meta": {"epoch": 1}, "state_dict": state, "message_hub": {"log_scalars": {"loss": buf}},
+                "np": np.float64(2.0), "arr": np.zeros(3)}, ok)
+    runner = _runner(tmp_path, ok)
+    runner.load_or_resume()
+    torch.testing.assert_close(runner.model.fc.weight, net.weight, rtol=0, atol=0)
+
+    marker = str(tmp_path / "pwned")
+    bad = tmp_path / "bad.pth"
+    torch.save({"state_dict": state, "x": _MakeMarker(marker)}, bad)
+    with pytest.raises(RuntimeError, match=r"Refusing to unpickle .*bad.pth.*GLOBAL posix.mkdir.*--trust-checkpoint"):
+        _runner(tmp_path, bad).load_or_resume()
+    assert not os.path.exists(marker)
+    with pytest.raises(RuntimeError, match="--trust-checkpoint"):
+        load_checkpoint(torch.nn.Linear(2, 2), str(bad))
+    assert not os.path.exists(marker)
+    sneaky = tmp_path / "sneaky.pth"  # getattr is allowed only for HistoryBuffer's public methods
+    torch.save({"state_dict": state, "x": _Getattr()}, sneaky)
+    with pytest.raises(RuntimeError, match="outside the safe allow-list"):
+        load_checkpoint(torch.nn.Linear(2, 2), str(sneaky))
+    # control: the explicit opt-in really unpickles, so the payload above is live and was refused
+    monkeypatch.setitem(_mm._UNSAFE, "on", True)
+    load_checkpoint(torch.nn.Linear(2, 2), str(bad), strict=False)
+    assert os.path.isdir(marker)

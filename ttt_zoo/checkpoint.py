@@ -47,7 +47,9 @@ def _unpickle_reason(e: Exception) -> str:
     text = str(e)
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    advice = ("weights_only", "Re-running", "Weights only load failed", "Check the documentation", "Please file")
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip() and not any(a in ln for a in advice)),
+                type(e).__name__)
     return line.split(" was not an allowed global")[0].split(". Please")[0]
 
 
@@ -68,7 +70,7 @@ def safe_torch_load(path: str, map_location: Any = "cpu", safe_globals: Sequence
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with what is wrong and how to fix it
         reason = _unpickle_reason(e)
-        if "global" in reason.lower():
+        if "global" in reason.lower() or "not allowed" in reason:
             raise CheckpointError(
                 f"Refusing to unpickle {path!r}: it holds Python objects other than tensors and plain data "
                 f"({reason}); ttt-zoo reads checkpoints without running code from them. Re-save only its tensors "
