@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 __all__ = ["CheckpointError", "safe_torch_load", "load_checkpoint_file", "unwrap_checkpoint", "mmengine_backbone",
-           "validate_state_dict", "check_safetensors", "resolve_pretrained", "hub_unavailable_error", "is_offline",
-           "SAFE_GLOBALS", "HUB_ORG", "with_hub_ids"]
+           "default_filter_fn", "validate_state_dict", "check_safetensors", "resolve_pretrained",
+           "hub_unavailable_error", "is_offline", "SAFE_GLOBALS", "HUB_ORG", "with_hub_ids"]
 
 _logger = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def check_safetensors(path: str) -> int:
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     need = 8 + n + max(ends, default=0)
     if size < need:
-        raise CheckpointError(f"{path} is truncated or corrupt: its header lists {len(ends)} tensors needing {need} bytes but "
-                              f"the file holds {size} bytes ({need - size} missing). {_REDOWNLOAD}")
+        raise CheckpointError(f"{path} is truncated or corrupt: its header lists {len(ends)} tensors needing {need} "
+                              f"bytes but the file holds {size} bytes ({need - size} missing). {_REDOWNLOAD}")
     return len(ends)
 
 
@@ -149,6 +149,11 @@ def unwrap_checkpoint(checkpoint: Dict[str, Any], prefer_ema: bool = True) -> Di
     if not out:
         raise CheckpointError(f"No tensors found in checkpoint (top-level keys: {sorted(checkpoint)[:10]}).")
     return out
+
+
+def default_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``checkpoint_filter_fn`` of a model file that defines none: unwrap the layout, load as is."""
+    return unwrap_checkpoint(state_dict)
 
 
 def mmengine_backbone(checkpoint: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
@@ -326,7 +331,8 @@ def resolve_pretrained(variant: str, kwargs: Dict[str, Any]) -> None:
         return  # timm loads the repo; its errors name it
     path = pc.file
     if not path and pc.url and not os.path.basename(urlparse(pc.url).path):
-        path = os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo", f"{pc.architecture}.{pc.tag or 'default'}.pth")
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo",
+                            f"{pc.architecture}.{pc.tag or 'default'}.pth")
         if not os.path.exists(path):
             _download_official(pc, path)
     if path:

@@ -2,14 +2,16 @@
 
 Every number on a card names its source: the paper / the authors' README (``PAPER_RESULTS``, copied from
 ``shared/spec/official_models.md`` and the papers), or "measured by ttt-zoo" (parameters and GMACs computed by
-:mod:`ttt_zoo.hub.convert` at conversion time); the card text is ``card_template.md``.  A checkpoint with no entry here gets a card that says so.
+:mod:`ttt_zoo.hub.convert` at conversion time); the card text is ``card_template.md``.  A checkpoint with no
+entry here gets a card that says so.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["PAPER_RESULTS", "CITATIONS", "paper_results", "arxiv_ids", "render_card", "parse_card", "REQUIRED_CARD_KEYS"]
+__all__ = ["PAPER_RESULTS", "CITATIONS", "paper_results", "arxiv_ids", "render_card", "parse_card",
+           "REQUIRED_CARD_KEYS"]
 
 _VIT3 = "arXiv:2512.01643"
 _VIT3_README = "LeapLabTHU/ViTTT README"

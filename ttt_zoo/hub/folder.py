@@ -12,7 +12,6 @@ import inspect
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -142,77 +141,53 @@ def _split(name: str) -> Tuple[str, str]:
     return arch, tag
 
 
-def _filter_fn_for(arch: str) -> Optional[Callable]:
-    """The ``checkpoint_filter_fn`` beside the model in its file (timm's convention)."""
-    if arch in _HUB_ARCHS:
-        return _HUB_ARCHS[arch].filter_fn
-    import timm
-    module = sys.modules[timm.models.model_entrypoint(arch).__module__]
-    return getattr(module, "checkpoint_filter_fn", None)
-
-
-def _create(name: str, model_args: Dict[str, Any]) -> nn.Module:
-    arch, tag = _split(name)
-    if arch in _HUB_ARCHS:
-        spec = _HUB_ARCHS[arch]
-        return spec.build(**dict(spec.default_args, **model_args))
-    if arch not in _zoo_models():
-        known = ", ".join(_zoo_models() + sorted(_HUB_ARCHS))
-        raise CheckpointError(f"Unknown model {arch!r}. ttt-zoo models: {known}.")
-    import timm
+def _checkpoint_classes(name: str, checkpoint: Dict[str, Any]) -> Optional[int]:
+    """Rows of the checkpoint's classifier (named by the pretrained cfg), e.g. 10 for a 10-class fine-tune."""
+    from timm.models import get_pretrained_cfg
+    cls = getattr(get_pretrained_cfg(name), "classifier", None)
     try:
-        return timm.create_model(name, pretrained=False, **model_args)
-    except TypeError as e:
-        raise CheckpointError(f"Bad --model-args for {arch}: {e}") from e
-
-
-def _classifier_fix(model: nn.Module, sd: Dict[str, torch.Tensor]) -> Optional[int]:
-    """num_classes of the checkpoint's classifier when it differs from the model's (e.g. a 10-class fine-tune)."""
-    cls = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
-    if not cls:
+        w = unwrap_checkpoint(checkpoint).get(f"{cls}.weight") if isinstance(cls, str) else None
+    except CheckpointError:
         return None
-    theirs, own = sd.get(f"{cls}.weight"), model.state_dict().get(f"{cls}.weight")
-    if (theirs is not None and own is not None and theirs.dim() == own.dim() == 2
-            and theirs.shape[1] == own.shape[1] and theirs.shape[0] != own.shape[0]):
-        return int(theirs.shape[0])
-    return None
+    return int(w.shape[0]) if w is not None and w.dim() == 2 else None
 
 
 def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[str, Any]] = None,
                           source: str = "checkpoint") -> Tuple[nn.Module, Dict[str, Any]]:
     """Build ``name`` (``model`` or ``model.tag``) and load ``checkpoint`` (a path or a loaded dict) strictly.
 
-    Returns (model in eval mode, the constructor arguments used)."""
+    timm models load through timm's own path (``create_model(pretrained=True)`` with the checkpoint as the
+    pretrained cfg's ``state_dict``: ``build_model_with_cfg`` -> ``load_pretrained`` -> the model file's
+    ``checkpoint_filter_fn``); the classifier is built with the checkpoint's number of classes unless
+    ``model_args`` sets ``num_classes``.  Returns (model in eval mode, the constructor arguments used)."""
+    import timm
     if isinstance(checkpoint, str):
-        source = checkpoint
-        checkpoint = load_checkpoint_file(checkpoint)
+        source, checkpoint = checkpoint, load_checkpoint_file(checkpoint)
     model_args = dict(model_args or {})
-    model = _create(name, model_args)
-    if "num_classes" not in model_args:
-        try:
-            n = _classifier_fix(model, unwrap_checkpoint(checkpoint))
-        except CheckpointError:
-            n = None
-        if n is not None:  # build the classifier the checkpoint has
-            model_args["num_classes"] = n
-            model = _create(name, model_args)
     arch = _split(name)[0]
-    filter_fn = _filter_fn_for(arch)
+    if arch not in _HUB_ARCHS and arch not in _zoo_models():
+        known = ", ".join(_zoo_models() + sorted(_HUB_ARCHS))
+        raise CheckpointError(f"Unknown model {arch!r}. ttt-zoo models: {known}.")
     try:
-        sd = filter_fn(checkpoint, model) if filter_fn is not None else unwrap_checkpoint(checkpoint)
+        if arch in _HUB_ARCHS:  # not a timm model: build, filter, load strictly
+            spec = _HUB_ARCHS[arch]
+            model = spec.build(**dict(spec.default_args, **model_args))
+            model.load_state_dict(spec.filter_fn(checkpoint, model))
+        else:
+            n = _checkpoint_classes(name, checkpoint)
+            if n is not None:
+                model_args.setdefault("num_classes", n)
+            overlay = dict(state_dict=checkpoint, **({"num_classes": n} if n is not None else {}))
+            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **model_args)
+    except TypeError as e:
+        raise CheckpointError(f"Bad --model-args for {arch}: {e}") from e
     except CheckpointError as e:
         why = str(e).split(" Build the model that matches")[0]
         raise CheckpointError(f"{source} is not a checkpoint for {name}: {why} Pass the --model (see `ttt-zoo list`) "
                               f"and --model-args that match the checkpoint.") from e
-    try:
-        result = model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
+    except RuntimeError as e:  # load_state_dict(strict=True)
         raise CheckpointError(f"{source} does not fit {name} (built with {model_args}): "
                               f"{str(e).splitlines()[-1].strip()}") from e
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointError(
-            f"{source} does not fit {name}: missing keys {result.missing_keys[:5]}, unexpected keys "
-            f"{result.unexpected_keys[:5]}. Pass the right --model or --model-args.")
     return model.eval(), model_args
 
 

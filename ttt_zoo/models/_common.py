@@ -9,8 +9,9 @@ from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg
 
 # checkpoint loading lives in ttt_zoo.checkpoint; re-exported for the model files' checkpoint_filter_fn
-from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, load_checkpoint_file, resolve_pretrained,
-                                safe_torch_load, unwrap_checkpoint, validate_state_dict, with_hub_ids)
+from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_filter_fn, load_checkpoint_file,
+                                resolve_pretrained, safe_torch_load, unwrap_checkpoint, validate_state_dict,
+                                with_hub_ids)
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
@@ -50,12 +51,17 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indic
         out_indices = kwargs.pop("out_indices", default_out_indices)
         kwargs["feature_cfg"] = dict(out_indices=out_indices, feature_cls="getter")
     if pretrained:
+        kwargs.setdefault("pretrained_filter_fn", default_filter_fn)
         resolve_pretrained(variant, kwargs)
     # timm's create_model(device=, dtype=): build in place on the device, then cast
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     with torch.serialization.safe_globals(SAFE_GLOBALS), factory_device(device):
         try:
             model = build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+            for m in model.modules():  # timm keeps the cfg: do not keep the loaded checkpoint alive with it
+                cfg = getattr(m, "pretrained_cfg", None)
+                if isinstance(cfg, dict):
+                    cfg.pop("state_dict", None)
             return model.to(dtype=dtype) if dtype is not None else model
         except Exception as e:  # noqa: BLE001 - only safetensors read errors are rewritten
             if type(e).__name__ != "SafetensorError":
