@@ -360,13 +360,16 @@ def install_to_hub_cache(folder: str, repo_id: str, cache_dir: Optional[str] = N
         if not os.path.isfile(src):
             continue
         blob = os.path.join(repo_dir, "blobs", _sha256(src))
-        shutil.copyfile(src, blob)
+        shutil.copyfile(src, blob + ".incomplete")  # huggingface_hub's own partial-file suffix
+        os.replace(blob + ".incomplete", blob)
         dst = os.path.join(snap, name)
         if os.path.lexists(dst):
             os.remove(dst)
         os.symlink(os.path.relpath(blob, snap), dst)
-    with open(os.path.join(repo_dir, "refs", "main"), "w") as f:
+    ref = os.path.join(repo_dir, "refs", "main")
+    with open(ref + ".tmp", "w") as f:
         f.write(revision)
+    os.replace(ref + ".tmp", ref)
     return snap
 
 
