@@ -16,8 +16,8 @@ import timm
 from timm.models import get_pretrained_cfg
 
 from ttt_zoo import hub
-from ttt_zoo.cards import parse_card
-from ttt_zoo.models._common import CheckpointError
+from ttt_zoo.hub.cards import parse_card
+from ttt_zoo.checkpoint import CheckpointError
 
 from fixtures import load_fixture
 
@@ -268,13 +268,13 @@ def test_truncated_and_corrupt_safetensors(vit3, tmp_path):
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)
-    msg = (rf"model.safetensors is truncated: its header lists {len(vit3['sd'])} tensors needing {size} bytes "
+    msg = (rf"model.safetensors is truncated or corrupt: its header lists {len(vit3['sd'])} tensors needing {size} bytes "
            rf"but the file holds "
            rf"{size // 2} bytes \({size - size // 2} missing\). Delete it and convert again")
     with pytest.raises(CheckpointError, match=msg):
         hub.validate_folder(folder, source=vit3["src"])
-    # timm's own local-dir path raises the same kind of clear error
-    with pytest.raises(CheckpointError, match=r"weights of vit3_tiny could not be read .* truncated or corrupt"):
+    # timm's own local-dir path raises the same precise error (the header is checked before timm reads the file)
+    with pytest.raises(CheckpointError, match=r"model.safetensors is truncated or corrupt: its header lists"):
         timm.create_model(f"local-dir:{folder}", pretrained=True)
     with open(path, "wb") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
@@ -436,3 +436,94 @@ def test_generic_diffusion_model_path(tmp_path, monkeypatch):
     assert "class-conditional-image-generation" in meta["tags"] and "image-classification" not in meta["tags"]
     report = hub.validate_folder(folder, source=src)
     assert report["source_checked"] and report["max_abs_diff"] == 0.0
+
+
+# ----- convert never loses an existing folder; bad output paths fail before any work -----
+
+_SLOW_WRITE = """
+import os, sys, time
+import safetensors.torch as st
+
+def stalled_save_file(tensors, filename, metadata=None):  # half a file, then wait to be killed
+    with open(filename, "wb") as f:
+        f.write(b"partial weights")
+    open(os.environ["READY"], "w").close()
+    time.sleep(600)
+
+st.save_file = stalled_save_file
+from ttt_zoo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _tiny_vit3_checkpoint(path, seed):
+    torch.manual_seed(seed)
+    torch.save({"model": timm.create_model("vit3_tiny", **VIT3_ARGS).state_dict()}, path)
+    return str(path)
+
+
+def test_convert_force_killed_mid_write_keeps_the_old_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = str(tmp_path / "hub" / "vit3_tiny.in1k")
+    old_src = _tiny_vit3_checkpoint(tmp_path / "old.pth", 0)
+    hub.convert_checkpoint(old_src, "vit3_tiny.in1k", out, model_args=VIT3_ARGS, flops=False)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    assert set(before) == {"model.safetensors", "config.json", "README.md"}
+
+    new_src = _tiny_vit3_checkpoint(tmp_path / "new.pth", 1)
+    ready = str(tmp_path / "ready")
+    args = ["convert", new_src, "--model", "vit3_tiny.in1k", "--model-args", json.dumps(VIT3_ARGS), "--out", out,
+            "--force", "--no-flops"]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, READY=ready)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(ready):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.time() < deadline, "the conversion never reached the weights write"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    after = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    assert after == before  # the old folder is complete and untouched
+    model = hub.load_folder(out)
+    for k, v in torch.load(old_src)["model"].items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+
+    # the next --force conversion completes, replaces the files, keeps other files, clears the killed run's folder
+    with open(os.path.join(out, ".gitattributes"), "w") as f:
+        f.write("*.safetensors filter=lfs\n")
+    assert hub.main(args) == 0
+    model = hub.load_folder(out)
+    for k, v in torch.load(new_src)["model"].items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+    assert sorted(os.listdir(out)) == [".gitattributes", "README.md", "config.json", "model.safetensors"]
+    assert os.listdir(os.path.dirname(out)) == ["vit3_tiny.in1k"]
+
+
+def test_convert_to_a_file_or_read_only_folder_fails_first(tmp_path, capsys):
+    """The output path is checked first: the checkpoint 'missing.pth' (which would fail next) is never read."""
+    afile = tmp_path / "out.txt"
+    afile.write_text("keep me")
+    assert hub.main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", str(afile)]) == 2
+    assert f"The output path {afile} is a file; give a folder path" in capsys.readouterr().err
+    assert afile.read_text() == "keep me"
+
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        targets = [(str(ro / "sub"), "Cannot write the output folder"), (str(ro), "is read-only")]
+    else:  # root ignores permission bits: use a folder the kernel refuses to write
+        targets = [("/proc/ttt_zoo_out/x", "Cannot write the output folder")]
+    for out, msg in targets:
+        assert hub.main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", out, "--force"]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err

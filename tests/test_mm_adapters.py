@@ -71,36 +71,7 @@ def test_mmengine_layout_loads_through_registry_and_reproduces_fixture(tmp_path)
         torch.testing.assert_close(outs[i], t[f"output.{i}"], **tol)
 
 
-class _Evil:
-    def __reduce__(self):
-        return (os.system, ("echo unpickled",))
-
-
-class _Getattr:
-    def __reduce__(self):
-        from mmengine.logging import HistoryBuffer
-        return (getattr, (HistoryBuffer, "__reduce_ex__"))
-
-
-def test_mmengine_loader_is_safe(tmp_path):
-    import ttt_zoo.adapters.mmdet  # noqa: F401
-    from mmengine.runner.checkpoint import load_checkpoint
-    from mmengine.logging import HistoryBuffer
-    net = torch.nn.Linear(2, 2)
-    ok = tmp_path / "ok.pth"
-    buf = HistoryBuffer()
-    buf.update(1.5)
-    torch.save({"meta": {"epoch": 1}, "state_dict": net.state_dict(), "message_hub": {"log_scalars": {"loss": buf}},
-                "np": np.float64(2.0), "arr": np.zeros(3)}, ok)
-    load_checkpoint(torch.nn.Linear(2, 2), str(ok))  # mmengine's own types and numpy: fine
-    bad = tmp_path / "bad.pth"
-    torch.save({"state_dict": net.state_dict(), "x": _Evil()}, bad)
-    with pytest.raises(RuntimeError, match="--trust-checkpoint"):
-        load_checkpoint(torch.nn.Linear(2, 2), str(bad))
-    sneaky = tmp_path / "sneaky.pth"  # getattr is allowed only for HistoryBuffer's public methods
-    torch.save({"state_dict": net.state_dict(), "x": _Getattr()}, sneaky)
-    with pytest.raises(RuntimeError, match="outside the safe allow-list"):
-        load_checkpoint(torch.nn.Linear(2, 2), str(sneaky))
+# the safe mmengine checkpoint loader (load_from / resume) needs mmengine only: tests/test_checkpoint.py
 
 
 # ---------------------------------------------------------------- synthetic datasets

@@ -6,7 +6,7 @@
 """
 import sys
 
-from ttt_zoo.hub import main_convert
+from ttt_zoo.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main_convert())
+    sys.exit(main(["convert", *sys.argv[1:]]))

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import timm  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401
-from ttt_zoo.models._common import safe_torch_load  # noqa: E402
+from ttt_zoo.checkpoint import safe_torch_load  # noqa: E402
 from ttt_zoo.models.dit import checkpoint_filter_fn  # noqa: E402
 from ttt_zoo.sampling import sample, save_image_grid  # noqa: E402
 

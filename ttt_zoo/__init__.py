@@ -68,7 +68,13 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
         close = difflib.get_close_matches(base, list_zoo_models(include_diffusion=True), n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(f"Unknown model {model_name!r}.{hint} Run `ttt-zoo list` for every registered model.")
-    return timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    if not model_name.startswith("hf-hub:"):
+        return timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    try:
+        return timm.create_model(model_name, pretrained=pretrained, **kwargs)
+    except OSError as e:  # the repo's config.json: offline without a cached copy, not found, no network
+        from .checkpoint import hub_unavailable_error
+        raise hub_unavailable_error(model_name[len("hf-hub:"):].split("@")[0], "config.json", e) from e
 
 
 __all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "list_zoo_families", "is_diffusion_model",

@@ -3,7 +3,7 @@
 ``dense`` holds the backbones (plain PyTorch); ``mmdet`` / ``mmseg`` register them with OpenMMLab (import those
 through ``custom_imports`` in a config).  Install the OpenMMLab stack with ``make openmmlab``.
 """
-from .dense import HViT3Dense, SimplePyramid, TimmDense, load_checkpoint_file
+from .dense import HViT3Dense, SimplePyramid, TimmDense
 
 
 def allow_unsafe_checkpoints() -> None:
@@ -12,4 +12,4 @@ def allow_unsafe_checkpoints() -> None:
     _allow()
 
 
-__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "load_checkpoint_file", "allow_unsafe_checkpoints"]
+__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "allow_unsafe_checkpoints"]

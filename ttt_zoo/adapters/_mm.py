@@ -15,6 +15,8 @@ from typing import Any, List
 
 import torch
 
+from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
+
 from .dense import HViT3Dense, TimmDense
 
 __all__ = ["register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals"]
@@ -59,14 +61,12 @@ def _safe_load_from_local(filename: str, map_location=None):
     if _UNSAFE["on"]:
         return torch.load(filename, map_location=map_location, weights_only=False)
     try:
-        with torch.serialization.safe_globals(mmengine_safe_globals()):
-            return torch.load(filename, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the fix
-        raise RuntimeError(
-            f"Refusing to unpickle {filename!r}: it holds objects outside the safe allow-list "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Re-save its tensors "
-            f"(dict(state_dict=...)), or, only for a file you trust, pass --trust-checkpoint to tools/mm_train.py / "
-            f"tools/mm_test.py (or call ttt_zoo.adapters.allow_unsafe_checkpoints()).") from e
+        return safe_torch_load(filename, map_location=map_location, safe_globals=mmengine_safe_globals())
+    except CheckpointError as e:
+        trust = (" It is outside the safe allow-list of mmengine checkpoints; only for a file you trust, pass "
+                 "--trust-checkpoint to tools/mm_train.py / tools/mm_test.py (or call "
+                 "ttt_zoo.adapters.allow_unsafe_checkpoints())." if str(e).startswith("Refusing") else "")
+        raise RuntimeError(f"{e}{trust}") from e
 
 
 def install_safe_loader() -> None:

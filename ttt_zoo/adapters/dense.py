@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from timm.layers import LayerNorm2d
 
-from ttt_zoo.models import _common
-from ttt_zoo.models._common import CheckpointError, unwrap_checkpoint, validate_state_dict
+from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, mmengine_backbone, unwrap_checkpoint,
+                                validate_state_dict)
 from ttt_zoo.models.hvit3 import HViT3Backbone, backbone_filter_fn
 
-__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "load_checkpoint_file", "HVIT3_ARCHS"]
+__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "HVIT3_ARCHS"]
 
 #: official det/seg backbone sizes (spec §7)
 HVIT3_ARCHS = {
@@ -33,30 +33,17 @@ HVIT3_ARCHS = {
 }
 
 
-def load_checkpoint_file(path: str) -> Dict[str, Any]:
-    """Read a checkpoint without unpickling arbitrary objects: safetensors, or ``torch.load(weights_only=True)``."""
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"Backbone checkpoint {path!r} not found. Set init_cfg=dict(type='Pretrained', checkpoint=<file>) to an "
-            f"existing classification (.pth/.safetensors) or det/seg checkpoint.")
-    return _common.load_checkpoint_file(path)
-
-
 def _pretrained_path(init_cfg: Optional[Dict[str, Any]]) -> Optional[str]:
     if init_cfg is None:
         return None
     if not isinstance(init_cfg, dict) or init_cfg.get("type") != "Pretrained" or "checkpoint" not in init_cfg:
         raise ValueError(f"init_cfg must be None or dict(type='Pretrained', checkpoint=<path>), got {init_cfg!r}.")
-    return init_cfg["checkpoint"]
-
-
-def _dense_state_dict(ckpt: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
-    """The ``backbone.*`` tensors of an mmengine det/seg checkpoint, or None for a classification checkpoint."""
-    sd = ckpt.get("state_dict") if isinstance(ckpt.get("state_dict"), dict) else ckpt
-    keys = [k for k in sd if k.startswith("backbone.")]
-    if not keys:
-        return None
-    return {k[len("backbone."):]: sd[k] for k in keys if isinstance(sd[k], torch.Tensor)}
+    path = init_cfg["checkpoint"]
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise CheckpointError(
+            f"Backbone checkpoint {path!r} not found. Set init_cfg=dict(type='Pretrained', checkpoint=<file>) to an "
+            f"existing classification (.pth/.safetensors) or det/seg checkpoint.")
+    return path
 
 
 def _set_requires_grad(module: nn.Module, flag: bool) -> None:
@@ -145,7 +132,7 @@ class HViT3Dense(_FreezeMixin, HViT3Backbone):
 
 def load_hvit3_dense(model: HViT3Dense, ckpt: Dict[str, Any], prefer_ema: bool = False) -> Dict[str, List[str]]:
     """Load a det/seg or classification H-ViT3 checkpoint dict into ``model``; returns the fresh keys."""
-    dense = _dense_state_dict(ckpt)
+    dense = mmengine_backbone(ckpt)
     if dense is not None:
         model.load_state_dict(backbone_filter_fn(dense, model))
         return dict(missing=[])
@@ -256,7 +243,7 @@ class TimmDense(_FreezeMixin, nn.Module):
         if path is None:
             return
         ckpt = load_checkpoint_file(path)
-        dense = _dense_state_dict(ckpt)
+        dense = mmengine_backbone(ckpt)
         if dense is not None:
             missing, unexpected = self.load_state_dict(dense, strict=False)
             if missing or unexpected:

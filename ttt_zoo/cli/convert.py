@@ -1,6 +1,76 @@
 """``ttt-zoo convert``: a checkpoint (official or ours) to a Hugging Face Hub folder with a model card."""
 
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict
+
+from ttt_zoo.checkpoint import HUB_ORG, CheckpointError
+
+__all__ = ["add_parser", "cli_errors"]
+
+
+def cli_errors(fn):
+    """Print ttt-zoo's clear errors as one line and exit with status 2 instead of a traceback."""
+    def run(args) -> int:
+        from ttt_zoo.hub import HubFolderError
+        try:
+            return fn(args)
+        except (CheckpointError, HubFolderError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def _json_arg(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--model-args must be a JSON object, e.g. '{{\"depth\": 2}}' ({e})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--model-args must be a JSON object, e.g. '{\"depth\": 2}'")
+    return value
+
+
+@cli_errors
+def run(args) -> int:
+    from ttt_zoo.hub import HubFolderError, convert_all, convert_checkpoint, registered_pretrained
+    if args.all:
+        res = convert_all(args.out_root, args.checkpoint_dir, args.filter, args.download, args.skip_missing,
+                          not args.no_flops, args.force)
+        print(f"converted {len(res['converted'])} checkpoint(s); missing: {res['missing'] or 'none'}")
+        return 0
+    if not args.checkpoint or not args.model:
+        raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
+                             f"{', '.join(registered_pretrained())}), or use --all.")
+    out = args.out or os.path.join("hub", args.model)
+    info = convert_checkpoint(args.checkpoint, args.model, out, args.model_args, args.hub_id,
+                              not args.no_flops, args.force, args.source_url)
+    macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
+    print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
+    return 0
+
 
 def add_parser(sub) -> None:
-    from ttt_zoo import hub
-    hub.add_convert_parser(sub)
+    p = sub.add_parser("convert", help="convert checkpoints into timm-format Hugging Face Hub folders",
+                       description="Convert an official or ttt-zoo checkpoint into a hub folder "
+                                   "(model.safetensors, config.json, README.md).")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint file (.pth / .pt / .safetensors; any official layout)")
+    p.add_argument("--model", help="ttt-zoo model, with its pretrained tag, e.g. vit3_tiny.in1k")
+    p.add_argument("--out", help="output folder (default: ./hub/<model>)")
+    p.add_argument("--model-args", type=_json_arg, default=None, help="JSON constructor arguments for "
+                   "non-default architectures, e.g. '{\"embed_dim\": 64, \"depth\": 2}'")
+    p.add_argument("--hub-id", help=f"repo id recorded in the folder (default {HUB_ORG}/<model>.<tag>)")
+    p.add_argument("--source-url", help="where CHECKPOINT was downloaded from (stated on the card)")
+    p.add_argument("--all", action="store_true", help="convert every registered pretrained tag")
+    p.add_argument("--filter", default="*", help="with --all: only tags matching this glob")
+    p.add_argument("--checkpoint-dir", help="with --all: folder of <model>.<tag>.pth files "
+                   "(default: where pretrained=True caches the authors' files)")
+    p.add_argument("--out-root", default="hub", help="with --all: parent of the output folders")
+    p.add_argument("--download", action="store_true", help="with --all: download missing authors' checkpoints")
+    p.add_argument("--skip-missing", action="store_true", help="with --all: skip tags without a checkpoint")
+    p.add_argument("--no-flops", action="store_true", help="do not measure GMACs")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder (the old one is kept "
+                   "until the new one is complete)")
+    p.set_defaults(func=run)

@@ -1,0 +1,272 @@
+"""``ttt-zoo convert``: a checkpoint (official or ours) to a hub folder, written beside the target and swapped in."""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .cards import paper_results, render_card
+from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, WEIGHTS_NAME, HubFolderError, _sha256,
+                     _split, build_from_checkpoint, hub_repo_id, measure, registered_pretrained)
+
+# ----- conversion -----
+
+def _kind(arch: str, model: nn.Module) -> str:
+    """'backbone' (non-timm architectures), 'diffusion' (forward(x, t, y)) or 'classifier'."""
+    if arch in _HUB_ARCHS:
+        return _HUB_ARCHS[arch].kind
+    if list(inspect.signature(model.forward).parameters)[:3] == ["x", "t", "y"]:
+        return "diffusion"
+    return "classifier"
+
+
+def _description(arch: str) -> str:
+    if arch in _HUB_ARCHS:
+        return _HUB_ARCHS[arch].description
+    import timm
+    module = sys.modules[timm.models.model_entrypoint(arch).__module__]
+    doc = (module.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(doc.split())
+
+
+def _label_info(num_classes: int, name: str) -> Dict[str, Any]:
+    """ImageNet-1k synsets and descriptions for 1000-class ImageNet checkpoints; nothing otherwise."""
+    tag = _split(name)[1]
+    if num_classes != 1000 or ("in1k" not in tag and "in22k_ft_in1k" not in tag and "imagenet" not in tag):
+        return {}
+    from timm.data import ImageNetInfo
+    info = ImageNetInfo()
+    names = list(info.label_names())
+    return dict(label_names=names, label_descriptions={n: info.label_name_to_description(n) for n in names})
+
+
+def _datasets(name: str, kind: str) -> List[str]:
+    tag = _split(name)[1]
+    if kind == "backbone":
+        return ["detection-datasets/coco"] if "coco" in tag else ["scene_parse_150"] if "ade" in tag else []
+    if "in1k" in tag or "imagenet" in tag:
+        return ["imagenet-1k"]
+    return []
+
+
+#: constructor arguments that keep the released architecture (anything else makes a different network)
+_SAME_ARCH_ARGS = ("num_classes", "in_chans", "img_size", "global_pool")
+
+
+def _partial_dir(out_dir: str, overwrite: bool) -> str:
+    """Check ``out_dir`` before any work and create the temporary folder beside it that the new files go into."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise HubFolderError(f"The output path {out_dir} is a file; give a folder path (it is created if needed).")
+    if os.path.isdir(out_dir):
+        if os.listdir(out_dir) and not overwrite:
+            raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to replace it.")
+        if not os.access(out_dir, os.W_OK):
+            raise HubFolderError(f"{out_dir} is read-only; make it writable or choose another output folder.")
+    parent, base = os.path.split(out_dir)
+    prefix = f".{base}.partial-"
+    for stale in os.listdir(parent) if os.path.isdir(parent) else []:  # left by a killed convert
+        pid = stale[len(prefix):].split("-")[0]
+        if stale.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    except OSError as e:
+        raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
+                             f"output folder you can write to.") from e
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
+
+
+def _swap_in(tmp: str, out_dir: str) -> None:
+    """Replace ``out_dir`` by the complete folder ``tmp``: a kill at any point leaves a complete folder (old or new).
+
+    Files of the old folder that conversion does not write (e.g. a .gitattributes) are kept."""
+    out_dir = os.path.abspath(out_dir)
+    if not os.path.isdir(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    for f in os.listdir(out_dir):
+        if not os.path.exists(os.path.join(tmp, f)):
+            src = os.path.join(out_dir, f)
+            (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, f))
+    if _exchange(tmp, out_dir):
+        shutil.rmtree(tmp)  # tmp now holds the old folder
+        return
+    old = tmp + ".old"  # two renames: in between, out_dir is briefly absent but both folders are complete
+    os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old)
+
+
+def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]] = None,
+                       hub_id: Optional[str] = None, flops: bool = True, overwrite: bool = False,
+                       source_url: Optional[str] = None) -> Dict[str, Any]:
+    """Convert one checkpoint into a hub folder; returns the info the card was rendered from.
+
+    The files are written into a temporary folder beside ``out_dir`` that replaces it only once complete, so an
+    existing folder is never lost.  ``source_url``: where ``checkpoint`` was downloaded from, if known (the card
+    only claims a release it knows)."""
+    tmp = _partial_dir(out_dir, overwrite)
+    try:
+        info = _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url)
+        _swap_in(tmp, out_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]],
+                  hub_id: Optional[str], flops: bool, source_url: Optional[str]) -> Dict[str, Any]:
+    """Write model.safetensors, config.json and README.md for ``checkpoint`` into the empty folder ``out_dir``."""
+    from safetensors.torch import save_file
+    from timm.models import save_for_hf
+    from ttt_zoo import __version__
+
+    model, used_args = build_from_checkpoint(name, checkpoint, model_args)
+    if "." not in name and (getattr(model, "pretrained_cfg", None) or {}).get("tag"):
+        name = f"{name}.{model.pretrained_cfg['tag']}"  # 'vit3_tiny' -> its default tag 'vit3_tiny.in1k'
+    arch, tag = _split(name)
+    hub_id = hub_id or hub_repo_id(name)
+    kind = _kind(arch, model)
+    if arch in _HUB_ARCHS:
+        pc = dict(_HUB_ARCHS[arch].pretrained_cfg, architecture=arch, tag=tag or None)
+        num_classes = 0
+    else:
+        pc = dict(model.pretrained_cfg)
+        num_classes = getattr(model, "num_classes", 0)
+    input_size = tuple(pc.get("input_size", (3, 224, 224)))
+    if "img_size" in used_args:
+        s = used_args["img_size"]
+        input_size = (input_size[0],) + ((s, s) if isinstance(s, int) else tuple(s))
+    if "in_chans" in used_args:
+        input_size = (used_args["in_chans"],) + input_size[1:]
+    numbers = measure(model, input_size if kind != "diffusion" else None) if flops else dict(
+        params=sum(p.numel() for p in model.parameters()), macs=None, macs_input=list(input_size))
+
+    provenance = dict(version=__version__, hub_id=hub_id, kind=kind, source_file=os.path.basename(checkpoint),
+                      source_sha256=_sha256(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
+                      gmacs_input=numbers["macs_input"], source_url=source_url)
+    labels = _label_info(num_classes, name)
+    if arch in _HUB_ARCHS:  # not a timm model: timm's config layout does not fit
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, WEIGHTS_NAME),
+                  metadata={"format": "pt"})
+        config = dict(architecture=arch, num_classes=0, model_args=_jsonable(used_args),
+                      pretrained_cfg=_jsonable({k: v for k, v in pc.items() if v is not None}), ttt_zoo=provenance)
+        with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+    else:
+        data_cfg = {"input_size": input_size} if input_size != tuple(pc.get("input_size", ())) else None
+        added = [a for a in ("num_features",) if not hasattr(model, a)]  # timm reads it; DiT-style models lack it
+        for a in added:
+            setattr(model, a, None)
+        try:
+            save_for_hf(model, out_dir, model_config=dict(labels, ttt_zoo=provenance), safe_serialization=True,
+                        data_config=data_cfg)
+        finally:
+            for a in added:
+                delattr(model, a)
+    custom_args = {k: v for k, v in used_args.items() if k != "num_classes" or v != 1000}
+    other_arch = sorted(k for k in custom_args if k not in _SAME_ARCH_ARGS)
+
+    info = dict(name=name, architecture=arch, hub_id=hub_id, library="ttt-zoo" if arch in _HUB_ARCHS else "timm",
+                kind=kind, license=pc.get("license"), datasets=[] if other_arch else _datasets(name, kind),
+                paper_ids=pc.get("paper_ids"), released_url=pc.get("url"), other_arch=other_arch,
+                paper_name=pc.get("paper_name"), origin_url=pc.get("origin_url"), description=_description(arch),
+                input_size=input_size, mean=pc.get("mean"), std=pc.get("std"), crop_pct=pc.get("crop_pct"),
+                interpolation=pc.get("interpolation"), num_classes=num_classes, params=numbers["params"],
+                macs=numbers["macs"], macs_input=numbers["macs_input"], source_file=os.path.basename(checkpoint),
+                source_sha256=provenance["source_sha256"], source_url=source_url, model_args=custom_args,
+                paper=None if other_arch else paper_results(name), github=GITHUB_REPO)
+    with open(os.path.join(out_dir, CARD_NAME), "w", encoding="utf-8") as f:
+        f.write(render_card(info))
+    return info
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=list))
+
+
+def _find_source(name: str, checkpoint_dir: str) -> Optional[str]:
+    for ext in (".pth", ".pth.tar", ".pt", ".safetensors", ".bin"):
+        p = os.path.join(checkpoint_dir, name + ext)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def default_checkpoint_dir() -> str:
+    """Where ``pretrained=True`` caches the authors' checkpoints (``<torch hub>/checkpoints/ttt_zoo``)."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", "ttt_zoo")
+
+
+def convert_all(out_root: str, checkpoint_dir: Optional[str] = None, pattern: str = "*", download: bool = False,
+                skip_missing: bool = False, flops: bool = True, overwrite: bool = False,
+                log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Convert every registered pretrained tag matching ``pattern``; sources are ``<dir>/<model>.<tag>.pth``."""
+    from timm.models import get_pretrained_cfg
+    checkpoint_dir = checkpoint_dir or default_checkpoint_dir()
+    names = [n for n in registered_pretrained() if fnmatch.fnmatch(n, pattern)]
+    if not names:
+        raise HubFolderError(f"No registered pretrained tag matches {pattern!r}; see `ttt-zoo list`.")
+    missing = []
+    for n in names:
+        if _find_source(n, checkpoint_dir) is None:
+            url = get_pretrained_cfg(n).url
+            if download and url:
+                os.makedirs(checkpoint_dir, exist_ok=True)
+                tmp = os.path.join(checkpoint_dir, n + ".pth.partial")
+                torch.hub.download_url_to_file(url, tmp, progress=True)
+                os.replace(tmp, os.path.join(checkpoint_dir, n + ".pth"))
+            else:
+                missing.append(n)
+    if missing and not skip_missing:
+        raise HubFolderError(
+            f"No source checkpoint in {checkpoint_dir} for {', '.join(missing)} (expected <model>.<tag>.pth). "
+            f"Pass --download to fetch the authors' files, or --skip-missing.")
+    done = {}
+    for n in names:
+        if n in missing:
+            log(f"skip {n}: no checkpoint in {checkpoint_dir}")
+            continue
+        src = _find_source(n, checkpoint_dir)
+        out = os.path.join(out_root, n)
+        # files in the pretrained=True cache (or fetched by --download) came from the cfg's url
+        url = get_pretrained_cfg(n).url if (download or checkpoint_dir == default_checkpoint_dir()) else None
+        info = convert_checkpoint(src, n, out, flops=flops, overwrite=overwrite, source_url=url)
+        done[n] = out
+        log(f"converted {src} -> {out} ({info['params']:,} params)")
+    return dict(converted=done, missing=missing)
+
