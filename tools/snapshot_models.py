@@ -31,7 +31,8 @@ def _models(names):
 
 
 def _is_diffusion(name):
-    return name.split("_")[0] in ("dit", "dit3", "dit5")
+    import ttt_zoo
+    return ttt_zoo.is_diffusion_model(name)
 
 
 def _key_weights(model):
@@ -115,7 +116,12 @@ def _record_model(name):
 
 
 def _rel(a, b):
+    """max|a - b| / max|b| over the finite entries; inf when the NaN/inf pattern differs."""
     a, b = a.double(), b.double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb) or not torch.equal(a[~fa].nan_to_num(), b[~fb].nan_to_num()):
+        return float("inf")
+    a, b = a[fa], b[fb]
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 

@@ -21,17 +21,9 @@ from timm.layers import LayerNorm2d
 
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, mmengine_backbone, unwrap_checkpoint,
                                 validate_state_dict)
-from ttt_zoo.models.hvit3 import HViT3Backbone, backbone_filter_fn
+from ttt_zoo.models.hvit3 import HVIT3_SIZES, HViT3Backbone, backbone_filter_fn  # the official sizes (spec §7)
 
-__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid", "HVIT3_ARCHS"]
-
-#: official det/seg backbone sizes (spec §7)
-HVIT3_ARCHS = {
-    "tiny": dict(embed_dim=(64, 128, 320, 512), depths=(1, 3, 9, 4)),
-    "small": dict(embed_dim=(64, 128, 320, 512), depths=(2, 6, 18, 8)),
-    "base": dict(embed_dim=(96, 192, 448, 640), depths=(2, 6, 18, 8)),
-}
-
+__all__ = ["HViT3Dense", "TimmDense", "SimplePyramid"]
 
 def _pretrained_path(init_cfg: Optional[Dict[str, Any]]) -> Optional[str]:
     if init_cfg is None:
@@ -95,10 +87,10 @@ class HViT3Dense(_FreezeMixin, HViT3Backbone):
                  drop_path_rate: float = 0.1, out_indices: Sequence[int] = (0, 1, 2, 3), frozen_stages: int = -1,
                  norm_eval: bool = False, use_checkpoint: bool = False, with_cp: bool = False,
                  init_cfg: Optional[Dict[str, Any]] = None, prefer_ema: bool = False):
-        if arch not in HVIT3_ARCHS:
-            raise ValueError(f"arch must be one of {sorted(HVIT3_ARCHS)}, got {arch!r}.")
-        embed_dim = tuple(embed_dim or HVIT3_ARCHS[arch]["embed_dim"])
-        depths = tuple(depths or HVIT3_ARCHS[arch]["depths"])
+        if arch not in HVIT3_SIZES:
+            raise ValueError(f"arch must be one of {sorted(HVIT3_SIZES)}, got {arch!r}.")
+        embed_dim = tuple(embed_dim or HVIT3_SIZES[arch]["embed_dim"])
+        depths = tuple(depths or HVIT3_SIZES[arch]["depths"])
         if not -1 <= frozen_stages <= len(depths):
             raise ValueError(f"frozen_stages must be in [-1, {len(depths)}], got {frozen_stages}.")
         super().__init__(in_chans=in_chans, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
