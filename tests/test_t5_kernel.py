@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt_zoo.kernels import get_op, t5_swiglu_ttt
-from ttt_zoo.kernels.t5_ttt import t5_swiglu_ttt_reference
+from ttt_zoo.kernels.inner_mlp import t5_swiglu_ttt_reference
 
 
 def _f(x, w1, w2, w3):

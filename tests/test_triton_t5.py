@@ -17,11 +17,11 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set (tests/conftest.py sets it before triton is imported)",
                 allow_module_level=True)
 
-from ttt_zoo.kernels.dit5_ttt.reference import mlp_ttt_reference  # noqa: E402
+from ttt_zoo.kernels.inner_mlp.naive import mlp_ttt_reference  # noqa: E402
 from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
 from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
-from ttt_zoo.kernels.key_norm.reference import key_norm_reference  # noqa: E402
-from ttt_zoo.kernels.t5_ttt.reference import t5_swiglu_ttt_reference  # noqa: E402
+from ttt_zoo.kernels.key_norm.naive import key_norm_reference  # noqa: E402
+from ttt_zoo.kernels.inner_mlp.naive import t5_swiglu_ttt_reference  # noqa: E402
 from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention  # noqa: E402
 from ttt_zoo.layers.t5_ttt import T5TTT  # noqa: E402
 

@@ -19,8 +19,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from ttt_zoo.kernels import ttt_linear, ttt_linear_bidir  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import ops  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import triton as T  # noqa: E402
-from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_bidir as reference_bidir  # noqa: E402
-from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_reference  # noqa: E402
+from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_bidir as reference_bidir  # noqa: E402
+from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_reference  # noqa: E402
 from ttt_zoo.layers import create_mixer  # noqa: E402
 
 pytestmark = pytest.mark.triton

@@ -15,8 +15,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from ttt_zoo.kernels.vit3_ttt import triton as T  # noqa: E402
-from ttt_zoo.kernels.vit3_ttt.recompute import qkv_ttt_naive  # noqa: E402
-from ttt_zoo.kernels.vit3_ttt.reference import dwconv_ttt_reference, swiglu_ttt_reference  # noqa: E402
+from ttt_zoo.kernels.vit3_ttt.torch import qkv_ttt_naive  # noqa: E402
+from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference  # noqa: E402
 from ttt_zoo.layers.rope import rope_2d_tables  # noqa: E402
 
 pytestmark = pytest.mark.triton

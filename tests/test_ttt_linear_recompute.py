@@ -8,8 +8,8 @@ import torch
 
 from ttt_zoo.kernels import get_op, ttt_linear_bidir, ttt_linear_reference
 from ttt_zoo.kernels.ttt_linear import ops
-from ttt_zoo.kernels.ttt_linear import recompute as R
-from ttt_zoo.kernels.ttt_linear.reference import ttt_linear_bidir as reference_bidir
+from ttt_zoo.kernels.ttt_linear import torch as R
+from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_bidir as reference_bidir
 
 NAMES = ("q", "k", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b")
 
@@ -117,8 +117,8 @@ def test_bad_inputs_raise():
 
 
 def test_inference_path_returns_no_grad_norm_unless_asked():
-    from ttt_zoo.kernels.ttt_linear.recompute import ttt_linear_torch
-    from ttt_zoo.kernels.ttt_linear.reference import token_tau, ttt_linear_reference
+    from ttt_zoo.kernels.ttt_linear.torch import ttt_linear_torch
+    from ttt_zoo.kernels.ttt_linear.naive import token_tau, ttt_linear_reference
     b, h, n, d = 1, 2, 20, 8
     q, k, v = [torch.randn(b, h, n, d) for _ in range(3)]
     lr = torch.rand(b, h, n) * 0.1

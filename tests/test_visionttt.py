@@ -9,7 +9,7 @@ import ttt_zoo
 from ttt_zoo.models import VisionTTT, gradient_magnitude_map
 from ttt_zoo.models.visionttt import checkpoint_filter_fn
 
-from test_ttt_linear import _randomize, naive_mixer
+from test_op_ttt_linear import _randomize, naive_mixer
 
 PLAIN = ["visionttt_tiny", "visionttt_small", "visionttt_base"]
 HIER = ["visionttt_h_tiny", "visionttt_h_small", "visionttt_h_base"]

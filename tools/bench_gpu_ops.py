@@ -6,8 +6,8 @@ reference (forward+backward of swiglu_ttt and dwconv_ttt alone), plus a d=72 che
 import torch
 
 from ttt_zoo.kernels.vit3_ttt import triton as T
-from ttt_zoo.kernels.vit3_ttt.recompute import dwconv_ttt_torch, swiglu_ttt_torch
-from ttt_zoo.kernels.vit3_ttt.reference import dwconv_ttt_reference, swiglu_ttt_reference
+from ttt_zoo.kernels.vit3_ttt.torch import dwconv_ttt_torch, swiglu_ttt_torch
+from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference
 
 
 def timeit(fn, iters=20):

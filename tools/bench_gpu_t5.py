@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from ttt_zoo.kernels.dit5_ttt.reference import mlp_ttt_reference
-from ttt_zoo.kernels.inner_mlp.recompute import mlp_ttt_torch, t5_swiglu_ttt_torch
-from ttt_zoo.kernels.key_norm.reference import key_norm_reference, key_norm_torch
-from ttt_zoo.kernels.t5_ttt.reference import t5_swiglu_ttt_reference
+from ttt_zoo.kernels.inner_mlp.naive import mlp_ttt_reference
+from ttt_zoo.kernels.inner_mlp.torch import mlp_ttt_torch, t5_swiglu_ttt_torch
+from ttt_zoo.kernels.key_norm import key_norm_reference, key_norm_torch
+from ttt_zoo.kernels.inner_mlp.naive import t5_swiglu_ttt_reference
 
 # (op, heads, d): T5-T (192 = 3 x 64), DiT5-S (384 = 6 x 64), one head dim 72 case (padded to 128 in the kernels)
 OPS = [("t5", 3, 64), ("dit5", 6, 64), ("t5", 2, 72)]

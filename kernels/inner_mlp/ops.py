@@ -1,7 +1,7 @@
 """The T5 / DiT5 inner steps as ``torch.library`` custom ops (``ttt_zoo::t5_*``, ``ttt_zoo::dit5_*``).
 
-Each op has a PyTorch kernel for every device (the recomputing path of ``recompute.py``), a Triton kernel for CUDA
-(when Triton imports) and a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
+Each op runs the Triton kernels where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+the recomputing path of ``torch.py`` elsewhere, and has a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
 models build and run.  The forward ops are differentiable through ``register_autograd`` (backward = the ``*_bwd`` op).
 
     out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, k, v, w1, w2, w3, scale)
@@ -11,29 +11,24 @@ models build and run.  The forward ops are differentiable through ``register_aut
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import List, Tuple
 
 import torch
 from torch import Tensor
 
-from . import recompute as R
-from .recompute import compute_dtype
+from ..backend import use_triton
+from ..utils import compute_dtype, triton_module
+from . import torch as R
 
-# Triton is optional and imported lazily (CPU users never pay for it; tests set TRITON_INTERPRET=1 first)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-__all__ = ["HAS_TRITON", "t5_swiglu_ttt_op", "mlp_ttt_op", "t5_swiglu_ttt_triton_entry", "mlp_ttt_triton_entry"]
+__all__ = ["t5_swiglu_ttt_op", "mlp_ttt_op"]
 
 
 def _t():
-    from . import triton as T
-    return T
+    return triton_module(__package__)
 
 
 def _uses_triton(t: Tensor) -> bool:
-    return HAS_TRITON and t.device.type == "cuda"
+    return t.numel() > 0 and use_triton(t, "t5_swiglu_ttt")  # an empty batch needs no kernel launch
 
 
 def _fake_fwd(q: Tensor, ws) -> List[Tensor]:
@@ -141,30 +136,12 @@ dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
 
 # --------------------------------------------------------------------------------------------- public entry
 def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float) -> Tensor:
-    """T5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """T5 inner step + apply through the custom op (the ``triton`` backend)."""
     R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
     return t5_fwd_op(q, k, v, w1, w2, w3, float(scale))[0]
 
 
 def mlp_ttt_op(q, k, v, w1, w2, scale: float) -> Tensor:
-    """DiT5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """DiT5 inner step + apply through the custom op (the ``triton`` backend)."""
     R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
     return dit5_fwd_op(q, k, v, w1, w2, float(scale))[0]
-
-
-def _interpreted(t: Tensor) -> bool:
-    """CPU tensors forced onto the Triton backend run the kernels in the interpreter when it is on."""
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def t5_swiglu_ttt_triton_entry(q, k, v, w1, w2, w3, scale: float) -> Tensor:
-    """The ``triton`` backend: the custom op (Triton kernel on CUDA), or the kernels under TRITON_INTERPRET=1."""
-    if _interpreted(q):
-        return _t().t5_swiglu_ttt_triton(q, k, v, w1, w2, w3, scale)
-    return t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale)
-
-
-def mlp_ttt_triton_entry(q, k, v, w1, w2, scale: float) -> Tensor:
-    if _interpreted(q):
-        return _t().mlp_ttt_triton(q, k, v, w1, w2, scale)
-    return mlp_ttt_op(q, k, v, w1, w2, scale)

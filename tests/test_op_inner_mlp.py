@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from ttt_zoo.kernels import get_op, key_instance_norm, mlp_ttt, t5_swiglu_ttt
-from ttt_zoo.kernels.dit5_ttt.reference import mlp_ttt_reference
+from ttt_zoo.kernels.inner_mlp.naive import mlp_ttt_reference
 from ttt_zoo.kernels.inner_mlp.ops import mlp_ttt_op, t5_swiglu_ttt_op
-from ttt_zoo.kernels.inner_mlp.recompute import mlp_ttt_torch, t5_swiglu_ttt_torch
+from ttt_zoo.kernels.inner_mlp.torch import mlp_ttt_torch, t5_swiglu_ttt_torch
 from ttt_zoo.kernels.key_norm.ops import key_norm_op
-from ttt_zoo.kernels.key_norm.reference import key_norm_reference, key_norm_torch
-from ttt_zoo.kernels.t5_ttt.reference import t5_swiglu_ttt_reference
+from ttt_zoo.kernels.key_norm import key_norm_reference, key_norm_torch
+from ttt_zoo.kernels.inner_mlp.naive import t5_swiglu_ttt_reference
 from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention
 from ttt_zoo.layers.t5_ttt import T5TTT
 

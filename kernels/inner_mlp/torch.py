@@ -15,26 +15,16 @@ Backward, with dO given and D = -dW' the cotangent of G (the updated-weight grad
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..utils import compute_dtype, no_autocast
+from ..utils import reduce_to as _reduce_to
+
 __all__ = ["compute_dtype", "inner_fwd", "inner_bwd", "t5_fwd", "t5_bwd", "dit5_fwd", "dit5_bwd",
            "t5_swiglu_ttt_torch", "mlp_ttt_torch", "make_function", "no_autocast"]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Inner updates run in float32 unless the input is already float32/float64."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def no_autocast(device: torch.device):
-    """The inner step chooses its own precision: autocast off inside."""
-    if device.type not in ("cpu", "cuda"):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 def _silu_parts(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,13 +69,6 @@ def inner_fwd(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
     gs = inner_update(kc, vc, wc, scale, gated)
     wn = [w - g for w, g in zip(wc, gs)]
     return inner_apply(qc, wn, gated).to(q.dtype), wn
-
-
-def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sum a per-sample weight gradient over the batch when the weight was shared (leading dim 1)."""
-    if like.shape[0] == 1 and t.shape[0] != 1:
-        t = t.sum(0, keepdim=True)
-    return t
 
 
 def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float, gated: bool):

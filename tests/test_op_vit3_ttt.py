@@ -5,9 +5,9 @@ import torch
 
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
 from ttt_zoo.kernels.vit3_ttt import ops
-from ttt_zoo.kernels.vit3_ttt.recompute import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd,
+from ttt_zoo.kernels.vit3_ttt.torch import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd,
                                                  qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_torch)
-from ttt_zoo.kernels.vit3_ttt.reference import dwconv_ttt_reference, swiglu_ttt_reference
+from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference
 from ttt_zoo.layers import ViT3TTT
 from ttt_zoo.layers.rope import rope_2d_tables
 
