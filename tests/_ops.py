@@ -23,3 +23,21 @@ def triton_test(f):
 def triton_kernels(op: str):
     """``ttt_zoo.kernels.<op>.triton``, or None where the kernels cannot run."""
     return importlib.import_module(f"ttt_zoo.kernels.{op}.triton") if TRITON_OK else None
+
+
+def compare_kernel(f_new, f_ref, inputs, dtype, names, tol):
+    """Forward and every gradient of ``f_new`` in ``dtype`` against ``f_ref`` run in float32 on float32 copies of the
+    same (rounded) data; gradients compared relative to their magnitude.  ``tol``: dtype -> assert_close kwargs."""
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    out = f_new(*leaves)
+    ref = f_ref(*ref_leaves)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **tol[dtype])
+    do = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do)
+    for name, g, r in zip(names, grads, ref_grads):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g.float() / scale, r / scale, **tol[dtype], msg=lambda m: f"d{name}: {m}")
