@@ -1,7 +1,14 @@
-"""TTT-Linear (Vision-TTT): the mini-batch dual form against a naive sequential primal reference.
+"""The TTT-Linear scan op of Vision-TTT (``kernels/ttt_linear``): every path against the reference.
 
 The reference below is written independently of ``kernels/ttt_linear``: it runs explicit mini-batch gradient
 descent on (W, b) token by token, with each token's gradient obtained by autograd of its own loss.
+
+Then: the recomputing PyTorch scan (analytic backward) against autograd of the reference in float64, gradcheck of
+every custom autograd Function and custom op on tiny shapes, the custom ops' schema / fake kernels (opcheck), the
+backend table; and the Triton kernels (under TRITON_INTERPRET=1 without a GPU) forward and every input/weight
+gradient (q, k, v, lr, tau, w0, b0, ln_w, ln_b) through the public wrappers, tight in float32, looser in float16,
+over N % mini_batch != 0, H != W at the mixer level, head dims 16-72, shared / per-direction / per-sample w0, the
+plain linear inner model and in-chunk RoPE; torch.compile over the op, the meta device and an empty batch.
 """
 import math
 
@@ -9,9 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ttt_zoo.kernels import ttt_linear_bidir, ttt_linear_reference
-from ttt_zoo.kernels.ttt_linear import ttt_linear_naive
+from _ops import BACKENDS, DEV, TRITON_OK, triton_kernels, triton_test
+from ttt_zoo.kernels import BackendError, get_op, ttt_linear, ttt_linear_bidir, ttt_linear_reference
+from ttt_zoo.kernels.backend import MAX_HEAD_DIM
+from ttt_zoo.kernels.ttt_linear import ops, ttt_linear_naive
+from ttt_zoo.kernels.ttt_linear import torch as R
+from ttt_zoo.kernels.ttt_linear.naive import token_tau
+from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_bidir as reference_bidir
+from ttt_zoo.kernels.ttt_linear.torch import ttt_linear_torch
 from ttt_zoo.layers import create_mixer
+
+T = triton_kernels("ttt_linear")
+
 
 TOL = 1e-10
 
@@ -281,3 +297,301 @@ def test_low_precision_inputs_use_fp32_state():
     out, _ = ttt_linear_reference(*low)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+# ------------------------------------------------------------ the recomputing scan, its Functions and custom ops
+NAMES = ("q", "k", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b")
+
+
+def make_inputs(b, h, n, d, mb, n_w0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+
+    def r(*s, scale=1.0, shift=0.0):
+        return (torch.randn(*s, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+    return [r(b, h, n, d), r(b, h, n, d), r(b, h, n, d), (torch.rand(b, h, n, generator=g, dtype=torch.float64) * 0.3
+            ).to(dtype), (torch.rand(mb, generator=g, dtype=torch.float64) + 0.2).to(dtype),
+            r(n_w0, h, d, d, scale=0.1), r(n_w0, h, 1, d, scale=0.1), r(h, d, scale=0.3, shift=1.0),
+            r(h, d, scale=0.1)]
+
+
+def grads_of(fn, inputs, do=None, shared_qk=False):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    args = list(leaves)
+    if shared_qk:
+        args[1] = args[0]
+    out = fn(*args)
+    do = torch.randn_like(out) if do is None else do
+    gs = torch.autograd.grad(out, leaves, do, allow_unused=True)
+    return out, [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)], do
+
+
+CASES = [  # (B, heads, N, d, mini_batch, w0 leading dim, ln_residual)
+    (2, 2, 13, 8, 4, 1, True),     # N % mini_batch != 0, shared w0
+    (3, 1, 8, 4, 4, 3, True),      # per-sample w0 (causal) / per-direction (bidir)
+    (1, 2, 9, 6, 4, 1, False),     # the paper's plain linear inner model
+    (1, 1, 37, 4, 4, 1, True),     # 10 mini-batches: checkpoints every 4, a partial last segment
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}h{}N{}d{}b{}w{}{}".format(*c[:6], "ln" if c[6] else ""))
+@pytest.mark.parametrize("bidir", [False, True], ids=["causal", "bidir"])
+def test_recompute_matches_reference_autograd(case, bidir):
+    b, h, n, d, mb, nw, ln_res = case
+    if bidir:
+        nw = min(nw, 2)
+        new = lambda *a: R.ttt_linear_bidir_torch(*a, mb, ln_res, 10000.0)[0]  # noqa: E731
+        ref = lambda *a: reference_bidir(*a, mb, ln_res, 10000.0)[0]  # noqa: E731
+    else:
+        new = lambda *a: R.ttt_linear_torch(*a, mb, ln_res)[0]  # noqa: E731
+        ref = lambda *a: ttt_linear_reference(*a, mb, ln_res)[0]  # noqa: E731
+    inputs = make_inputs(b, h, n, d, mb, nw)
+    for shared_qk in (False, True):
+        out, gs, do = grads_of(new, inputs, shared_qk=shared_qk)
+        rout, rgs, _ = grads_of(ref, inputs, do, shared_qk=shared_qk)
+        torch.testing.assert_close(out, rout, atol=1e-12, rtol=1e-10)
+        for name, g, r in zip(NAMES, gs, rgs):
+            torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("ln_res", [True, False], ids=["ln", "plain"])
+def test_gradcheck_tiny(ln_res):
+    inputs = [t.requires_grad_() for t in make_inputs(1, 1, 5, 4, 2, 2)]
+    assert torch.autograd.gradcheck(lambda *a: R.ttt_linear_bidir_torch(*a, 2, ln_res, 10000.0)[0], inputs,
+                                    fast_mode=True)
+    # the custom ops' PyTorch kernel (float64 never takes the Triton path)
+    assert torch.autograd.gradcheck(lambda *a: ops.ttt_linear_bidir_op(*a, 2, ln_res, None)[0], inputs,
+                                    fast_mode=True)
+
+
+def test_opcheck_fake_kernels():
+    x = make_inputs(2, 1, 23, 4, 4, 1, torch.float32)
+    q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
+    args = [q2, k2, x[2], x[3], x[4], w2, b2, x[7], x[8], 2, 4, True, 1e-6]
+    torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_fwd.default, args + [True],
+                          test_utils=("test_schema", "test_faketensor"))
+    out, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, True)
+    # 6 mini-batches, a checkpoint every ceil(sqrt(6)) = 3: (ndir B, heads, 2, d + 1, d)
+    assert st.shape == (4, 1, 2, 5, 4) and R.ckpt_every(6) == 3
+    torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_bwd.default, [torch.randn_like(out)] + args[:9] + [st]
+                          + args[9:], test_utils=("test_schema", "test_faketensor"))
+
+
+def test_dispatch_table():
+    cpu = torch.device("cpu")
+    assert get_op("ttt_linear", cpu) is R.ttt_linear_torch
+    assert get_op("ttt_linear", cpu, "torch_naive") is ttt_linear_reference
+    assert get_op("ttt_linear_bidir", cpu) is R.ttt_linear_bidir_torch
+    assert get_op("ttt_linear_bidir", torch.device("meta")) is R.ttt_linear_bidir_torch
+    assert get_op("ttt_linear_bidir", cpu, "torch_naive") is R.ttt_linear_bidir_naive
+    if TRITON_OK:
+        assert get_op("ttt_linear_bidir", cpu, "triton") is ops.ttt_linear_bidir_op
+
+
+def test_grad_norm_map_runs_reference():
+    x = make_inputs(1, 2, 10, 4, 4, 1)
+    out, gn = ttt_linear_bidir(*x, mini_batch=4, return_grad_norm=True)
+    rout, rgn = reference_bidir(*x, 4, return_grad_norm=True)
+    torch.testing.assert_close(out, rout)
+    torch.testing.assert_close(gn, rgn)
+
+
+def test_bad_inputs_raise():
+    x = make_inputs(2, 2, 8, 4, 4, 1)
+    with pytest.raises(ValueError, match="lr must be"):
+        R.ttt_linear_bidir_torch(x[0], x[1], x[2], x[3][:, :, :5], *x[4:], 4)
+    with pytest.raises(ValueError, match="leading dim of 1"):
+        R.ttt_linear_bidir_torch(*x[:5], x[5].expand(3, -1, -1, -1), x[6].expand(3, -1, -1, -1), *x[7:], 4)
+    with pytest.raises(ValueError, match="w0 must be"):
+        R.ttt_linear_torch(*x[:5], x[5][..., :3], *x[6:], 4)
+
+
+def test_inference_path_returns_no_grad_norm_unless_asked():
+    b, h, n, d = 1, 2, 20, 8
+    q, k, v = [torch.randn(b, h, n, d) for _ in range(3)]
+    lr = torch.rand(b, h, n) * 0.1
+    tau = token_tau(torch.zeros(8))
+    w0, b0 = torch.randn(1, h, d, d) * 0.1, torch.zeros(1, h, 1, d)
+    ln_w, ln_b = torch.ones(h, d), torch.zeros(h, d)
+    with torch.no_grad():
+        out, gn = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
+        ref, _ = ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
+        _, gn2 = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8, return_grad_norm=True)
+    assert gn is None and gn2.shape == (b, h, n)
+    torch.testing.assert_close(out, ref)
+
+
+# ------------------------------------------------------------ Triton kernels
+KTOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    """Make sure the Triton kernels (not the PyTorch fallback) really ran."""
+    for op in ("ttt_linear", "ttt_linear_bidir"):  # also run the d = 72 case through the kernels
+        monkeypatch.setitem(MAX_HEAD_DIM, op, 128)
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = T.scan_fwd_triton, T.scan_bwd_triton
+
+    def f(*a):
+        calls["fwd"] += 1
+        return fwd(*a)
+
+    def b(*a):
+        calls["bwd"] += 1
+        return bwd(*a)
+    monkeypatch.setattr(T, "scan_fwd_triton", f)
+    monkeypatch.setattr(T, "scan_bwd_triton", b)
+    return calls
+
+
+def make_kernel_inputs(b, h, n, d, mb, n_w0):
+    return [torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.rand(b, h, n) * 0.3,
+            torch.rand(mb) + 0.2, torch.randn(n_w0, h, d, d) * 0.1, torch.randn(n_w0, h, 1, d) * 0.1,
+            torch.randn(h, d) * 0.3 + 1.0, torch.randn(h, d) * 0.1]
+
+
+def _compare(f_new, f_ref, inputs, dtype, calls):
+    """Forward and all gradients; the reference runs in float32 on float32 copies of the same low-precision data."""
+    leaves = [t.to(DEV, dtype).requires_grad_() for t in inputs]
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    out = f_new(*leaves)
+    ref = f_ref(*ref_leaves)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **KTOL[dtype])
+    do = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype), allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do, allow_unused=True)
+    assert calls["fwd"] == 1 and calls["bwd"] == 1
+    for name, x, g, r in zip(NAMES, leaves, grads, ref_grads):
+        r = torch.zeros_like(x, dtype=torch.float32) if r is None else r
+        assert g is not None and g.dtype == dtype and g.shape == x.shape, name
+        scale = r.abs().max().clamp_min(1e-6)  # compare relative to the gradient's magnitude
+        torch.testing.assert_close(g.float() / scale, r / scale, **KTOL[dtype], msg=lambda m: f"d{name}: {m}")
+
+
+BIDIR_CASES = [  # (B, heads, N, d, mini_batch, w0 leading dim, ln_residual, rope)
+    (1, 2, 37, 16, 8, 1, True, True),     # N % b != 0 (partial last mini-batch), shared w0
+    (3, 1, 37, 16, 16, 2, True, False),   # batch 3, per-direction w0, no RoPE
+    (1, 1, 21, 32, 8, 2, False, True),    # head dim 32, the plain linear inner model
+    (1, 1, 19, 64, 8, 1, True, True),     # head dim 64
+    (1, 1, 13, 72, 4, 1, True, True),     # head dim 72 (padded to 128), mini-batch 4 (padded to 16)
+]
+
+
+@pytest.mark.parametrize("case", BIDIR_CASES, ids=lambda c: "B{}h{}N{}d{}b{}w{}{}{}".format(
+    *c[:6], "ln" if c[6] else "", "rope" if c[7] else ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_bidir_kernels(case, dtype, count_launches):
+    b, h, n, d, mb, nw, ln_res, rope = case
+    if dtype == torch.float16 and d >= 64:
+        pytest.skip("covered in fp32; keeps the interpreter run short")
+    theta = 10000.0 if rope else None
+    _compare(lambda *a: ttt_linear_bidir(*a, mini_batch=mb, ln_residual=ln_res, rope_theta=theta,
+                                         backend="triton")[0],
+             lambda *a: reference_bidir(*a, mb, ln_res, theta)[0], make_kernel_inputs(b, h, n, d, mb, nw), dtype,
+             count_launches)
+
+
+@pytest.mark.parametrize("n_w0", [1, 3], ids=["shared_w0", "per_sample_w0"])
+@triton_test
+def test_causal_kernel(n_w0, count_launches):
+    _compare(lambda *a: ttt_linear(*a, mini_batch=8, backend="triton")[0],
+             lambda *a: ttt_linear_reference(*a, 8)[0], make_kernel_inputs(3, 2, 20, 16, 8, n_w0), torch.float32,
+             count_launches)
+
+
+@pytest.mark.parametrize("w0_mode", ["shared", "separate"])
+@triton_test
+def test_mixer_triton_vs_naive_non_square(w0_mode, count_launches):
+    # Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), q = k shared
+    torch.manual_seed(0)
+    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0).to(DEV)
+    with torch.no_grad():
+        m.tau_offset.normal_(std=0.1)
+        m.ttt_norm_weight.normal_(1.0, 0.2)
+        m.ttt_norm_bias.normal_(std=0.1)
+        m.b0.normal_(std=0.05)
+    x = torch.randn(2, 35, 32, device=DEV, requires_grad=True)
+    params = [x] + [p for p in m.parameters()]
+    outs, grads = [], []
+    for backend in ("triton", "torch_naive"):
+        m.backend = backend
+        out = m(x, (5, 7))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), params))
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    torch.testing.assert_close(outs[0], outs[1], **KTOL[torch.float32])
+    for (name, _), g, r in zip([("x", x)] + list(m.named_parameters()), *grads):
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
+@triton_test
+def test_torch_compile_fullgraph(count_launches):
+    torch._dynamo.reset()
+    x = [t.requires_grad_() for t in make_kernel_inputs(1, 1, 20, 16, 8, 2)]
+    fn = torch.compile(lambda *a: ttt_linear_bidir(*a, mini_batch=8, backend="triton")[0], backend="aot_eager",
+                       fullgraph=True)
+    out = fn(*x)
+    grads = torch.autograd.grad(out.square().sum(), x)
+    assert count_launches["fwd"] >= 1 and count_launches["bwd"] >= 1
+    ref = reference_bidir(*x, 8)[0]
+    ref_grads = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(out, ref, **KTOL[torch.float32])
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "torch_naive"])
+@triton_test
+def test_meta_device(backend, count_launches):
+    with torch.device("meta"):
+        m = create_mixer("ttt_linear", 64, head_dim=32, w0_mode="separate", backend=backend)
+        x = torch.randn(2, 5 * 7, 64, requires_grad=True)
+    out = m(x, (5, 7))
+    assert out.device.type == "meta" and out.shape == (2, 35, 64)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and m.w0.grad.shape == m.w0.shape and m.tau_offset.grad.device.type == "meta"
+    assert count_launches["fwd"] == 0
+
+
+@triton_test
+def test_float64_falls_back_to_pytorch(count_launches):
+    # auto falls back to PyTorch for float64; forcing the kernels raises the shared backend error
+    x = [t.double() for t in make_kernel_inputs(1, 1, 10, 16, 4, 1)]
+    out = ttt_linear_bidir(*x, mini_batch=4, backend="auto")[0]
+    torch.testing.assert_close(out, reference_bidir(*x, 4)[0])
+    assert count_launches["fwd"] == 0
+    with pytest.raises(BackendError, match="float64"):
+        ttt_linear_bidir(*x, mini_batch=4, backend="triton")
+
+
+@triton_test
+def test_inference_saves_no_states(count_launches):
+    x = [t.to(DEV) for t in make_kernel_inputs(2, 1, 19, 16, 8, 2)]
+    with torch.no_grad():
+        out = ttt_linear_bidir(*x, mini_batch=8, backend="triton")[0]
+    torch.testing.assert_close(out, reference_bidir(*x, 8)[0], **KTOL[torch.float32])
+    q2, k2, w2, b2 = ops.R.bidir_inputs(x[0], x[1], x[5], x[6], 8, 10000.0)
+    _, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q2, k2, *x[2:5], w2, b2, *x[7:], 2, 8, True, 1e-6, False)
+    assert st.numel() == 0 and count_launches["fwd"] == 2 and count_launches["bwd"] == 0
+
+
+# ------------------------------------------------------------ float64 gradcheck of the causal Function and op
+@pytest.mark.parametrize("n_w0", [1, 2], ids=["shared_w0", "per_sample_w0"])
+def test_causal_gradcheck_tiny(n_w0):
+    inputs = [t.requires_grad_() for t in make_inputs(2, 1, 5, 3, 2, n_w0)]
+    assert torch.autograd.gradcheck(lambda *a: ttt_linear_torch(*a, 2)[0], inputs, fast_mode=True)  # TTTLinearScan
+    assert torch.autograd.gradcheck(lambda *a: ops.ttt_linear_op(*a, 2)[0], inputs, fast_mode=True)  # the custom op
+
+
+# ------------------------------------------------------------------------------------------- empty batch
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    x = [t.float().requires_grad_() for t in make_inputs(0, 2, 19, 8, 8, 1)]
+    out = ttt_linear_bidir(*x, mini_batch=8, backend=backend)[0]
+    assert out.shape == (0, 2, 19, 8)
+    out.sum().backward()
+    assert x[0].grad.shape == x[0].shape and torch.equal(x[5].grad, torch.zeros_like(x[5]))
