@@ -46,10 +46,11 @@ def main(argv=None):
             args.out = os.path.join(tempfile.gettempdir(), "gpu_ttt_linear_bench_dryrun.md")
     import torch
     from ttt_zoo.kernels import ttt_linear_bidir
-    from ttt_zoo.kernels.ttt_linear import ops
+    from ttt_zoo.kernels.backend import MAX_HEAD_DIM
 
-    if args.head_dim > ops.MAX_D and not args.dry_run:
-        print(f"note: head dim {args.head_dim} > MAX_D {ops.MAX_D}: 'triton' runs the PyTorch path", flush=True)
+    limit = MAX_HEAD_DIM["ttt_linear_bidir"]
+    if args.head_dim > limit and not args.dry_run:
+        print(f"note: head dim {args.head_dim} > {limit}: backend='triton' raises, 'auto' runs PyTorch", flush=True)
 
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
