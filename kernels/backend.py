@@ -98,8 +98,9 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
 
 
 def use_triton(t: torch.Tensor, op: Optional[str] = None) -> bool:
-    """Inside a custom op: run the Triton kernel for these inputs (same rule as :func:`resolve_backend`)."""
-    return t.device.type != "meta" and triton_unsupported(t.device, t.dtype, t.shape[-1], op) is None
+    """Inside a custom op: run the Triton kernel for these inputs (same rule as :func:`resolve_backend`; an empty
+    batch needs no kernel launch, the meta device only the fake impl)."""
+    return t.numel() > 0 and t.device.type != "meta" and triton_unsupported(t.device, t.dtype, t.shape[-1], op) is None
 
 
 def get_op(name: str, device: torch.device, backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,

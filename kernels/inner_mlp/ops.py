@@ -20,6 +20,8 @@ from ..backend import use_triton
 from ..utils import compute_dtype, triton_module
 from . import torch as R
 
+_OP = "t5_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
+
 __all__ = ["t5_swiglu_ttt_op", "mlp_ttt_op"]
 
 
@@ -27,19 +29,16 @@ def _t():
     return triton_module(__package__)
 
 
-def _uses_triton(t: Tensor) -> bool:
-    return t.numel() > 0 and use_triton(t, "t5_swiglu_ttt")  # an empty batch needs no kernel launch
-
 
 def _fake_fwd(q: Tensor, ws) -> List[Tensor]:
     b, h, n, d = q.shape
-    out = q.new_empty(b, n, h, d).transpose(1, 2) if _uses_triton(q) else q.new_empty(b, h, n, d)
+    out = q.new_empty(b, n, h, d).transpose(1, 2) if use_triton(q, _OP) else q.new_empty(b, h, n, d)
     return [out] + [q.new_empty(b, h, d, d, dtype=compute_dtype(q.dtype)) for _ in ws]
 
 
 def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
     b, h, n, d = q.shape
-    if _uses_triton(q):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
+    if use_triton(q, _OP):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
         grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
     else:
         grads = [q.new_empty(b, h, n, d) for _ in range(3)]
@@ -47,15 +46,15 @@ def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
 
 
 def _fwd_impl(q, ws, torch_fwd, triton_fwd, *args):
-    impl = triton_fwd() if _uses_triton(q) else torch_fwd
+    impl = triton_fwd() if use_triton(q, _OP) else torch_fwd
     out, *wn = impl(*args)
     return (out,) + tuple(w.to(compute_dtype(q.dtype)).contiguous() for w in wn)
 
 
 def _bwd_impl(q, torch_bwd, triton_bwd, *args):
-    impl = triton_bwd() if _uses_triton(q) else torch_bwd
+    impl = triton_bwd() if use_triton(q, _OP) else torch_bwd
     grads = impl(*args)
-    if _uses_triton(q):
+    if use_triton(q, _OP):
         return [t if i < 3 else t.contiguous() for i, t in enumerate(grads)]
     return [t.contiguous() for t in grads]
 

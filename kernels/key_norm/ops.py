@@ -18,6 +18,8 @@ from ..backend import use_triton
 from ..utils import triton_module
 from .torch import check_key_norm, key_norm_bwd, key_norm_fwd
 
+_OP = "key_instance_norm"  # the op name the backend rules (head-dim limit) are looked up under
+
 __all__ = ["key_norm_op"]
 
 
@@ -25,17 +27,14 @@ def _t():
     return triton_module(__package__)
 
 
-def _uses_triton(t: Tensor) -> bool:
-    return t.numel() > 0 and use_triton(t, "key_instance_norm")  # an empty batch needs no kernel launch
-
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 and not _uses_triton(x) else torch.float32
+    return torch.float64 if x.dtype == torch.float64 and not use_triton(x, _OP) else torch.float32
 
 
 @torch.library.custom_op("ttt_zoo::key_instance_norm_fwd", mutates_args=())
 def key_norm_fwd_op(x: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
-    impl = _t().key_norm_fwd_triton if _uses_triton(x) else key_norm_fwd
+    impl = _t().key_norm_fwd_triton if use_triton(x, _OP) else key_norm_fwd
     y, mean, rstd = impl(x, eps)
     return y.contiguous(), mean.to(_stat_dtype(x)), rstd.to(_stat_dtype(x))
 
@@ -48,7 +47,7 @@ def _(x, eps):
 
 @torch.library.custom_op("ttt_zoo::key_instance_norm_bwd", mutates_args=())
 def key_norm_bwd_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
-    impl = _t().key_norm_bwd_triton if _uses_triton(x) else key_norm_bwd
+    impl = _t().key_norm_bwd_triton if use_triton(x, _OP) else key_norm_bwd
     return impl(dy, x, mean, rstd).contiguous()
 
 

@@ -24,6 +24,8 @@ from ..utils import triton_module
 from . import torch as R
 from .naive import ttt_linear_reference
 
+_OP = "ttt_linear"  # the op name the backend rules (head-dim limit) are looked up under
+
 __all__ = ["scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
 
@@ -31,15 +33,12 @@ def _t():
     return triton_module(__package__)
 
 
-def _triton_ok(q: Tensor) -> bool:
-    return q.numel() > 0 and use_triton(q, "ttt_linear")  # an empty batch needs no kernel launch
-
 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
                 save_states: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().scan_fwd_triton if _triton_ok(q) else R.scan_fwd
+    impl = _t().scan_fwd_triton if use_triton(q, _OP) else R.scan_fwd
     out, st = impl(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
     return out.contiguous(), st.contiguous()
 
@@ -58,7 +57,7 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
                 eps: float) -> List[Tensor]:
-    impl = _t().scan_bwd_triton if _triton_ok(q) else R.scan_bwd
+    impl = _t().scan_bwd_triton if use_triton(q, _OP) else R.scan_bwd
     grads = impl(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     return [g.contiguous() for g in grads]
 

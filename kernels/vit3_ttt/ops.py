@@ -22,6 +22,8 @@ from ..utils import compute_dtype, triton_module
 from . import torch as R
 from .torch import make_qkv_function
 
+_OP = "vit3_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
+
 __all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
 
 
@@ -29,22 +31,19 @@ def _t():
     return triton_module(__package__)
 
 
-def _uses_triton(t: Tensor) -> bool:
-    return t.numel() > 0 and use_triton(t, "vit3_swiglu_ttt")  # an empty batch needs no kernel launch
-
 
 # --------------------------------------------------------------------------------------------------- SwiGLU
 @torch.library.custom_op("ttt_zoo::vit3_swiglu_fwd", mutates_args=())
 def swiglu_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, scale: float,
                   normalize_grad: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().swiglu_fwd_triton if _uses_triton(q) else R.swiglu_fwd
+    impl = _t().swiglu_fwd_triton if use_triton(q, _OP) else R.swiglu_fwd
     return impl(q, k, v, w1, w2, scale, normalize_grad)
 
 
 @swiglu_fwd_op.register_fake
 def _(q, k, v, w1, w2, scale, normalize_grad):
     b, h, n, d = q.shape
-    if _uses_triton(q):  # the Triton kernel writes a heads-merged (B, N, heads, d) buffer
+    if use_triton(q, _OP):  # the Triton kernel writes a heads-merged (B, N, heads, d) buffer
         out = q.new_empty(b, n, h, d).transpose(1, 2)
     else:
         out = q.new_empty(b, h, n, d)
@@ -54,7 +53,7 @@ def _(q, k, v, w1, w2, scale, normalize_grad):
 @torch.library.custom_op("ttt_zoo::vit3_swiglu_bwd", mutates_args=())
 def swiglu_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, g: Tensor, scale: float,
                   normalize_grad: bool) -> List[Tensor]:
-    if _uses_triton(q):  # dq, dk, dv in the kernels' heads-merged layout
+    if use_triton(q, _OP):  # dq, dk, dv in the kernels' heads-merged layout
         grads = _t().swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale, normalize_grad)
         return [t.contiguous() if i > 2 else t for i, t in enumerate(grads)]
     return [t.contiguous() for t in R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)]
@@ -63,7 +62,7 @@ def swiglu_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: T
 @swiglu_bwd_op.register_fake
 def _(do, q, k, v, w1, w2, g, scale, normalize_grad):
     b, h, n, d = q.shape
-    if _uses_triton(q):
+    if use_triton(q, _OP):
         grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
     else:
         grads = [q.new_empty(b, h, n, d) for _ in range(3)]
@@ -90,7 +89,7 @@ swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 @torch.library.custom_op("ttt_zoo::vit3_dwconv_fwd", mutates_args=())
 def dwconv_fwd_op(q: Tensor, k: Tensor, v: Tensor, w3: Tensor, scale: float,
                   normalize_grad: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().dwconv_fwd_triton if _uses_triton(q) else R.dwconv_fwd
+    impl = _t().dwconv_fwd_triton if use_triton(q, _OP) else R.dwconv_fwd
     return impl(q, k, v, w3, scale, normalize_grad)
 
 
@@ -103,7 +102,7 @@ def _(q, k, v, w3, scale, normalize_grad):
 @torch.library.custom_op("ttt_zoo::vit3_dwconv_bwd", mutates_args=())
 def dwconv_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w3: Tensor, g: Tensor, scale: float,
                   normalize_grad: bool) -> List[Tensor]:
-    impl = _t().dwconv_bwd_triton if _uses_triton(q) else R.dwconv_bwd
+    impl = _t().dwconv_bwd_triton if use_triton(q, _OP) else R.dwconv_bwd
     return [t.contiguous() for t in impl(do, q, k, v, w3, g, scale, normalize_grad)]
 
 
