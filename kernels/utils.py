@@ -5,7 +5,8 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "triton_module"]
+__all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
+           "triton_module"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,3 +44,24 @@ def needs_grad(*ts) -> bool:
 def triton_module(package: str) -> ModuleType:
     """``<package>.triton``, imported on first use (CPU users never import Triton)."""
     return importlib.import_module(".triton", package)
+
+
+def make_function(name: str, fwd, bwd, n_weights: int):
+    """An ``autograd.Function`` over an inner step ``fwd(q, k, v, *weights, *consts) -> (out, *aux)`` and its
+    ``bwd(do, q, k, v, *weights, *aux, *consts) -> grads``: stores the inputs and ``aux`` only, autocast off inside
+    (shared by the ``torch`` and the Triton paths of the op folders)."""
+
+    def forward(ctx, q, k, v, *rest):
+        weights, consts = rest[:n_weights], rest[n_weights:]
+        with no_autocast(q.device):
+            out, *aux = fwd(q, k, v, *weights, *consts)
+        ctx.save_for_backward(q, k, v, *weights, *aux)
+        ctx.consts = consts
+        return out
+
+    def backward(ctx, do):
+        with no_autocast(do.device):
+            grads = bwd(do.contiguous(), *ctx.saved_tensors, *ctx.consts)
+        return (*grads,) + (None,) * len(ctx.consts)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})

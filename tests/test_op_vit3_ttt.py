@@ -10,7 +10,7 @@ ttt_zoo::vit3_* custom ops (gradcheck, opcheck).
 import pytest
 import torch
 
-from _ops import BACKENDS, DEV, META_BACKENDS, triton_kernels, triton_test
+from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
 from ttt_zoo.kernels.vit3_ttt import ops
 from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference
@@ -209,20 +209,7 @@ def small_tiles(monkeypatch):
 
 
 def _compare(f_new, f_ref, inputs, dtype):
-    """Forward and all gradients; the reference runs in float32 on float32 copies of the same low-precision data."""
-    leaves = [t.to(dtype).requires_grad_() for t in inputs]
-    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
-    out = f_new(*leaves)
-    ref = f_ref(*ref_leaves)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
-    do = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, leaves, do.to(dtype))
-    ref_grads = torch.autograd.grad(ref, ref_leaves, do)
-    for name, g, r in zip("q k v w1 w2 w3".split(), grads, ref_grads):
-        assert g.dtype == dtype, name
-        scale = r.abs().max().clamp_min(1e-6)  # compare relative to the gradient's magnitude
-        torch.testing.assert_close(g.float() / scale, r / scale, **TOL[dtype], msg=lambda m: f"d{name}: {m}")
+    compare_kernel(f_new, f_ref, inputs, dtype, "q k v w1 w2 w3".split(), TOL)
 
 
 SWIGLU_CASES = [  # (B, heads, N, d, per-sample weights)

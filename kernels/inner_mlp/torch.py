@@ -20,7 +20,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..utils import compute_dtype, no_autocast
+from ..utils import compute_dtype, make_function, no_autocast
 from ..utils import reduce_to as _reduce_to
 
 __all__ = ["compute_dtype", "inner_fwd", "inner_bwd", "t5_fwd", "t5_bwd", "dit5_fwd", "dit5_bwd",
@@ -158,26 +158,6 @@ def dit5_fwd(q, k, v, w1, w2, scale: float):
 
 def dit5_bwd(do, q, k, v, w1, w2, w1n, w2n, scale: float):
     return inner_bwd(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
-
-
-def make_function(name: str, fwd, bwd, n_weights: int):
-    """An autograd.Function over ``fwd``/``bwd`` storing the inputs and the updated weights only."""
-
-    def forward(ctx, q, k, v, *rest):
-        ws, scale = rest[:n_weights], rest[n_weights]
-        with no_autocast(q.device):
-            out, *wn = fwd(q, k, v, *ws, scale)
-        ctx.save_for_backward(q, k, v, *ws, *wn)
-        ctx.scale = scale
-        return out
-
-    def backward(ctx, do):
-        with no_autocast(do.device):
-            grads = bwd(do.contiguous(), *ctx.saved_tensors, ctx.scale)
-        return (*grads, None)
-
-    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-    return type(name, (torch.autograd.Function,), methods)
 
 
 T5TTT = make_function("T5TTT", t5_fwd, t5_bwd, 3)

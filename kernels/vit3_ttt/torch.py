@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import autocast_state as _autocast_state
-from ..utils import compute_dtype
+from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
 from ..utils import reduce_to as _reduce_to
 
@@ -200,26 +200,6 @@ def dwconv_bwd(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
 
 
 # ---------------------------------------------------------------------------------------------- autograd glue
-def make_function(name: str, fwd, bwd, n_weights: int):
-    """An autograd.Function calling ``fwd``/``bwd`` (shared by the torch and Triton paths)."""
-
-    def forward(ctx, q, k, v, *rest):
-        weights, (scale, normalize_grad) = rest[:n_weights], rest[n_weights:]
-        with _autocast(q.device):
-            out, g = fwd(q, k, v, *weights, scale, normalize_grad)
-        ctx.save_for_backward(q, k, v, *weights, g)
-        ctx.scale, ctx.normalize_grad = scale, normalize_grad
-        return out
-
-    def backward(ctx, do):
-        saved = ctx.saved_tensors
-        with _autocast(do.device):
-            grads = bwd(do.contiguous(), *saved, ctx.scale, ctx.normalize_grad)
-        return (*grads, None, None)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-
-
 SwiGLUTTT = make_function("SwiGLUTTT", swiglu_fwd, swiglu_bwd, 2)
 DWConvTTT = make_function("DWConvTTT", dwconv_fwd, dwconv_bwd, 1)
 
