@@ -80,7 +80,7 @@ def test_neighborhood_window_larger_than_map_errors():
 @pytest.mark.skipif(importlib.util.find_spec("natten") is None, reason="natten not installed")
 def test_natten_matches_torch():
     q, k, v = (torch.randn(2, 2, 9, 11, 16) for _ in range(3))
-    out = neighborhood_attention_2d(q, k, v, 5, backend="natten")
+    out = neighborhood_attention_2d(q, k, v, 5, use_natten=True)
     torch.testing.assert_close(out, neighborhood_attention_2d_torch(q, k, v, 5), rtol=1e-5, atol=1e-5)
 
 

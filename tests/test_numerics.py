@@ -24,8 +24,8 @@ import torch
 
 import ttt_zoo
 from ttt_zoo.kernels import token_tau
-from ttt_zoo.kernels.ttt_linear import reference as scan_ref
-from ttt_zoo.kernels.ttt_linear import recompute as scan_rc
+from ttt_zoo.kernels.ttt_linear import naive as scan_ref
+from ttt_zoo.kernels.ttt_linear import torch as scan_rc
 from ttt_zoo.models import gradient_magnitude_map
 
 _spec = importlib.util.spec_from_file_location(
@@ -149,7 +149,8 @@ def test_mixer_torchscript_and_gradient_map_at_n3136(stage0):
                     reason="Triton runs on CUDA or, on the CPU, under TRITON_INTERPRET=1")
 def test_triton_scan_on_photo_features():
     from ttt_zoo.kernels.ttt_linear import ops
-    if not ops.HAS_TRITON:
+    from ttt_zoo.kernels.backend import HAS_TRITON
+    if not HAS_TRITON:
         pytest.skip("Triton is not installed")
     model = NT.build("visionttt_tiny")
     mixer, seen = model.blocks[0].attn, {}

@@ -9,7 +9,7 @@ import ttt_zoo
 from ttt_zoo.models import VisionTTT, gradient_magnitude_map
 from ttt_zoo.models.visionttt import checkpoint_filter_fn
 
-from test_ttt_linear import _randomize, naive_mixer
+from test_op_ttt_linear import _randomize, naive_mixer
 
 HIER = timm.list_models("visionttt_h_*")  # from the registry
 PLAIN = [n for n in timm.list_models(module="visionttt") if n not in HIER]

@@ -1,7 +1,7 @@
 """The T5 / DiT5 inner steps as ``torch.library`` custom ops (``ttt_zoo::t5_*``, ``ttt_zoo::dit5_*``).
 
-Each op has a PyTorch kernel for every device (the recomputing path of ``recompute.py``), a Triton kernel for CUDA
-(when Triton imports) and a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
+Each op runs the Triton kernels where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+the recomputing path of ``torch.py`` elsewhere, and has a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
 models build and run.  The forward ops are differentiable through ``register_autograd`` (backward = the ``*_bwd`` op).
 
     out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, k, v, w1, w2, w3, scale)
@@ -11,40 +11,34 @@ models build and run.  The forward ops are differentiable through ``register_aut
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import List, Tuple
 
 import torch
 from torch import Tensor
 
-from . import recompute as R
-from .recompute import compute_dtype
+from ..backend import use_triton
+from ..utils import compute_dtype, triton_module
+from . import torch as R
 
-# Triton is optional and imported lazily (CPU users never pay for it; tests set TRITON_INTERPRET=1 first)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+_OP = "t5_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
 
-__all__ = ["HAS_TRITON", "t5_swiglu_ttt_op", "mlp_ttt_op", "t5_swiglu_ttt_triton_entry", "mlp_ttt_triton_entry"]
+__all__ = ["t5_swiglu_ttt_op", "mlp_ttt_op"]
 
 
 def _t():
-    from . import triton as T
-    return T
+    return triton_module(__package__)
 
-
-def _uses_triton(t: Tensor) -> bool:
-    return HAS_TRITON and t.device.type == "cuda"
 
 
 def _fake_fwd(q: Tensor, ws) -> List[Tensor]:
     b, h, n, d = q.shape
-    out = q.new_empty(b, n, h, d).transpose(1, 2) if _uses_triton(q) else q.new_empty(b, h, n, d)
+    out = q.new_empty(b, n, h, d).transpose(1, 2) if use_triton(q, _OP) else q.new_empty(b, h, n, d)
     return [out] + [q.new_empty(b, h, d, d, dtype=compute_dtype(q.dtype)) for _ in ws]
 
 
 def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
     b, h, n, d = q.shape
-    if _uses_triton(q):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
+    if use_triton(q, _OP):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
         grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
     else:
         grads = [q.new_empty(b, h, n, d) for _ in range(3)]
@@ -52,15 +46,15 @@ def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
 
 
 def _fwd_impl(q, ws, torch_fwd, triton_fwd, *args):
-    impl = triton_fwd() if _uses_triton(q) else torch_fwd
+    impl = triton_fwd() if use_triton(q, _OP) else torch_fwd
     out, *wn = impl(*args)
     return (out,) + tuple(w.to(compute_dtype(q.dtype)).contiguous() for w in wn)
 
 
 def _bwd_impl(q, torch_bwd, triton_bwd, *args):
-    impl = triton_bwd() if _uses_triton(q) else torch_bwd
+    impl = triton_bwd() if use_triton(q, _OP) else torch_bwd
     grads = impl(*args)
-    if _uses_triton(q):
+    if use_triton(q, _OP):
         return [t if i < 3 else t.contiguous() for i, t in enumerate(grads)]
     return [t.contiguous() for t in grads]
 
@@ -141,30 +135,12 @@ dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
 
 # --------------------------------------------------------------------------------------------- public entry
 def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float) -> Tensor:
-    """T5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """T5 inner step + apply through the custom op (the ``triton`` backend)."""
     R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
     return t5_fwd_op(q, k, v, w1, w2, w3, float(scale))[0]
 
 
 def mlp_ttt_op(q, k, v, w1, w2, scale: float) -> Tensor:
-    """DiT5 inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """DiT5 inner step + apply through the custom op (the ``triton`` backend)."""
     R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
     return dit5_fwd_op(q, k, v, w1, w2, float(scale))[0]
-
-
-def _interpreted(t: Tensor) -> bool:
-    """CPU tensors forced onto the Triton backend run the kernels in the interpreter when it is on."""
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def t5_swiglu_ttt_triton_entry(q, k, v, w1, w2, w3, scale: float) -> Tensor:
-    """The ``triton`` backend: the custom op (Triton kernel on CUDA), or the kernels under TRITON_INTERPRET=1."""
-    if _interpreted(q):
-        return _t().t5_swiglu_ttt_triton(q, k, v, w1, w2, w3, scale)
-    return t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale)
-
-
-def mlp_ttt_triton_entry(q, k, v, w1, w2, scale: float) -> Tensor:
-    if _interpreted(q):
-        return _t().mlp_ttt_triton(q, k, v, w1, w2, scale)
-    return mlp_ttt_op(q, k, v, w1, w2, scale)

@@ -1,6 +1,6 @@
 """Triton kernels of the T5 (gated SwiGLU, dot-product loss) and DiT5 (SiLU MLP, regression loss) inner steps.
 
-One kernel family for both inner models; ``GATED`` (constexpr) switches between them (see ``recompute.py`` for the
+One kernel family for both inner models; ``GATED`` (constexpr) switches between them (see ``torch.py`` for the
 formulas, which these kernels follow line by line).  Weight slots: A = W1, B = W2 (gated only), O = the output
 layer (T5: W3, DiT5: W2).  q, k, v may be any strided (B, heads, N, d) views (the heads split of the qkv output is
 never copied); loads are upcast to float32, every product and reduction accumulates in float32 (``tl.dot`` in IEEE
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .recompute import _check, compute_dtype, make_function
+from .torch import _check, compute_dtype, make_function
 
 __all__ = ["inner_fwd_triton", "inner_bwd_triton", "t5_fwd_triton", "t5_bwd_triton", "dit5_fwd_triton",
            "dit5_bwd_triton", "t5_swiglu_ttt_triton", "mlp_ttt_triton"]
@@ -373,7 +373,7 @@ def dit5_bwd_triton(do, q, k, v, w1, w2, w1n, w2n, scale: float):
     return inner_bwd_triton(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
 
 
-# differentiable entry points straight over the kernels (no custom op; used on CPU under TRITON_INTERPRET=1)
+# differentiable entry points straight over the kernels, without the custom op (the kernel tests use them)
 T5TTTTriton = make_function("T5TTTTriton", t5_fwd_triton, t5_bwd_triton, 3)
 DiT5TTTTriton = make_function("DiT5TTTTriton", dit5_fwd_triton, dit5_bwd_triton, 2)
 

@@ -1,6 +1,7 @@
 """The key instance-norm as ``torch.library`` custom ops (``ttt_zoo::key_instance_norm_fwd/bwd``).
 
-PyTorch kernel on every device, Triton on CUDA (when Triton imports), fake (meta) implementations, autograd
+Triton kernels where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``), the PyTorch
+kernels of ``torch.py`` elsewhere, fake (meta) implementations, autograd
 through ``register_autograd``:
 
     y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(x, eps)
@@ -8,36 +9,32 @@ through ``register_autograd``:
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
-from .reference import check_key_norm, key_norm_bwd, key_norm_fwd
+from ..backend import use_triton
+from ..utils import triton_module
+from .torch import check_key_norm, key_norm_bwd, key_norm_fwd
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+_OP = "key_instance_norm"  # the op name the backend rules (head-dim limit) are looked up under
 
-__all__ = ["HAS_TRITON", "key_norm_op", "key_norm_triton_entry"]
+__all__ = ["key_norm_op"]
 
 
 def _t():
-    from . import triton as T
-    return T
+    return triton_module(__package__)
 
-
-def _uses_triton(t: Tensor) -> bool:
-    return HAS_TRITON and t.device.type == "cuda"
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 and not _uses_triton(x) else torch.float32
+    return torch.float64 if x.dtype == torch.float64 and not use_triton(x, _OP) else torch.float32
 
 
 @torch.library.custom_op("ttt_zoo::key_instance_norm_fwd", mutates_args=())
 def key_norm_fwd_op(x: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
-    impl = _t().key_norm_fwd_triton if _uses_triton(x) else key_norm_fwd
+    impl = _t().key_norm_fwd_triton if use_triton(x, _OP) else key_norm_fwd
     y, mean, rstd = impl(x, eps)
     return y.contiguous(), mean.to(_stat_dtype(x)), rstd.to(_stat_dtype(x))
 
@@ -50,7 +47,7 @@ def _(x, eps):
 
 @torch.library.custom_op("ttt_zoo::key_instance_norm_bwd", mutates_args=())
 def key_norm_bwd_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
-    impl = _t().key_norm_bwd_triton if _uses_triton(x) else key_norm_bwd
+    impl = _t().key_norm_bwd_triton if use_triton(x, _OP) else key_norm_bwd
     return impl(dy, x, mean, rstd).contiguous()
 
 
@@ -72,14 +69,6 @@ key_norm_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 def key_norm_op(x: Tensor, eps: float = 1.0) -> Tensor:
-    """Key instance-norm through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """Key instance-norm through the custom op (the ``triton`` backend)."""
     check_key_norm(x, eps)
     return key_norm_fwd_op(x, float(eps))[0]
-
-
-def key_norm_triton_entry(x: Tensor, eps: float = 1.0) -> Tensor:
-    """The ``triton`` backend: the custom op (Triton kernel on CUDA), or the kernels under TRITON_INTERPRET=1."""
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        check_key_norm(x, eps)
-        return _t().key_norm_triton(x, eps)
-    return key_norm_op(x, eps)

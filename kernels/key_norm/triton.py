@@ -1,4 +1,4 @@
-"""Triton kernels of the key instance-norm (see ``reference.py`` for the math), forward and backward.
+"""Triton kernels of the key instance-norm (see ``naive.py`` for the math), forward and backward.
 
 One program per (sample, block of BLOCK_C channels) loops over the N tokens in BLOCK_N tiles; x may be any strided
 (B, N, C) view (e.g. the k slice of the qkv output); loads are upcast to float32 and statistics accumulate in fp32.
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_key_norm, make_function
+from .torch import check_key_norm, make_function
 
 __all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton"]
 

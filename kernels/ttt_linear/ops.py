@@ -1,8 +1,8 @@
 """The TTT-Linear scan as ``torch.library`` custom ops (``ttt_zoo::ttt_linear_scan_fwd`` / ``_bwd``).
 
-General contract of ``recompute.py`` (``ndir`` = 1 causal, 2 bidirectional with direction 1 reversed).  The ops have
-one kernel for every device: Triton on CUDA (when Triton imports, head dim <= MAX_D) and on the CPU under
-``TRITON_INTERPRET=1``, the recomputing PyTorch path otherwise (and for float64), plus fake (meta) implementations,
+General contract of ``torch.py`` (``ndir`` = 1 causal, 2 bidirectional with direction 1 reversed).  The ops have
+one kernel for every device: Triton where ``backend.use_triton`` allows (CUDA or CPU under ``TRITON_INTERPRET=1``,
+fp32/fp16/bf16, head dim <= ``backend.MAX_HEAD_DIM['ttt_linear']``), the recomputing PyTorch path otherwise, plus fake (meta) implementations,
 so ``torch.compile`` treats them as opaque nodes and meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
@@ -13,45 +13,32 @@ so ``torch.compile`` treats them as opaque nodes and meta-device models build an
 ``ttt_linear_op`` / ``ttt_linear_bidir_op`` have the signatures of the references.  ``return_grad_norm=True`` (the
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
 """
-import importlib.util
-import os
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import recompute as R
-from .reference import ttt_linear_reference
+from ..backend import use_triton
+from ..utils import needs_grad as _needs_grad
+from ..utils import triton_module
+from . import torch as R
+from .naive import ttt_linear_reference
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+_OP = "ttt_linear"  # the op name the backend rules (head-dim limit) are looked up under
 
-__all__ = ["HAS_TRITON", "MAX_D", "scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
+__all__ = ["scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
 
 def _t():
-    from . import triton as T  # lazy: CPU users never import Triton; tests set TRITON_INTERPRET first
-    return T
+    return triton_module(__package__)
 
-
-MAX_D = 64  # on a GPU, head dims above this run the PyTorch path (two 128-padded d x d fp32 states per program
-#             would spill registers; the ViT3 kernels' 128-padded variant did not compile in 150 s on an H100)
-
-
-def _triton_ok(q: Tensor) -> bool:
-    """CUDA (head dim <= MAX_D), or CPU under ``TRITON_INTERPRET=1`` (how the tests run the kernels, any head dim);
-    float64 stays on PyTorch."""
-    if not HAS_TRITON or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False
-    if q.device.type == "cuda":
-        return q.shape[-1] <= MAX_D
-    return q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
                 save_states: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().scan_fwd_triton if _triton_ok(q) else R.scan_fwd
+    impl = _t().scan_fwd_triton if use_triton(q, _OP) else R.scan_fwd
     out, st = impl(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
     return out.contiguous(), st.contiguous()
 
@@ -70,7 +57,7 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
                 eps: float) -> List[Tensor]:
-    impl = _t().scan_bwd_triton if _triton_ok(q) else R.scan_bwd
+    impl = _t().scan_bwd_triton if use_triton(q, _OP) else R.scan_bwd
     grads = impl(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     return [g.contiguous() for g in grads]
 
@@ -94,10 +81,6 @@ def _backward(ctx, dout, dstates):
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _needs_grad(*ts: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
 def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float) -> Tensor:
     save = _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b)
     return scan_fwd_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, int(mini_batch), bool(ln_residual), float(eps),
@@ -106,7 +89,7 @@ def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_r
 
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                   eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal scan through the custom ops (Triton on CUDA); signature of ``ttt_linear_reference``."""
+    """Causal scan through the custom ops (the ``triton`` backend); signature of ``ttt_linear_reference``."""
     if return_grad_norm:
         return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
     R._check(q, k, v, lr, tau, w0, b0, mini_batch)

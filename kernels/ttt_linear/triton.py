@@ -1,6 +1,6 @@
 """Triton kernels of the TTT-Linear mini-batch dual-form scan (Vision-TTT), forward and backward, bidirectional.
 
-Same math and the same general contract as ``recompute.py`` (which documents the formulas and the shapes).  One
+Same math and the same general contract as ``torch.py`` (which documents the formulas and the shapes).  One
 program per (direction x batch, head) sequence walks all mini-batches of its sequence; direction 1 reads and writes
 token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped copies.  The d x d
 state W and the bias b live in registers (fp32) for the whole scan.  Loads are upcast to float32 and every product
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .recompute import ckpt_every
+from .torch import ckpt_every
 
 __all__ = ["scan_fwd_triton", "scan_bwd_triton"]
 
@@ -301,7 +301,7 @@ def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
 
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
                     eps: float, save_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward of the general contract (see ``recompute.py``)."""
+    """Triton forward of the general contract (see ``torch.py``)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
     q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()

@@ -1,7 +1,7 @@
 """The ViT3 inner-step primitives as ``torch.library`` custom ops (``ttt_zoo::vit3_*``).
 
-Each op has a PyTorch kernel for every device (the recomputing path of ``recompute.py``), a Triton kernel for CUDA
-(when Triton imports), and a fake (meta) implementation giving output shapes, dtypes and strides, so that
+Each op runs the Triton kernels where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+the recomputing path of ``torch.py`` elsewhere, and has a fake (meta) implementation giving output shapes, dtypes and strides, so that
 ``torch.compile`` treats the ops as opaque nodes and meta-device models build and run.  The forward ops are
 differentiable through ``register_autograd`` (their backward is the matching ``*_bwd`` op).
 
@@ -12,49 +12,38 @@ differentiable through ``register_autograd`` (their backward is the matching ``*
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import List, Tuple
 
 import torch
 from torch import Tensor
 
-from . import recompute as R
-from .recompute import make_function, make_qkv_function
-from .reference import compute_dtype
+from ..backend import use_triton
+from ..utils import compute_dtype, triton_module
+from . import torch as R
+from .torch import make_qkv_function
 
-# Triton is optional (without it CUDA tensors run the PyTorch kernel) and imported lazily: CPU users never pay for
-# it, and tests can set TRITON_INTERPRET=1 before the kernels are decorated.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+_OP = "vit3_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
+
+__all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
 
 
 def _t():
-    from . import triton as T
-    return T
+    return triton_module(__package__)
 
-__all__ = ["HAS_TRITON", "swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
-
-
-def _uses_triton(t: Tensor) -> bool:
-    return HAS_TRITON and t.device.type == "cuda"
 
 
 # --------------------------------------------------------------------------------------------------- SwiGLU
 @torch.library.custom_op("ttt_zoo::vit3_swiglu_fwd", mutates_args=())
 def swiglu_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, scale: float,
                   normalize_grad: bool) -> Tuple[Tensor, Tensor]:
-    return R.swiglu_fwd(q, k, v, w1, w2, scale, normalize_grad)
-
-
-@swiglu_fwd_op.register_kernel("cuda")
-def _(q, k, v, w1, w2, scale, normalize_grad):
-    impl = _t().swiglu_fwd_triton if HAS_TRITON else R.swiglu_fwd
+    impl = _t().swiglu_fwd_triton if use_triton(q, _OP) else R.swiglu_fwd
     return impl(q, k, v, w1, w2, scale, normalize_grad)
 
 
 @swiglu_fwd_op.register_fake
 def _(q, k, v, w1, w2, scale, normalize_grad):
     b, h, n, d = q.shape
-    if _uses_triton(q):  # the Triton kernel writes a heads-merged (B, N, heads, d) buffer
+    if use_triton(q, _OP):  # the Triton kernel writes a heads-merged (B, N, heads, d) buffer
         out = q.new_empty(b, n, h, d).transpose(1, 2)
     else:
         out = q.new_empty(b, h, n, d)
@@ -64,19 +53,16 @@ def _(q, k, v, w1, w2, scale, normalize_grad):
 @torch.library.custom_op("ttt_zoo::vit3_swiglu_bwd", mutates_args=())
 def swiglu_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, g: Tensor, scale: float,
                   normalize_grad: bool) -> List[Tensor]:
+    if use_triton(q, _OP):  # dq, dk, dv in the kernels' heads-merged layout
+        grads = _t().swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale, normalize_grad)
+        return [t.contiguous() if i > 2 else t for i, t in enumerate(grads)]
     return [t.contiguous() for t in R.swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad)]
-
-
-@swiglu_bwd_op.register_kernel("cuda")
-def _(do, q, k, v, w1, w2, g, scale, normalize_grad):
-    impl = _t().swiglu_bwd_triton if HAS_TRITON else R.swiglu_bwd
-    return [t.contiguous() if i > 2 else t for i, t in enumerate(impl(do, q, k, v, w1, w2, g, scale, normalize_grad))]
 
 
 @swiglu_bwd_op.register_fake
 def _(do, q, k, v, w1, w2, g, scale, normalize_grad):
     b, h, n, d = q.shape
-    if _uses_triton(q):
+    if use_triton(q, _OP):
         grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
     else:
         grads = [q.new_empty(b, h, n, d) for _ in range(3)]
@@ -103,12 +89,7 @@ swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 @torch.library.custom_op("ttt_zoo::vit3_dwconv_fwd", mutates_args=())
 def dwconv_fwd_op(q: Tensor, k: Tensor, v: Tensor, w3: Tensor, scale: float,
                   normalize_grad: bool) -> Tuple[Tensor, Tensor]:
-    return R.dwconv_fwd(q, k, v, w3, scale, normalize_grad)
-
-
-@dwconv_fwd_op.register_kernel("cuda")
-def _(q, k, v, w3, scale, normalize_grad):
-    impl = _t().dwconv_fwd_triton if HAS_TRITON else R.dwconv_fwd
+    impl = _t().dwconv_fwd_triton if use_triton(q, _OP) else R.dwconv_fwd
     return impl(q, k, v, w3, scale, normalize_grad)
 
 
@@ -121,12 +102,7 @@ def _(q, k, v, w3, scale, normalize_grad):
 @torch.library.custom_op("ttt_zoo::vit3_dwconv_bwd", mutates_args=())
 def dwconv_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w3: Tensor, g: Tensor, scale: float,
                   normalize_grad: bool) -> List[Tensor]:
-    return [t.contiguous() for t in R.dwconv_bwd(do, q, k, v, w3, g, scale, normalize_grad)]
-
-
-@dwconv_bwd_op.register_kernel("cuda")
-def _(do, q, k, v, w3, g, scale, normalize_grad):
-    impl = _t().dwconv_bwd_triton if HAS_TRITON else R.dwconv_bwd
+    impl = _t().dwconv_bwd_triton if use_triton(q, _OP) else R.dwconv_bwd
     return [t.contiguous() for t in impl(do, q, k, v, w3, g, scale, normalize_grad)]
 
 
@@ -153,12 +129,12 @@ dwconv_fwd_op.register_autograd(_dwconv_backward, setup_context=_dwconv_setup)
 
 # --------------------------------------------------------------------------------------------- public entry
 def swiglu_ttt_op(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> Tensor:
-    """SwiGLU inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """SwiGLU inner step + apply through the custom op (the ``triton`` backend)."""
     return swiglu_fwd_op(q, k, v, w1, w2, float(scale), bool(normalize_grad))[0]
 
 
 def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True) -> Tensor:
-    """3x3 depthwise-conv inner step + apply through the custom op (Triton on CUDA, PyTorch elsewhere)."""
+    """3x3 depthwise-conv inner step + apply through the custom op (the ``triton`` backend)."""
     return dwconv_fwd_op(q, k, v, w3, float(scale), bool(normalize_grad))[0]
 
 

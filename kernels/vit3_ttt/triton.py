@@ -1,6 +1,6 @@
 """Triton kernels of the ViT3 inner step (SwiGLU branch and 3x3 depthwise-conv branch), forward and backward.
 
-Same math and the same ``*_fwd`` / ``*_bwd`` contract as ``recompute.py`` (which documents the formulas); the
+Same math and the same ``*_fwd`` / ``*_bwd`` contract as ``torch.py`` (which documents the formulas); the
 d x d / 3 x 3 algebra between kernels (summing per-chunk partials, column normalisation and its backward, W - G^)
 runs in PyTorch on tiny tensors.  Inputs may be any strided view (the qkv split is never copied); loads are upcast
 to float32, every product and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import recompute as R
-from .recompute import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
-from .reference import compute_dtype
+from . import torch as R
+from .torch import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
+from .naive import compute_dtype
 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
            "dwconv_ttt_triton", "qkv_ttt_triton"]

@@ -33,13 +33,15 @@ class DiT5MixedAttention(TTTMixer):
         num_heads: heads (head dim d = C / heads) of both paths.
         qkv_bias: bias of the qkv projection.
         kernel_size, dilation: neighbourhood window (the map must be at least kernel_size * dilation per side).
-        na_backend: ``None`` (natten if installed and verified, else PyTorch), ``'torch'`` or ``'natten'``.
-        backend: op backend of the TTT inner step (``None`` dispatches on device).
+        use_natten: neighbourhood attention through natten: ``None`` if installed and verified, else PyTorch;
+            ``True`` requires it, ``False`` never.
+        backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
+            ``ttt_zoo.kernels.backend``; ``None`` = the process default).
     """
     inner_param_names = ("w1", "w2")
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, kernel_size: int = 5,
-                 dilation: int = 1, proj_drop: float = 0.0, na_backend: Optional[str] = None,
+                 dilation: int = 1, proj_drop: float = 0.0, use_natten: Optional[bool] = None,
                  backend: Optional[str] = None):
         super().__init__()
         if dim % num_heads:
@@ -50,7 +52,7 @@ class DiT5MixedAttention(TTTMixer):
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation
-        self.na_backend: Optional[str] = na_backend
+        self.use_natten: Optional[bool] = use_natten
         self.backend: Optional[str] = backend
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
@@ -89,7 +91,7 @@ class DiT5MixedAttention(TTTMixer):
         q = q.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         k = k.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         v = v.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
-        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.na_backend)
+        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.use_natten)
         return out.permute(0, 2, 3, 1, 4).reshape(b, n, c)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:

@@ -103,20 +103,20 @@ def natten_available(device: torch.device, dtype: torch.dtype, kernel_size: int 
 @register_notrace_function
 def neighborhood_attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int,
                               dilation: int = 1, scale: Optional[float] = None,
-                              backend: Optional[str] = None) -> torch.Tensor:
-    """2-D NA on (B, heads, H, W, d).  ``backend``: ``'torch'``, ``'natten'`` (error if unusable) or ``None``
-    (natten when available and verified, else torch)."""
+                              use_natten: Optional[bool] = None) -> torch.Tensor:
+    """2-D NA on (B, heads, H, W, d).  ``use_natten``: ``None`` uses natten when it is installed and verified on this
+    device/dtype, ``True`` requires it (error if unusable), ``False`` runs the PyTorch implementation.
+
+    natten is a third-party accelerator of this one function, not a TTT op backend (``ttt_zoo.kernels.backend``)."""
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     if not torch.jit.is_scripting():
-        if backend not in (None, "torch", "natten"):
-            raise ValueError(f"backend must be None, 'torch' or 'natten', got '{backend}'")
-        if backend != "torch":
+        if use_natten is None or use_natten:
             # validates the sizes with a clear error before natten sees them
             neighborhood_indices(min(q.shape[2], q.shape[3]), kernel_size, dilation)
             if natten_available(q.device, q.dtype, kernel_size, dilation):
                 return _natten_na2d(q, k, v, kernel_size, dilation, scale)
-            if backend == "natten":
-                raise RuntimeError("backend='natten' was requested but natten is not installed or does not match "
-                                   "the PyTorch neighbourhood attention on this device/dtype; use backend='torch'.")
+            if use_natten:
+                raise RuntimeError("use_natten=True was requested but natten is not installed or does not match "
+                                   "the PyTorch neighbourhood attention on this device/dtype; use use_natten=None.")
     return neighborhood_attention_2d_torch(q, k, v, kernel_size, dilation, scale)

@@ -35,7 +35,8 @@ class T5TTT(TTTMixer):
         na_kernel: 0 for T5; an odd size (5 in the paper, or 3) for T5+, whose output is
             0.5 * TTT + 0.5 * neighbourhood attention on the raw q, k, v (Eq. 15).
         key_norm_eps: epsilon of the key instance-norm (1.0 in the official code).
-        backend: force the op backend (``'torch'`` or ``'triton'``); default dispatches on device.
+        backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
+            ``ttt_zoo.kernels.backend``; ``None`` = the process default, ``TTT_ZOO_BACKEND`` or auto).
         recompute: when training (grad enabled, not under torch.compile / TorchScript), store only the mixer input
             and recompute qkv, the key norm, the convs and the inner step in the backward (torch.utils.checkpoint);
             the lean inner-step backward then keeps training memory below a softmax ViT's.

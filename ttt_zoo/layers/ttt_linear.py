@@ -53,7 +53,8 @@ class TTTLinearMixer(TTTMixer):
         proj_per_direction: apply the q/k, v and lr projections once per scan direction, as the paper's FLOP count
             assumes, and the scan forms q S apart from k S (q = k); outputs are identical, it only costs extra MACs.
             Default False: project once, flip, and share q = k.
-        backend: force the op backend (``'torch'`` or ``'triton'``).
+        backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
+            ``ttt_zoo.kernels.backend``; ``None`` = the process default, ``TTT_ZOO_BACKEND`` or auto).
     """
     inner_param_names = ("w0", "b0", "tau_offset", "ttt_norm_weight", "ttt_norm_bias", "lr_proj")
 

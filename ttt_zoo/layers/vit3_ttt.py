@@ -30,7 +30,8 @@ class ViT3TTT(TTTMixer):
         scale: inner-loss scale (1/3 = head dim of a 1-channel 3x3 kernel, used by both branches).
         normalize_grad: per-column gradient normalisation g / (||g|| + 1).
         rope: apply H-ViT3's 2-D RoPE to the SwiGLU-branch q and k (computed for the runtime map size).
-        backend: force the op backend (``'torch'`` or ``'triton'``); default dispatches on device.
+        backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
+            ``ttt_zoo.kernels.backend``; ``None`` = the process default, ``TTT_ZOO_BACKEND`` or auto).
     """
     inner_param_names = ("w1", "w2", "w3")
 

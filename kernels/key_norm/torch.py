@@ -2,8 +2,8 @@
 
     y = (x - mean) / sqrt(var + eps),  mean / var (biased) over N, statistics in float32, no affine.
 
-``key_norm_reference`` is the plain form (autograd through it, ``torch_naive``).  ``key_norm_fwd`` / ``key_norm_bwd``
-are the lean path: the forward returns y and the fp32 statistics (mean, rstd), (B, C) each; the backward stores
+``naive.key_norm_reference`` is the plain form (autograd through it, ``torch_naive``).  ``key_norm_fwd`` /
+``key_norm_bwd`` here are the lean path: the forward returns y and the fp32 statistics (mean, rstd), (B, C) each; the backward stores
 only x and the statistics and recomputes x^ = (x - mean) rstd:
     dx = rstd (dy - mean_N(dy) - x^ mean_N(dy x^)).
 """
@@ -13,10 +13,10 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["key_norm_reference", "key_norm_fwd", "key_norm_bwd", "key_norm_torch", "check_key_norm"]
+__all__ = ["key_norm_fwd", "key_norm_bwd", "key_norm_torch", "check_key_norm", "stat_dtype"]
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -27,16 +27,9 @@ def check_key_norm(x: torch.Tensor, eps: float) -> None:
         raise ValueError(f"key_instance_norm eps must be > 0, got {eps}")
 
 
-def key_norm_reference(x: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
-    xf = x.to(_stat_dtype(x.dtype))
-    mean = xf.mean(dim=1, keepdim=True)
-    var = xf.var(dim=1, unbiased=False, keepdim=True)
-    return ((xf - mean) / torch.sqrt(var + eps)).to(x.dtype)
-
-
 def key_norm_fwd(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y in x's dtype, mean (B, C) fp32, rstd (B, C) fp32)."""
-    xf = x.to(_stat_dtype(x.dtype))
+    xf = x.to(stat_dtype(x.dtype))
     mean = xf.mean(dim=1)
     var = (xf - mean[:, None]).square().mean(dim=1)
     rstd = torch.rsqrt(var + eps)
@@ -44,7 +37,7 @@ def key_norm_fwd(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tenso
 
 
 def key_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    dt = _stat_dtype(x.dtype)
+    dt = stat_dtype(x.dtype)
     xh = (x.to(dt) - mean[:, None]) * rstd[:, None]
     dyf = dy.to(dt)
     dx = rstd[:, None] * (dyf - dyf.mean(dim=1, keepdim=True) - xh * (dyf * xh).mean(dim=1, keepdim=True))

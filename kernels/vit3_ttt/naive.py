@@ -8,12 +8,9 @@ Low-precision inputs (fp16/bf16) are computed in float32 and cast back.
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu_ttt_reference", "dwconv_ttt_reference", "compute_dtype"]
+from ..utils import compute_dtype
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Inner updates accumulate in float32 unless the input is already float32/float64."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+__all__ = ["swiglu_ttt_reference", "dwconv_ttt_reference"]
 
 
 def _normalize_columns(g: torch.Tensor) -> torch.Tensor:
@@ -80,6 +77,8 @@ def dwconv_ttt_reference(
     dt = compute_dtype(q.dtype)
     q, k, v, w3 = q.to(dt), k.to(dt), v.to(dt), w3.to(dt)
     b, d, h, w = k.shape[0], k.shape[1], k.shape[2], k.shape[3]
+    if b * d == 0:  # an empty batch: grouped conv2d refuses groups=0
+        return (q * w3.sum()).to(out_dtype)
     e = v * (-scale / (h * w))
     # dL/dw3[b, c, i, j] = sum_{y,x} kpad[b, c, y+i, x+j] * e[b, c, y, x]: a grouped conv of k with e
     kpad = F.pad(k, (1, 1, 1, 1)).reshape(1, b * d, h + 2, w + 2)

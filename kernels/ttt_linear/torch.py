@@ -1,6 +1,6 @@
 """Lean PyTorch path of the TTT-Linear scan: analytic backward that recomputes instead of storing.
 
-Same math as ``reference.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
+Same math as ``naive.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
 ``ceil(sqrt(N / mini_batch))``-th mini-batch, fp32 or float64).  The backward walks the checkpoint segments in
 reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G and the
 dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion one mini-batch at a
@@ -26,21 +26,19 @@ directions; direction 1 scans the sequence reversed):
         the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
         (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
 """
-import contextlib
 import math
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .reference import ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
+from ..utils import compute_dtype as _cd
+from ..utils import needs_grad as _needs_grad
+from ..utils import no_autocast as _no_autocast  # the scan chooses its own precision (fp32 state)
+from .naive import ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
            "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
-
-
-def _cd(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -89,13 +87,6 @@ def _inner_grad(z: Tensor, t: Tensor, lnw: Tensor, lnb: Tensor, ln_residual: boo
         return z - t
     xh, std = _ln(z, eps)
     return _ln_bwd((lnw * xh + lnb - t) * lnw, xh, std)
-
-
-def _no_autocast(device: torch.device):
-    """The scan chooses its own precision (fp32 state): autocast off inside, in the forward and the backward."""
-    if device.type not in ("cpu", "cuda"):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
@@ -417,10 +408,6 @@ def ttt_linear_bidir_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
     autograd; independent of the batched reference scan, so it serves as the float64 ground truth."""
     return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
                             scan=ttt_linear_naive, return_grad_norm=return_grad_norm)
-
-
-def _needs_grad(*ts: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, mini_batch: int) -> None:

@@ -1,15 +1,25 @@
-"""The recomputing PyTorch path of the ViT3 inner step: analytic backward vs. gradcheck and vs. the naive reference
-under autograd; the dispatch (backends, torch.compile, meta device) and the ttt_zoo::vit3_* custom ops."""
+"""The ViT3 / H-ViT3 / DiT3 inner-step op (``kernels/vit3_ttt``): every path against the reference.
+
+torch (the recomputing backward) against gradcheck in float64 and the naive reference under autograd; the Triton
+kernels (under TRITON_INTERPRET=1 without a GPU) against the reference, forward and every input/weight gradient,
+tight in float32, looser in float16 (bf16 is not tested: the interpreter's bf16 arithmetic is wrong), with small
+tiles patched in so that tiny shapes span several programs, partial tiles and multi-tile chunks (N % BLOCK != 0,
+H != W, head dims 32/64/72, batch 1/3); the backend decision, torch.compile, the meta device, an empty batch and the
+ttt_zoo::vit3_* custom ops (gradcheck, opcheck).
+"""
 import pytest
 import torch
 
+from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
 from ttt_zoo.kernels.vit3_ttt import ops
-from ttt_zoo.kernels.vit3_ttt.recompute import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd,
-                                                 qkv_ttt_naive, qkv_ttt_torch, swiglu_ttt_torch)
-from ttt_zoo.kernels.vit3_ttt.reference import dwconv_ttt_reference, swiglu_ttt_reference
+from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference
+from ttt_zoo.kernels.vit3_ttt.torch import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd, qkv_ttt_naive,
+                                            qkv_ttt_torch, swiglu_ttt_torch)
 from ttt_zoo.layers import ViT3TTT
 from ttt_zoo.layers.rope import rope_2d_tables
+
+T = triton_kernels("vit3_ttt")
 
 
 def _leaves(*shapes, dtype=torch.float64, scale=1.0):
@@ -93,15 +103,15 @@ def test_dwconv_matches_naive_float32():
 def test_mixer_backends_agree(rope):
     # the whole mixer (projection, RoPE, both branches, proj): recomputing path vs. naive autograd, float32
     torch.manual_seed(0)
-    m = ViT3TTT(64, num_heads=2, rope=rope)
-    x = torch.randn(2, 5 * 7, 64, requires_grad=True)
+    m = ViT3TTT(32, num_heads=2, rope=rope)
+    x = torch.randn(2, 5 * 7, 32, requires_grad=True)
     outs, grads = {}, {}
-    for backend in ("torch", "torch_naive", "triton"):
+    for backend in BACKENDS:
         m.backend = backend
         out = m(x, (5, 7))
         outs[backend] = out
         grads[backend] = torch.autograd.grad(out.square().sum(), [x] + list(m.parameters()))
-    for backend in ("torch", "triton"):  # 'triton' on CPU: the custom ops with their PyTorch kernels
+    for backend in set(BACKENDS) - {"torch_naive"}:  # 'triton' on CPU: the kernels in the interpreter
         torch.testing.assert_close(outs[backend], outs["torch_naive"], atol=1e-5, rtol=1e-4)
         for a, b in zip(grads[backend], grads["torch_naive"]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -145,7 +155,7 @@ def test_custom_ops_are_registered_and_differentiable():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", set(BACKENDS) - {"torch_naive"})
 def test_dispatch_under_torch_compile(backend):
     torch._dynamo.reset()
     m = ViT3TTT(32, num_heads=2, backend=backend)
@@ -158,7 +168,7 @@ def test_dispatch_under_torch_compile(backend):
     torch.testing.assert_close(gx, torch.autograd.grad(ref.square().sum(), x)[0])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "torch_naive"])
+@pytest.mark.parametrize("backend", META_BACKENDS)
 def test_meta_device(backend):
     with torch.device("meta"):
         m = ViT3TTT(64, num_heads=2, backend=backend, rope=True)
@@ -175,9 +185,136 @@ def test_public_wrappers_match_reference():
     torch.testing.assert_close(swiglu_ttt(q, k, v, w1, w2, 1 / 3), swiglu_ttt_reference(q, k, v, w1, w2, 1 / 3))
     q, k, v = [torch.randn(2, 8, 3, 5) for _ in range(3)]
     w3 = torch.randn(8, 1, 3, 3)
-    torch.testing.assert_close(dwconv_ttt(q, k, v, w3, 1 / 3, backend="triton"),
-                               dwconv_ttt_reference(q, k, v, w3, 1 / 3))
+    for backend in BACKENDS:
+        torch.testing.assert_close(dwconv_ttt(q, k, v, w3, 1 / 3, backend=backend),
+                                   dwconv_ttt_reference(q, k, v, w3, 1 / 3), atol=1e-5, rtol=1e-4)
     x = torch.randn(1, 6, 16)
     wt, w1, w2, w3 = [torch.randn(*s) * 0.2 for s in ((3 * 16 + 24, 16), (1, 2, 8, 8), (1, 2, 8, 8), (8, 1, 3, 3))]
     torch.testing.assert_close(vit3_qkv_ttt(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3),
                                qkv_ttt_naive(x, wt, None, w1, w2, w3, (2, 3), 2, 1 / 3), atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------ Triton kernels
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    if DEV == "cpu" and T is not None:  # the interpreter is slow: shrink tiles so that tiny inputs still exercise the tiling logic
+        monkeypatch.setattr(T, "BLOCK_N", 16)
+        monkeypatch.setattr(T, "TILES", 2)
+        monkeypatch.setattr(T, "BLOCK_P", 32)
+        monkeypatch.setattr(T, "MAX_COLS", 32)   # d = 64 and 72 run as several column blocks, d = 32 as one
+        monkeypatch.setattr(T, "COL_BLOCK", 16)
+
+
+def _compare(f_new, f_ref, inputs, dtype):
+    compare_kernel(f_new, f_ref, inputs, dtype, "q k v w1 w2 w3".split(), TOL)
+
+
+SWIGLU_CASES = [  # (B, heads, N, d, per-sample weights)
+    (1, 2, 37, 32, False),   # N not a multiple of the tile, 3 chunks
+    (3, 1, 21, 64, True),    # batch 3, per-sample inner weights
+    (1, 1, 18, 72, False),   # head dim 72 (padded to 128)
+]
+
+
+@pytest.mark.parametrize("case", SWIGLU_CASES, ids=lambda c: "B{}h{}N{}d{}{}".format(*c[:4], "ps" if c[4] else ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_swiglu_kernels(case, dtype):
+    b, h, n, d, per_sample = case
+    if dtype == torch.float16 and d == 72:
+        pytest.skip("covered in fp32; keeps the interpreter run short")
+    wb = b if per_sample else 1
+    inputs = [torch.randn(b, h, n, d, device=DEV) for _ in range(3)]
+    inputs += [torch.randn(wb, h, d, d, device=DEV) * 0.05 for _ in range(2)]
+    _compare(lambda *a: T.swiglu_ttt_triton(*a, 1 / 3), lambda *a: swiglu_ttt_reference(*a, 1 / 3), inputs, dtype)
+
+
+@triton_test
+def test_swiglu_kernels_no_normalisation():
+    inputs = [torch.randn(1, 1, 20, 32, device=DEV) for _ in range(3)]
+    inputs += [torch.randn(1, 1, 32, 32, device=DEV) * 0.05 for _ in range(2)]
+    _compare(lambda *a: T.swiglu_ttt_triton(*a, 0.5, False), lambda *a: swiglu_ttt_reference(*a, 0.5, False),
+             inputs, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 32, 7, 5), (3, 4, 9, 12)], ids=["B1d32H7W5", "B3d4H9W12"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_dwconv_kernels(shape, dtype):
+    b, d, h, w = shape
+    inputs = [torch.randn(*shape, device=DEV) for _ in range(3)] + [torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
+    _compare(lambda *a: T.dwconv_ttt_triton(*a, 1 / 3), lambda *a: dwconv_ttt_reference(*a, 1 / 3), inputs, dtype)
+
+
+@triton_test
+def test_dwconv_kernels_strided_views():
+    # the mixer hands the conv branch transposed views of the qkv output: no copy, arbitrary strides
+    b, h, w, d = 2, 5, 6, 8
+    qkv = torch.randn(b, h * w, 3 * d + 5, device=DEV)
+    q, k, v = [qkv[..., i * d:(i + 1) * d].transpose(1, 2).reshape(b, d, h, w) for i in range(3)]
+    assert not q.is_contiguous()
+    w3 = torch.randn(d, 1, 3, 3, device=DEV) * 0.05
+    out, _ = T.dwconv_fwd_triton(q, k, v, w3, 1 / 3)
+    torch.testing.assert_close(out, dwconv_ttt_reference(q, k, v, w3, 1 / 3), **TOL[torch.float32])
+
+
+@triton_test
+def test_qkv_triton_path_with_rope():
+    # projection + RoPE + both branches with the Triton inner kernels, vs. the naive composition
+    b, heads, d, h, w = 1, 2, 32, 3, 5
+    c = heads * d
+    cos, sin = [t.to(DEV) for t in rope_2d_tables((h, w), c)]
+    inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
+              torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
+              torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
+    _compare(lambda *a: T.qkv_ttt_triton(*a, (h, w), heads, 1 / 3, True, cos, sin),
+             lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True, cos, sin), inputs, torch.float32)
+
+
+@triton_test
+def test_bad_shapes_raise():
+    q = torch.randn(1, 2, 8, 16, device=DEV)
+    with pytest.raises(ValueError, match="w1 must be"):
+        T.swiglu_fwd_triton(q, q, q, torch.randn(1, 2, 8, 8, device=DEV), torch.randn(1, 2, 8, 8, device=DEV), 1.0)
+    m = torch.randn(1, 4, 3, 3, device=DEV)
+    with pytest.raises(ValueError, match="w3 must be"):
+        T.dwconv_fwd_triton(m, m, m, torch.randn(5, 1, 3, 3, device=DEV), 1.0)
+
+
+# ------------------------------------------------------------ float64 gradcheck of every custom op / Function
+@pytest.mark.parametrize("rope", [False, True])
+def test_qkv_custom_op_gradcheck(rope):
+    # QKVTTTOps: the mixer core over the ttt_zoo::vit3_* custom ops (their float64 kernels run PyTorch)
+    b, heads, d, h, w = 2, 2, 4, 2, 3
+    c = heads * d
+    x, weight, bias = _leaves((b, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,), scale=0.5)
+    w1, w2, w3 = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
+    cos, sin = [t.double() for t in rope_2d_tables((h, w), c)] if rope else (None, None)
+    f = lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, weight, bias, w1, w2, w3), fast_mode=True)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_custom_ops_gradcheck_per_sample_and_unnormalised(normalize):
+    inputs = _leaves((2, 1, 5, 3), (2, 1, 5, 3), (2, 1, 5, 3)) + _leaves((2, 1, 3, 3), (2, 1, 3, 3), scale=0.3)
+    assert torch.autograd.gradcheck(lambda *a: ops.swiglu_ttt_op(*a, 0.7, normalize), inputs, fast_mode=True)
+    inputs = _leaves((2, 2, 3, 4), (2, 2, 3, 4), (2, 2, 3, 4), (2, 1, 3, 3))
+    assert torch.autograd.gradcheck(lambda *a: ops.dwconv_ttt_op(*a, 0.7, normalize), inputs, fast_mode=True)
+
+
+# ------------------------------------------------------------------------------------------- empty batch
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    # conv2d refuses groups=0: an empty batch must still give an empty output (and an empty gradient)
+    m = ViT3TTT(32, num_heads=2, backend=backend, rope=True)
+    x = torch.randn(0, 12, 32, requires_grad=True)
+    out = m(x, (3, 4))
+    assert out.shape == (0, 12, 32)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(m.w3.grad, torch.zeros_like(m.w3))
+    q = torch.randn(0, 8, 3, 5)
+    assert dwconv_ttt(q, q, q, torch.randn(8, 1, 3, 3), 1 / 3, backend=backend).shape == q.shape
+    assert m._forward_unfused(x.detach(), (3, 4)).shape == (0, 12, 32)  # the TorchScript form

@@ -15,26 +15,16 @@ Backward, with dO given and D = -dW' the cotangent of G (the updated-weight grad
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..utils import compute_dtype, make_function, no_autocast
+from ..utils import reduce_to as _reduce_to
+
 __all__ = ["compute_dtype", "inner_fwd", "inner_bwd", "t5_fwd", "t5_bwd", "dit5_fwd", "dit5_bwd",
            "t5_swiglu_ttt_torch", "mlp_ttt_torch", "make_function", "no_autocast"]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Inner updates run in float32 unless the input is already float32/float64."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def no_autocast(device: torch.device):
-    """The inner step chooses its own precision: autocast off inside."""
-    if device.type not in ("cpu", "cuda"):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 def _silu_parts(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,13 +69,6 @@ def inner_fwd(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
     gs = inner_update(kc, vc, wc, scale, gated)
     wn = [w - g for w, g in zip(wc, gs)]
     return inner_apply(qc, wn, gated).to(q.dtype), wn
-
-
-def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sum a per-sample weight gradient over the batch when the weight was shared (leading dim 1)."""
-    if like.shape[0] == 1 and t.shape[0] != 1:
-        t = t.sum(0, keepdim=True)
-    return t
 
 
 def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float, gated: bool):
@@ -175,26 +158,6 @@ def dit5_fwd(q, k, v, w1, w2, scale: float):
 
 def dit5_bwd(do, q, k, v, w1, w2, w1n, w2n, scale: float):
     return inner_bwd(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
-
-
-def make_function(name: str, fwd, bwd, n_weights: int):
-    """An autograd.Function over ``fwd``/``bwd`` storing the inputs and the updated weights only."""
-
-    def forward(ctx, q, k, v, *rest):
-        ws, scale = rest[:n_weights], rest[n_weights]
-        with no_autocast(q.device):
-            out, *wn = fwd(q, k, v, *ws, scale)
-        ctx.save_for_backward(q, k, v, *ws, *wn)
-        ctx.scale = scale
-        return out
-
-    def backward(ctx, do):
-        with no_autocast(do.device):
-            grads = bwd(do.contiguous(), *ctx.saved_tensors, ctx.scale)
-        return (*grads, None)
-
-    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-    return type(name, (torch.autograd.Function,), methods)
 
 
 T5TTT = make_function("T5TTT", t5_fwd, t5_bwd, 3)

@@ -1,6 +1,6 @@
 """Lean PyTorch path of the ViT3 inner step: analytic backward that recomputes instead of storing.
 
-Same math as ``reference.py`` (see there and spec §1), but wrapped in ``torch.autograd.Function`` so that autograd
+Same math as ``naive.py`` (see there and spec §1), but wrapped in ``torch.autograd.Function`` so that autograd
 stores only the inputs (q, k, v, the initial weights) and the d x 2d pre-normalisation gradient per (batch, head).
 Every N x d intermediate (k W, sigmoid, the SwiGLU derivative, q W', ...) is recomputed in the backward.
 
@@ -16,13 +16,15 @@ Backward (dO given):
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .reference import compute_dtype
+from ..utils import autocast_state as _autocast_state
+from ..utils import compute_dtype, make_function
+from ..utils import no_autocast as _autocast
+from ..utils import reduce_to as _reduce_to
 
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
@@ -47,13 +49,6 @@ def normalize_columns_bwd(g: torch.Tensor, dghat: torch.Tensor, dim=-2) -> torch
 def _silu_parts(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     s = torch.sigmoid(z)
     return z * s, s * (1.0 + z * (1.0 - s))  # silu(z), silu'(z)
-
-
-def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sum a per-sample weight gradient over the batch when the weight was broadcast (leading dim 1)."""
-    if like.shape[0] == 1 and t.shape[0] != 1:
-        t = t.sum(0, keepdim=True)
-    return t
 
 
 # ----------------------------------------------------------------------------------------------- SwiGLU branch
@@ -171,6 +166,8 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def _dwconv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-sample depthwise 3x3 cross-correlation, x (B, d, H, W), w (B, d, 3, 3)."""
     b, d, h, wd = x.shape
+    if b * d == 0:  # an empty batch: conv2d refuses groups=0
+        return x.new_zeros(x.shape)
     return F.conv2d(x.reshape(1, b * d, h, wd), w.reshape(b * d, 1, 3, 3), padding=1, groups=b * d).reshape(b, d, h, wd)
 
 
@@ -203,41 +200,6 @@ def dwconv_bwd(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
 
 
 # ---------------------------------------------------------------------------------------------- autograd glue
-def _autocast(device: torch.device, enabled: bool = False, dtype=None):
-    """Autocast context for ``device`` (off by default: the inner step chooses its own precision)."""
-    if device.type not in ("cpu", "cuda"):
-        return contextlib.nullcontext()
-    if not enabled:
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def _autocast_state(device: torch.device):
-    if device.type not in ("cpu", "cuda"):
-        return False, None
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
-def make_function(name: str, fwd, bwd, n_weights: int):
-    """An autograd.Function calling ``fwd``/``bwd`` (shared by the torch and Triton paths)."""
-
-    def forward(ctx, q, k, v, *rest):
-        weights, (scale, normalize_grad) = rest[:n_weights], rest[n_weights:]
-        with _autocast(q.device):
-            out, g = fwd(q, k, v, *weights, scale, normalize_grad)
-        ctx.save_for_backward(q, k, v, *weights, g)
-        ctx.scale, ctx.normalize_grad = scale, normalize_grad
-        return out
-
-    def backward(ctx, do):
-        saved = ctx.saved_tensors
-        with _autocast(do.device):
-            grads = bwd(do.contiguous(), *saved, ctx.scale, ctx.normalize_grad)
-        return (*grads, None, None)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-
-
 SwiGLUTTT = make_function("SwiGLUTTT", swiglu_fwd, swiglu_bwd, 2)
 DWConvTTT = make_function("DWConvTTT", dwconv_fwd, dwconv_bwd, 1)
 
@@ -362,7 +324,7 @@ QKVTTT = make_qkv_function("QKVTTT", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_
 def qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                   cos=None, sin=None) -> torch.Tensor:
     """Reference composition (plain autograd): projection, split, RoPE, both reference inner steps, concat."""
-    from .reference import dwconv_ttt_reference, swiglu_ttt_reference
+    from .naive import dwconv_ttt_reference, swiglu_ttt_reference
     b, n, c = x.shape
     (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     x1 = swiglu_ttt_reference(q1, k1, v1, w1, w2, scale, normalize_grad)

@@ -23,6 +23,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..utils import compute_dtype as _compute_dtype  # fp16/bf16: state and LN statistics in float32
+
 __all__ = ["ttt_linear_reference", "ttt_linear_naive", "ttt_linear_bidir", "ttt_linear_bidir_reference",
            "ln_l2_grad", "inner_rope", "token_tau"]
 
@@ -75,11 +77,6 @@ def _check_scan_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
     if w0.dim() != 4 or b0.dim() != 4 or list(w0.shape[1:]) != [heads, d, d] or list(b0.shape[1:]) != [heads, 1, d]:
         raise ValueError(f"w0 must be (B|1, {heads}, {d}, {d}) and b0 (B|1, {heads}, 1, {d}); "
                          f"got {list(w0.shape)} and {list(b0.shape)}")
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 inputs are computed in float32 (state, LayerNorm statistics)."""
-    return dtype if dtype == torch.float32 or dtype == torch.float64 else torch.float32
 
 
 def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Tensor, inv_d: float) -> torch.Tensor:

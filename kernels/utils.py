@@ -1,0 +1,67 @@
+"""Helpers shared by every op folder: compute dtype, autocast control, autograd glue, lazy Triton import."""
+import contextlib
+import importlib
+from types import ModuleType
+
+import torch
+
+__all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
+           "triton_module"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Inner updates accumulate in float32 unless the input is already float32/float64."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def no_autocast(device: torch.device, enabled: bool = False, dtype=None):
+    """Autocast context for ``device``: off by default (the inner steps choose their own precision); ``enabled``
+    replays a saved autocast state (:func:`autocast_state`)."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    if not enabled:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def autocast_state(device: torch.device):
+    if device.type not in ("cpu", "cuda"):
+        return False, None
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum a per-sample weight gradient over the batch when the weight was shared (leading dim 1)."""
+    if like.shape[0] == 1 and t.shape[0] != 1:
+        t = t.sum(0, keepdim=True)
+    return t
+
+
+def needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def triton_module(package: str) -> ModuleType:
+    """``<package>.triton``, imported on first use (CPU users never import Triton)."""
+    return importlib.import_module(".triton", package)
+
+
+def make_function(name: str, fwd, bwd, n_weights: int):
+    """An ``autograd.Function`` over an inner step ``fwd(q, k, v, *weights, *consts) -> (out, *aux)`` and its
+    ``bwd(do, q, k, v, *weights, *aux, *consts) -> grads``: stores the inputs and ``aux`` only, autocast off inside
+    (shared by the ``torch`` and the Triton paths of the op folders)."""
+
+    def forward(ctx, q, k, v, *rest):
+        weights, consts = rest[:n_weights], rest[n_weights:]
+        with no_autocast(q.device):
+            out, *aux = fwd(q, k, v, *weights, *consts)
+        ctx.save_for_backward(q, k, v, *weights, *aux)
+        ctx.consts = consts
+        return out
+
+    def backward(ctx, do):
+        with no_autocast(do.device):
+            grads = bwd(do.contiguous(), *ctx.saved_tensors, *ctx.consts)
+        return (*grads,) + (None,) * len(ctx.consts)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})

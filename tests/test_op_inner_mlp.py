@@ -1,0 +1,375 @@
+"""The T5 / T5+ / DiT5 inner-step ops (``kernels/inner_mlp``: T5's 3-matrix SwiGLU, DiT5's 2-layer SiLU MLP): every
+path against the reference.
+
+The references against autograd of the stated inner loss (independent of the closed-form gradients); torch (the
+recomputing backward) against the references in float64 and gradcheck; the Triton kernels (under
+TRITON_INTERPRET=1 without a GPU) forward and every input/weight gradient, tight in float32, looser in float16, with
+small tiles so tiny shapes span several programs and partial tiles (N % BLOCK_N != 0, head dims 32/64/72, batch 1
+and 3, shared and per-sample weights, a mixer on a non-square map); the backend decision, the ttt_zoo::t5_* /
+dit5_* custom ops (gradcheck, opcheck), torch.compile, meta-device tensors and an empty batch.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
+from ttt_zoo.kernels import get_op, key_instance_norm, mlp_ttt, t5_swiglu_ttt
+from ttt_zoo.kernels.inner_mlp.naive import mlp_ttt_reference, t5_swiglu_ttt_reference
+from ttt_zoo.kernels.inner_mlp.ops import mlp_ttt_op, t5_swiglu_ttt_op
+from ttt_zoo.kernels.inner_mlp.torch import mlp_ttt_torch, t5_swiglu_ttt_torch
+from ttt_zoo.kernels.key_norm import key_norm_op, key_norm_reference, key_norm_torch
+from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention
+from ttt_zoo.layers.t5_ttt import T5TTT
+
+T = triton_kernels("inner_mlp")
+KT = triton_kernels("key_norm")
+
+
+def _compare_k(f_new, f_ref, inputs, dtype, names):
+    compare_kernel(f_new, f_ref, inputs, dtype, names, KTOL)
+
+
+OPS = {  # name: (recomputing torch path, custom op entry, reference, number of inner weights)
+    "t5": (t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference, 3),
+    "dit5": (mlp_ttt_torch, mlp_ttt_op, mlp_ttt_reference, 2),
+}
+
+
+def _inputs(b, h, n, d, wb, n_w, dtype=torch.float64, std=0.3):
+    x = [torch.randn(b, h, n, d, dtype=dtype) for _ in range(3)]
+    x += [torch.randn(wb, h, d, d, dtype=dtype) * std for _ in range(n_w)]
+    return [t.requires_grad_() for t in x]
+
+
+def _fwd_bwd(f, x, do):
+    out = f(*x)
+    return [out] + list(torch.autograd.grad(out, x, do))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_w", "per_sample_w"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+def test_recompute_matches_reference_fp64(op, shared):
+    fast, _, ref, n_w = OPS[op]
+    b, h, n, d = 3, 2, 11, 6
+    x = _inputs(b, h, n, d, 1 if shared else b, n_w, std=0.5)
+    do = torch.randn(b, h, n, d, dtype=torch.float64)
+    got = _fwd_bwd(lambda *a: fast(*a, 0.4), x, do)
+    want = _fwd_bwd(lambda *a: ref(*a, 0.4), x, do)
+    names = ["out", "dq", "dk", "dv"] + [f"dw{i + 1}" for i in range(n_w)]
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{op} {name}: {m}")
+    assert got[-1].abs().max() > 1e-3  # the gradients are not trivially zero
+
+
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+def test_recompute_and_custom_op_gradcheck(op):
+    fast, custom, _, n_w = OPS[op]
+    x = _inputs(2, 1, 5, 3, 1, n_w, std=0.5)
+    assert torch.autograd.gradcheck(lambda *a: fast(*a, 0.7), x)
+    assert torch.autograd.gradcheck(lambda *a: custom(*a, 0.7), x, fast_mode=True)
+
+
+def test_bad_inputs_raise():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="w3 must be"):
+        t5_swiglu_ttt_torch(q, q, q, torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), torch.randn(2, 4, 4), 1.0)
+    with pytest.raises(ValueError, match="q, k, v must share"):
+        mlp_ttt_torch(q, q[:, :, :3], q, torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), 1.0)
+    with pytest.raises(ValueError, match=r"\(B, N, C\)"):
+        key_norm_torch(torch.randn(4, 5), 1.0)
+    with pytest.raises(ValueError, match="eps"):
+        key_norm_torch(torch.randn(1, 4, 5), 0.0)
+
+
+def test_dispatch_backends(monkeypatch):
+    dev = torch.device("cpu")
+    assert get_op("t5_swiglu_ttt", dev) is t5_swiglu_ttt_torch
+    assert get_op("dit5_mlp_ttt", dev) is mlp_ttt_torch
+    assert get_op("key_instance_norm", dev) is key_norm_torch
+    assert get_op("t5_swiglu_ttt", dev, "torch_naive") is t5_swiglu_ttt_reference
+    monkeypatch.setenv("TTT_ZOO_BACKEND", "torch_naive")
+    assert get_op("dit5_mlp_ttt", dev) is mlp_ttt_reference
+    assert get_op("key_instance_norm", dev) is key_norm_reference
+
+
+def test_custom_ops_opcheck():
+    q = [torch.randn(2, 2, 7, 8) for _ in range(3)]
+    w = [torch.randn(1, 2, 8, 8) * 0.2 for _ in range(3)]
+    torch.library.opcheck(torch.ops.ttt_zoo.t5_swiglu_fwd.default, [*q, *w, 0.5],
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ttt_zoo.dit5_mlp_fwd.default, [*q, *w[:2], 0.5],
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ttt_zoo.key_instance_norm_fwd.default, [torch.randn(2, 9, 6), 1.0],
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("which", ["wrapper", "custom_op"])
+def test_torch_compile_fullgraph(which):
+    torch._dynamo.reset()
+    x = _inputs(2, 2, 9, 8, 1, 3, dtype=torch.float32, std=0.2)
+    if which == "wrapper":  # the dispatching wrappers (default CPU backend: the recomputing autograd.Function)
+        def f(q, k, v, w1, w2, w3):
+            kn = key_instance_norm(k.flatten(2), 1.0).view_as(k)
+            return t5_swiglu_ttt(q, kn, v, w1, w2, w3, 0.3) + mlp_ttt(q, k, v, w1, w2, 0.3)
+    else:  # the custom ops as opaque graph nodes
+        def f(q, k, v, w1, w2, w3):
+            kn = key_norm_op(k.flatten(2), 1.0).view_as(k)
+            return t5_swiglu_ttt_op(q, kn, v, w1, w2, w3, 0.3) + mlp_ttt_op(q, k, v, w1, w2, 0.3)
+    do = torch.randn(2, 2, 9, 8)
+    got = _fwd_bwd(torch.compile(f, backend="aot_eager", fullgraph=True), x, do)
+    want = _fwd_bwd(f, x, do)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("backend", META_BACKENDS)
+@pytest.mark.parametrize("mixer", ["t5", "dit5"])
+def test_meta_device(mixer, backend):
+    with torch.device("meta"):
+        if mixer == "t5":
+            m = T5TTT(64, num_heads=2, backend=backend)
+        else:
+            m = DiT5MixedAttention(64, 2, kernel_size=3, backend=backend)
+        x = torch.randn(2, 4 * 6, 64, requires_grad=True)
+    out = m(x, (4, 6))
+    assert out.device.type == "meta" and out.shape == (2, 24, 64)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and m.w1.grad.shape == m.w1.shape and m.qkv.weight.grad.device.type == "meta"
+
+
+def test_meta_through_custom_ops():
+    q = torch.empty(2, 3, 10, 8, device="meta", dtype=torch.float16)
+    w = torch.empty(1, 3, 8, 8, device="meta")
+    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, q, q, w, w, w, 0.5)
+    assert out.shape == q.shape and out.dtype == torch.float16 and w3n.shape == (2, 3, 8, 8)
+    assert w1n.dtype == torch.float32
+    grads = torch.ops.ttt_zoo.dit5_mlp_bwd(q, q, q, q, w, w, w1n, w2n, 0.5)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(1, 3, 8, 8)] * 2
+    y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(torch.empty(2, 10, 24, device="meta"), 1.0)
+    assert y.shape == (2, 10, 24) and mean.shape == rstd.shape == (2, 24)
+
+
+@pytest.mark.parametrize("mixer", ["t5", "dit5"])
+def test_mixer_backends_agree(mixer):
+    m = T5TTT(32, num_heads=2) if mixer == "t5" else DiT5MixedAttention(32, 2, kernel_size=3)
+    x = torch.randn(2, 3 * 5, 32, requires_grad=True)
+    outs, grads = [], []
+    for backend in ("torch", "torch_naive"):  # triton: test_mixer_triton_vs_naive_non_square
+        m.backend = backend
+        out = m(x, (3, 5))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), [x, m.w1, m.w2, m.qkv.weight]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _saved_bytes(fn, module):
+    """Bytes of distinct non-parameter tensor storages autograd keeps for the backward of fn()."""
+    seen = {}
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_t5_mixer_recompute_same_grads_less_saved():
+    torch.manual_seed(0)
+    m = T5TTT(64, num_heads=2)
+    x = torch.randn(2, 12 * 10, 64, requires_grad=True)
+    res = []
+    for recompute in (False, True):
+        m.recompute = recompute
+        out, saved = _saved_bytes(lambda: m(x, (12, 10)), m)
+        grads = torch.autograd.grad(out.square().sum(), [x, m.w1, m.qkv.weight, m.k_conv2d.weight])
+        res.append((out, grads, saved))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=0)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    n_c = x.numel() * 4  # bytes of one (B, N, C) fp32 activation
+    # without: qkv output (3), key-norm output, q2, k2 and the proj input; with: the mixer input and proj input
+    assert res[0][2] >= 7 * n_c and res[1][2] <= 2.2 * n_c, (res[0][2] / n_c, res[1][2] / n_c)
+
+
+# ------------------------------------------------------------ T5 reference vs. autograd of its inner loss
+def _f(x, w1, w2, w3):
+    return (F.silu(x @ w1) * (x @ w2)) @ w3
+
+
+def _autograd_step(q, k, v, w1, w2, w3, scale):
+    """Per sample: W_i' = W_i - dL/dW_i with L = -(scale/N) sum_n <f(k_n), v_n>, then f_{W'}(q)."""
+    outs = []
+    n = k.shape[-2]
+    for b in range(q.shape[0]):
+        ws = [w[0].detach().clone().requires_grad_(True) for w in (w1, w2, w3)]
+        loss = -(scale / n) * (_f(k[b], *ws) * v[b]).sum()
+        grads = torch.autograd.grad(loss, ws)
+        outs.append(_f(q[b], *[w - g for w, g in zip(ws, grads)]))
+    return torch.stack(outs)
+
+
+def _t5_inputs(b=2, heads=2, n=12, d=8, dtype=torch.float64, std=0.5):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, heads, n, d, generator=g, dtype=dtype) for _ in range(3))
+    w1, w2, w3 = (torch.randn(1, heads, d, d, generator=g, dtype=dtype) * std for _ in range(3))
+    return q, k, v, w1, w2, w3
+
+
+def test_matches_autograd_of_inner_loss():
+    q, k, v, w1, w2, w3 = _t5_inputs()
+    scale = 8 ** -0.5
+    out = t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale)
+    ref = _autograd_step(q, k, v, w1, w2, w3, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # the step matters: without it the output differs
+    assert not torch.allclose(out, _f(q, w1, w2, w3), atol=1e-3)
+
+
+def test_samples_do_not_mix():
+    q, k, v, w1, w2, w3 = _t5_inputs()
+    out = t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, 0.3)
+    single = t5_swiglu_ttt_reference(q[1:], k[1:], v[1:], w1, w2, w3, 0.3)
+    torch.testing.assert_close(out[1:], single, rtol=1e-13, atol=1e-13)
+
+
+def test_gradients_flow_through_update():
+    q, k, v, w1, w2, w3 = _t5_inputs(b=1, heads=1, n=5, d=3)
+    args = [t.requires_grad_(True) for t in (q, k, v, w1, w2, w3)]
+    assert torch.autograd.gradcheck(lambda *a: t5_swiglu_ttt_reference(*a, 0.7), args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_accumulates_in_fp32(dtype):
+    q, k, v, w1, w2, w3 = _t5_inputs(n=64, dtype=torch.float32, std=0.2)
+    low = [t.to(dtype) for t in (q, k, v, w1, w2, w3)]
+    out = t5_swiglu_ttt_reference(*low, 8 ** -0.5)
+    assert out.dtype == dtype
+    # identical to running the float32 op on the rounded inputs, then rounding once
+    ref32 = t5_swiglu_ttt_reference(*[t.float() for t in low], 8 ** -0.5)
+    torch.testing.assert_close(out, ref32.to(dtype), rtol=0, atol=0)
+
+
+def test_dispatch_registers_reference():
+    # the plain reference is the torch_naive backend; the default CPU path (recomputing backward) matches it
+    assert get_op("t5_swiglu_ttt", torch.device("cpu"), "torch_naive") is t5_swiglu_ttt_reference
+    q, k, v, w1, w2, w3 = _t5_inputs()
+    torch.testing.assert_close(t5_swiglu_ttt(q, k, v, w1, w2, w3, 0.5),
+                               t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, 0.5), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------ Triton kernels
+KTOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+DEFAULT_TILES = (T.BLOCK_N, T.TILES) if T else None  # before the fixture shrinks them
+KERNEL_OPS = {"t5": (T.t5_swiglu_ttt_triton, t5_swiglu_ttt_reference, 3),
+              "dit5": (T.mlp_ttt_triton, mlp_ttt_reference, 2)} if T else {}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    if DEV == "cpu" and T is not None:  # the interpreter is slow: shrink tiles so tiny inputs still tile
+        monkeypatch.setattr(T, "BLOCK_N", 16)
+        monkeypatch.setattr(T, "TILES", 2)
+        monkeypatch.setattr(KT, "BLOCK_N", 16)
+        monkeypatch.setattr(KT, "BLOCK_C", 16)
+
+
+CASES = [  # (B, heads, N, d, per-sample weights)
+    (1, 2, 37, 32, False),   # N not a multiple of the tile, 2 chunks of 2 tiles, shared weights
+    (3, 1, 21, 64, True),    # batch 3, per-sample inner weights
+    (3, 1, 18, 72, False),   # head dim 72 (padded to 128), batch 3 with shared weights
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}h{}N{}d{}{}".format(*c[:4], "ps" if c[4] else ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels(op, dtype, case):
+    b, h, n, d, per_sample = case
+    f, ref, n_w = KERNEL_OPS[op]
+    scale = d ** -0.5
+    inputs = [torch.randn(b, h, n, d, device=DEV) for _ in range(3)]
+    inputs += [torch.randn(b if per_sample else 1, h, d, d, device=DEV) * 0.05 for _ in range(n_w)]
+    _compare_k(lambda *a: f(*a, scale), lambda *a: ref(*a, scale), inputs, dtype,
+             ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
+
+
+@pytest.mark.parametrize("op,n,d", [("t5", 70, 72), ("dit5", 300, 32)], ids=["t5N70d72", "dit5N300d32"])
+@triton_test
+def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
+    # the shipped tile sizes: different token tiles for update / apply / backward, two 256-token chunks at N = 300
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    f, ref, n_w = KERNEL_OPS[op]
+    inputs = [torch.randn(1, 1, n, d, device=DEV) for _ in range(3)]
+    inputs += [torch.randn(1, 1, d, d, device=DEV) * 0.05 for _ in range(n_w)]
+    _compare_k(lambda *a: f(*a, d ** -0.5), lambda *a: ref(*a, d ** -0.5), inputs, torch.float32,
+             ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
+
+
+@triton_test
+def test_inner_kernels_strided_views():
+    # the mixers hand the kernels heads views of (B, N, C) tensors: no copy, arbitrary strides
+    b, n, heads, d = 2, 19, 2, 32
+    qkv = torch.randn(b, n, 3 * heads * d, device=DEV)
+    q, k, v = [t.reshape(b, n, heads, d).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+    assert not q.is_contiguous()
+    w = [torch.randn(1, heads, d, d, device=DEV) * 0.05 for _ in range(3)]
+    out, *_ = T.t5_fwd_triton(q, k, v, *w, 0.2)
+    torch.testing.assert_close(out, t5_swiglu_ttt_reference(q, k, v, *w, 0.2), **KTOL[torch.float32])
+
+
+@pytest.mark.parametrize("mixer", ["t5", "dit5"])
+@triton_test
+def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
+    calls = []
+    fwd = T.inner_fwd_triton
+    monkeypatch.setattr(T, "inner_fwd_triton", lambda *a: calls.append(1) or fwd(*a))
+    kcalls = []
+    kfwd = KT._knorm_fwd
+    monkeypatch.setattr(KT, "_knorm_fwd", type("Spy", (), {"__getitem__": lambda s, g: kcalls.append(1) or kfwd[g]})())
+    dim, heads, hw = 64, 2, (3, 7)  # d = 32, N = 21 (not a multiple of the tile), H != W
+    m = T5TTT(dim, heads) if mixer == "t5" else DiT5MixedAttention(dim, heads, kernel_size=3)
+    m = m.to(DEV)
+    with torch.no_grad():  # larger inner weights than the init, so the inner step visibly matters
+        for w in (m.w1, m.w2) + ((m.w3,) if mixer == "t5" else ()):
+            w.normal_(0, 0.1)
+    x = torch.randn(3, hw[0] * hw[1], dim, device=DEV, requires_grad=True)
+    res = []
+    for backend in ("triton", "torch_naive"):
+        m.backend = backend
+        out = m(x, hw)
+        params = [x, m.w1, m.w2, m.qkv.weight, m.k_conv2d.weight]
+        res.append([out] + list(torch.autograd.grad(out.square().sum(), params)))
+    assert calls and kcalls  # the triton backend really ran the kernels
+    for name, a, b in zip(["out", "dx", "dw1", "dw2", "dqkv", "dkconv"], *res):
+        scale = b.abs().max()
+        torch.testing.assert_close(a / scale, b / scale, atol=1e-4, rtol=1e-4, msg=lambda msg: f"{name}: {msg}")
+
+
+@triton_test
+def test_bad_shapes_raise():
+    q = torch.randn(1, 2, 8, 16, device=DEV)
+    w = torch.randn(1, 2, 16, 16, device=DEV)
+    with pytest.raises(ValueError, match="w2 must be"):
+        T.dit5_fwd_triton(q, q, q, w, torch.randn(1, 2, 8, 8, device=DEV), 1.0)
+
+
+# ------------------------------------------------------------------------------------------- empty batch
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+def test_empty_batch(op, backend):
+    fast, _, ref, n_w = OPS[op]
+    x = _inputs(0, 2, 9, 4, 1, n_w, dtype=torch.float32)
+    f = t5_swiglu_ttt if op == "t5" else mlp_ttt
+    out = f(*x, 0.5, backend=backend)
+    assert out.shape == (0, 2, 9, 4)
+    grads = torch.autograd.grad(out.sum(), x[3:])
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
