@@ -4,18 +4,16 @@ import pytest
 import timm
 import torch
 
-from ttt_zoo.models import DIFFUSION_MODULES, MODEL_MODULES
+from ttt_zoo import is_diffusion_model, list_zoo_families
 
-# the smallest registered model of every family, from the registry: *_tiny (image), *_s_2 (diffusion, 32x32 latent)
-IMAGE_MODELS = [n for m in MODEL_MODULES if m not in DIFFUSION_MODULES
-                for n in timm.list_models(module=m) if n.endswith("_tiny")]
-DIFFUSION_MODELS = [n for m in DIFFUSION_MODULES for n in timm.list_models(module=m) if n.endswith("_s_2")]
+# the smallest registered model of every family, from the registry (diffusion ones run on a 32x32 latent)
+FAMILIES = list_zoo_families(include_diffusion=True)
+IMAGE_MODELS = [n for n in FAMILIES.values() if not is_diffusion_model(n)]
+DIFFUSION_MODELS = [n for n in FAMILIES.values() if is_diffusion_model(n)]
 
 
 def test_every_family_is_listed():
-    assert {n.rsplit("_", 1)[0] for n in IMAGE_MODELS} >= {"vit3", "hvit3", "t5", "t5_plus", "visionttt",
-                                                          "visionttt_h"}
-    assert len(DIFFUSION_MODELS) == len(DIFFUSION_MODULES)
+    assert set(FAMILIES) >= {"vit3", "hvit3", "t5", "t5_plus", "visionttt", "visionttt_h", "dit", "dit3", "dit5"}
 
 
 @pytest.mark.parametrize("name", IMAGE_MODELS)

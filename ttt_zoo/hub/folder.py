@@ -80,7 +80,8 @@ def register_hub_architecture(arch: HubArchitecture) -> HubArchitecture:
 
 def _register_backbones() -> None:
     from ttt_zoo.models.hvit3 import HVIT3_SIZES, HViT3Backbone, backbone_filter_fn
-    for size, args in HVIT3_SIZES.items():
+    for size, cfg in HVIT3_SIZES.items():  # heads follow the widths (head dim 32), so a width override stays valid
+        args = dict(embed_dim=cfg["embed_dim"], depths=cfg["depths"])
         register_hub_architecture(HubArchitecture(
             name=f"hvit3_backbone_{size}", build=HViT3Backbone, filter_fn=backbone_filter_fn, default_args=args,
             description=("H-ViT3 dense-prediction backbone (the authors' mmdet/mmseg `ViTTT` layout): four stages of "
