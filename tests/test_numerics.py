@@ -11,7 +11,8 @@ in Vision-TTT's scan grew geometrically over the mini-batches on the photo, neve
   their first 2 blocks to stay fast; DiT latents 32x32, 32x24 and 112x112 with 2 blocks), tiny model of each family
   plus one larger size at 224;
 - batch invariance and grad-enabled vs no-grad <= 1e-5; bf16 autocast finite and within 2e-2 of fp32;
-- the Vision-TTT scan paths at N = 3136 (stage 0 of visionttt_h_tiny), both directions, TorchScript,
+- the Vision-TTT scan paths at N = 3136 (stage 0 of visionttt_h_tiny), both directions, TorchScript, the
+  recomputing backward's gradients,
   ``gradient_magnitude_map``, and the Triton kernel (interpreter, one head, N = 196).
 The cases and measurements live in ``tools/numerics_table.py``, which prints the same table.
 """
@@ -110,8 +111,9 @@ def test_scan_paths_at_n3136(stage0):
     _, mixer, x, fs = stage0
     a32, a64 = _scan_args(mixer, x, fs, torch.float32), _scan_args(mixer, x, fs, torch.float64)
     cfg = dict(mini_batch=mixer.mini_batch, rope_theta=mixer.rope_theta)
+    true_args = [t.clone().requires_grad_() for t in a64]
+    true, _ = scan_ref.ttt_linear_bidir(*true_args, **cfg, scan=scan_ref.ttt_linear_naive)
     with torch.no_grad():
-        true, _ = scan_ref.ttt_linear_bidir(*a64, **cfg, scan=scan_ref.ttt_linear_naive)
         paths = {"reference": scan_ref.ttt_linear_bidir(*a32, **cfg)[0],
                  "TorchScript reference": torch.jit.script(scan_ref.ttt_linear_bidir_reference)(
                      *a32, mixer.mini_batch, True, mixer.rope_theta)[0],
@@ -121,6 +123,12 @@ def test_scan_paths_at_n3136(stage0):
     paths["recompute (grad)"] = scan_rc.ttt_linear_bidir_torch(*grad_args, **cfg)[0]
     for path, out in paths.items():
         assert NT.rel(out, true) <= TOL, f"{path}: {NT.rel(out, true):.2e} off float64 at N = 3136"
+    # the recomputing backward against autograd through the float64 plain scan
+    do = torch.randn_like(true)
+    paths["recompute (grad)"].backward(do.float())
+    true.backward(do)
+    for name, a, b in zip(("q", "k", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b"), grad_args, true_args):
+        assert NT.rel(a.grad, b.grad) <= TOL, f"d{name} of the recomputing backward: {NT.rel(a.grad, b.grad):.2e}"
     # each direction alone: the causal scan forward and over the reversed sequence
     q, k, v, lr, tau, w0, b0, lw, lb = a32
     q6, k6, v6, lr6, tau6, w06, b06, lw6, lb6 = a64
@@ -145,6 +153,7 @@ def test_mixer_torchscript_and_gradient_map_at_n3136(stage0):
     assert NT.rel(gmap, gtrue) <= TOL, f"gradient_magnitude_map {NT.rel(gmap, gtrue):.2e}"
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton runs on CUDA or, on the CPU, under TRITON_INTERPRET=1")
 def test_triton_scan_on_photo_features():

@@ -185,6 +185,7 @@ def write_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
