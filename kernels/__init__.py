@@ -81,6 +81,8 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
     (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
     """
+    if torch.jit.is_scripting():
+        return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
     return _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)(x, weight, bias, w1, w2, w3, feat_size, heads, scale,
                                                      normalize_grad, cos, sin)
 

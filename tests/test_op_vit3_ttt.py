@@ -317,4 +317,4 @@ def test_empty_batch(backend):
     assert x.grad.shape == x.shape and torch.equal(m.w3.grad, torch.zeros_like(m.w3))
     q = torch.randn(0, 8, 3, 5)
     assert dwconv_ttt(q, q, q, torch.randn(8, 1, 3, 3), 1 / 3, backend=backend).shape == q.shape
-    assert m._forward_unfused(x.detach(), (3, 4)).shape == (0, 12, 32)  # the TorchScript form
+    assert torch.jit.script(m)(x.detach(), (3, 4)).shape == (0, 12, 32)  # the TorchScript form

@@ -25,6 +25,7 @@ from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
 from ..utils import reduce_to as _reduce_to
+from .naive import _qkv_split, _rope, qkv_ttt_naive  # noqa: F401  (qkv_ttt_naive re-exported)
 
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
@@ -215,29 +216,6 @@ def dwconv_ttt_torch(q, k, v, w3, scale: float, normalize_grad: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------- qkv projection + both branches
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it."""
-    dt = torch.promote_types(x.dtype, torch.float32)
-    xr = x.to(dt).unflatten(-1, (-1, 2))
-    re, im = xr[..., 0], xr[..., 1]
-    cos, sin = cos.to(dt), sin.to(dt)
-    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2).to(x.dtype)
-
-
-def _qkv_split(x, weight, bias, feat_size, heads, cos, sin):
-    """qkv projection -> SwiGLU-branch q, k, v (B, heads, N, d) and conv-branch q, k, v (B, d, H, W) views."""
-    b, n, c = x.shape
-    h, w = feat_size
-    d = c // heads
-    q1, k1, v1, q2, k2, v2 = torch.split(F.linear(x, weight, bias), [c, c, c, d, d, d], dim=-1)
-    if cos is not None:
-        q1 = _rope(q1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
-        k1 = _rope(k1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
-    t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
-    t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
-    return t1, t2
-
-
 def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
                 swiglu_f=None, dwconv_f=None):
     """Projection + both inner steps, no autograd: (out (B, N, C + d), G_swiglu, G_conv).
@@ -319,17 +297,6 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
 
 
 QKVTTT = make_qkv_function("QKVTTT", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_bwd)
-
-
-def qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-                  cos=None, sin=None) -> torch.Tensor:
-    """Reference composition (plain autograd): projection, split, RoPE, both reference inner steps, concat."""
-    from .naive import dwconv_ttt_reference, swiglu_ttt_reference
-    b, n, c = x.shape
-    (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
-    x1 = swiglu_ttt_reference(q1, k1, v1, w1, w2, scale, normalize_grad)
-    x2 = dwconv_ttt_reference(q2, k2, v2, w3, scale, normalize_grad)
-    return torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
 
 
 def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,

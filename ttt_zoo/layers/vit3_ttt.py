@@ -6,14 +6,14 @@ import torch
 from torch import nn
 from timm.layers import register_notrace_function, trunc_normal_
 
-from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt, vit3_qkv_ttt
+from ttt_zoo.kernels import vit3_qkv_ttt
 from .mixer import TTTMixer, register_mixer
-from .rope import apply_rope_2d, rope_2d_tables
+from .rope import rope_2d_tables
 
 __all__ = ["ViT3TTT"]
 
 # the ops and RoPE tables are leaves for torch.fx (they branch on devices and shapes)
-for _fn in (swiglu_ttt, dwconv_ttt, vit3_qkv_ttt, rope_2d_tables, apply_rope_2d):
+for _fn in (vit3_qkv_ttt, rope_2d_tables):
     register_notrace_function(_fn)
 
 
@@ -63,40 +63,15 @@ class ViT3TTT(TTTMixer):
                 trunc_normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        if torch.jit.is_scripting():
-            return self._forward_unfused(x, feat_size)
         cos: Optional[torch.Tensor] = None
         sin: Optional[torch.Tensor] = None
         if self.use_rope:
             cos, sin = rope_2d_tables(feat_size, self.dim, self.rope_base, device=x.device)
         # qkv projection + RoPE + both inner steps in one op, whose backward recomputes the projection output
-        # instead of storing it (the naive path, backend='torch_naive', stores everything)
+        # instead of storing it (the naive path, backend='torch_naive' and TorchScript, stores everything)
         y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size, self.num_heads,
                          self.scale, self.normalize_grad, cos, sin, backend=self.backend)
         return self.proj_drop(self.proj(y))
-
-    def _forward_unfused(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        """Step-by-step form (TorchScript): projection, split, RoPE, the two inner ops, concat, proj."""
-        b, n, c = x.shape[0], x.shape[1], x.shape[2]
-        h, w = feat_size[0], feat_size[1]
-        d, heads = self.head_dim, self.num_heads
-        qkv = torch.split(self.qkv(x), [c, c, c, d, d, d], dim=-1)
-        q1, k1, v1 = qkv[0], qkv[1], qkv[2]
-        if self.use_rope:
-            cos, sin = rope_2d_tables((h, w), c, self.rope_base, device=x.device)
-            q1 = apply_rope_2d(q1.reshape(b, h, w, c), cos, sin)
-            k1 = apply_rope_2d(k1.reshape(b, h, w, c), cos, sin)
-        q1 = q1.reshape(b, n, heads, d).transpose(1, 2)
-        k1 = k1.reshape(b, n, heads, d).transpose(1, 2)
-        v1 = v1.reshape(b, n, heads, d).transpose(1, 2)
-        x1 = swiglu_ttt(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad, backend=self.backend)
-        x1 = x1.transpose(1, 2).reshape(b, n, c)
-        q2 = qkv[3].transpose(1, 2).reshape(b, d, h, w)
-        k2 = qkv[4].transpose(1, 2).reshape(b, d, h, w)
-        v2 = qkv[5].transpose(1, 2).reshape(b, d, h, w)
-        x2 = dwconv_ttt(q2, k2, v2, self.w3, self.scale, self.normalize_grad, backend=self.backend)
-        x2 = x2.flatten(2).transpose(1, 2)
-        return self.proj_drop(self.proj(torch.cat([x1, x2], dim=-1)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"
