@@ -70,6 +70,13 @@ def _load_pair(W1, W2, base, offs_d, offs_c, sr, sc, D):
 
 
 @triton.jit
+def _store_partials(P1, P2, base, p1, p2, offs_d, offs_c, D):
+    """The column block of one program's fp32 partials of the two d x d gradients."""
+    store_mat(P1, base, p1, offs_d, offs_c, D)
+    store_mat(P2, base, p2, offs_d, offs_c, D)
+
+
+@triton.jit
 def _swiglu_tile(x, w1, w2, PREC: tl.constexpr):
     """z1 = x W1, z2 = x W2 and sigmoid(z2)."""
     z1 = tl.dot(x, w1, input_precision=PREC)
@@ -102,9 +109,7 @@ def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
         xt = tl.trans(x)
         p1 += tl.dot(xt, dz1, input_precision=PREC)
         p2 += tl.dot(xt, dz2, input_precision=PREC)
-    base = (pid * n_chunks + chunk) * D * D
-    store_mat(P1, base, p1, offs_d, offs_c, D)
-    store_mat(P2, base, p2, offs_d, offs_c, D)
+    _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, p1, p2, offs_d, offs_c, D)
 
 
 @triton.jit
@@ -153,9 +158,7 @@ def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
         kt = tl.trans(k)
         dw1 += tl.dot(kt, dz1, input_precision=PREC)
         dw2 += tl.dot(kt, dz2, input_precision=PREC)
-    base = (pid * n_chunks + chunk) * D * D
-    store_mat(P1, base, dw1, offs_d, offs_c, D)
-    store_mat(P2, base, dw2, offs_d, offs_c, D)
+    _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, dw1, dw2, offs_d, offs_c, D)
 
 
 def _check(q, k, v, w1, w2):
