@@ -80,13 +80,13 @@ def vit3_rows(block_ds, arch):
     lines = []
     for bd in block_ds:
         bc = VT._block_c(bd)
-        for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False)), (VT._swiglu_apply, "apply", {}),
-                                 (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True)),
-                                 (VT._swiglu_update_bwd, "update bwd", {})):
-            bn, warps = VT._reduce_cfg(bd) if "TILES" in fn.arg_names else (VT.BLOCK_N, 4)
+        tiles = dict(TILES=VT.TILES)  # the reduction kernels
+        for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False, **tiles)),
+                                 (VT._swiglu_apply, "apply", {}),
+                                 (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
+                                 (VT._swiglu_update_bwd, "update bwd", tiles)):
+            bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
             consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC="tf32", **extra)
-            if "TILES" in fn.arg_names:
-                consts["TILES"] = VT.TILES
             lines.append(_row(fn, f"{pass_}, {bd // bc} column block(s) of {bc}", bd, bn, warps, consts, arch))
     for fn in (VT._taps, VT._dwconv):
         consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
