@@ -80,12 +80,14 @@ def vit3_rows(block_ds, arch):
     lines = []
     for bd in block_ds:
         bc = VT._block_c(bd)
-        for fn in (VT._swiglu_update, VT._swiglu_apply, VT._swiglu_apply_bwd, VT._swiglu_update_bwd):
-            bn, warps = VT._reduce_cfg(bd) if "TILES" in fn.arg_names else (VT.BLOCK_N, 4)
-            consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC="tf32")
-            if "TILES" in fn.arg_names:
-                consts["TILES"] = VT.TILES
-            lines.append(_row(fn, f"{bd // bc} column block(s) of {bc}", bd, bn, warps, consts, arch))
+        tiles = dict(TILES=VT.TILES)  # the reduction kernels
+        for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False, **tiles)),
+                                 (VT._swiglu_apply, "apply", {}),
+                                 (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
+                                 (VT._swiglu_update_bwd, "update bwd", tiles)):
+            bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
+            consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC="tf32", **extra)
+            lines.append(_row(fn, f"{pass_}, {bd // bc} column block(s) of {bc}", bd, bn, warps, consts, arch))
     for fn in (VT._taps, VT._dwconv):
         consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
         consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
@@ -111,13 +113,15 @@ def inner_mlp_rows(block_ds, arch):
     lines = []
     for bd in block_ds:
         warps = T._warps(bd)
-        for fn, pass_ in ((T._update, "update"), (T._apply, "apply"), (T._apply_bwd, "bwd"), (T._update_bwd, "bwd")):
+        for fn, pass_, extra in ((T._vjp, "update", dict(UPDATE=True)), (T._apply, "apply", {}),
+                                 (T._vjp, "bwd", dict(UPDATE=False)), (T._update_bwd, "bwd", {})):
             bn = T._block_n(bd, pass_)
             for gated in (True, False):
-                consts = dict(GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC="tf32")
+                consts = dict(GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC="tf32", **extra)
                 if "TILES" in fn.arg_names:
                     consts["TILES"] = T._tiles(bn)
-                lines.append(_row(fn, "T5" if gated else "DiT5", bd, bn, warps, consts, arch))
+                variant = ("T5" if gated else "DiT5") + ("" if not extra else f", {pass_}")
+                lines.append(_row(fn, variant, bd, bn, warps, consts, arch))
     for fn in (KT._knorm_fwd, KT._knorm_bwd):
         lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
                           dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))

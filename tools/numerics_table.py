@@ -38,25 +38,29 @@ DIFFUSION_PREFIXES = ("dit_", "dit3_", "dit5_")
 # stage 0 at 56 x 56 = 3136 tokens; plain models reach N = 4096 at 1024 px, run with their first 2 blocks
 # (the length, not the depth, is what grows the scan's error).  DiT latents: 32 x 32 and 32 x 24 (N = 256, 192
 # at patch 2), and 112 x 112 (N = 3136) with 2 blocks for the linear-time mixers.
-CASES: List[Tuple[str, Tuple[int, int], Dict, str]] = [
-    ("vit3_tiny", (224, 224), {}, ""), ("vit3_tiny", (384, 320), {}, ""),
-    ("vit3_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), ("vit3_small", (224, 224), {}, ""),
-    ("hvit3_tiny", (224, 224), {}, "stage 0 N=3136"), ("hvit3_tiny", (384, 320), {}, ""),
-    ("hvit3_small", (224, 224), {}, "stage 0 N=3136"),
-    ("t5_tiny", (224, 224), {}, ""), ("t5_tiny", (384, 320), {}, ""),
-    ("t5_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), ("t5_small", (224, 224), {}, ""),
-    ("t5_plus_tiny", (224, 224), {}, ""), ("t5_plus_tiny", (384, 320), {}, ""),
-    ("t5_plus_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), ("t5_plus_small", (224, 224), {}, ""),
-    ("visionttt_tiny", (224, 224), {}, ""), ("visionttt_tiny", (384, 320), {}, ""),
-    ("visionttt_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), ("visionttt_small", (224, 224), {}, ""),
-    ("visionttt_h_tiny", (224, 224), {}, "stage 0 N=3136"), ("visionttt_h_tiny", (384, 320), {}, ""),
-    ("visionttt_h_small", (224, 224), {}, "stage 0 N=3136"),
-    ("dit3_s_2", (32, 32), {}, "latent"), ("dit3_s_2", (32, 24), {}, "latent"),
-    ("dit3_s_2", (112, 112), {"depth": 2}, "latent, 2 blocks, N=3136"), ("dit3_b_2", (32, 32), {}, "latent"),
-    ("dit5_s_2", (32, 32), {}, "latent"), ("dit5_s_2", (32, 24), {}, "latent"),
-    ("dit5_s_2", (112, 112), {"depth": 2}, "latent, 2 blocks, N=3136"), ("dit5_b_2", (32, 32), {}, "latent"),
-    ("dit_s_2", (32, 32), {}, "latent, softmax"), ("dit_s_2", (32, 24), {}, "latent, softmax"),
-]
+Case = Tuple[str, Tuple[int, int], Dict, str]
+
+
+def _plain(family: str) -> List[Case]:
+    return [(f"{family}_tiny", (224, 224), {}, ""), (f"{family}_tiny", (384, 320), {}, ""),
+            (f"{family}_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), (f"{family}_small", (224, 224), {}, "")]
+
+
+def _hierarchical(family: str) -> List[Case]:
+    return [(f"{family}_tiny", (224, 224), {}, "stage 0 N=3136"), (f"{family}_tiny", (384, 320), {}, ""),
+            (f"{family}_small", (224, 224), {}, "stage 0 N=3136")]
+
+
+def _latent(family: str) -> List[Case]:
+    return [(f"{family}_s_2", (32, 32), {}, "latent"), (f"{family}_s_2", (32, 24), {}, "latent"),
+            (f"{family}_s_2", (112, 112), {"depth": 2}, "latent, 2 blocks, N=3136"),
+            (f"{family}_b_2", (32, 32), {}, "latent")]
+
+
+CASES: List[Case] = (
+    _plain("vit3") + _hierarchical("hvit3") + _plain("t5") + _plain("t5_plus") + _plain("visionttt")
+    + _hierarchical("visionttt_h") + _latent("dit3") + _latent("dit5")
+    + [("dit_s_2", (32, 32), {}, "latent, softmax"), ("dit_s_2", (32, 24), {}, "latent, softmax")])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -142,24 +142,28 @@ def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor
     return [dq.to(in_dt), dk.to(in_dt), dv.to(in_dt)] + dws
 
 
-def t5_fwd(q, k, v, w1, w2, w3, scale: float):
-    out, wn = inner_fwd(q, k, v, (w1, w2, w3), scale, True)
-    return out, wn[0], wn[1], wn[2]
+def model_entry_points(fwd, bwd):
+    """(t5_fwd, t5_bwd, dit5_fwd, dit5_bwd): the T5 (3 weights, gated) and DiT5 (2 weights) forms of an
+    ``inner_fwd`` / ``inner_bwd`` pair with flat tensor arguments, as the custom ops and ``make_function`` take them."""
+
+    def t5_fwd(q, k, v, w1, w2, w3, scale: float):
+        out, wn = fwd(q, k, v, (w1, w2, w3), scale, True)
+        return out, wn[0], wn[1], wn[2]
+
+    def t5_bwd(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale: float):
+        return bwd(do, q, k, v, (w1, w2, w3), (w1n, w2n, w3n), scale, True)
+
+    def dit5_fwd(q, k, v, w1, w2, scale: float):
+        out, wn = fwd(q, k, v, (w1, w2), scale, False)
+        return out, wn[0], wn[1]
+
+    def dit5_bwd(do, q, k, v, w1, w2, w1n, w2n, scale: float):
+        return bwd(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
+
+    return t5_fwd, t5_bwd, dit5_fwd, dit5_bwd
 
 
-def t5_bwd(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale: float):
-    return inner_bwd(do, q, k, v, (w1, w2, w3), (w1n, w2n, w3n), scale, True)
-
-
-def dit5_fwd(q, k, v, w1, w2, scale: float):
-    out, wn = inner_fwd(q, k, v, (w1, w2), scale, False)
-    return out, wn[0], wn[1]
-
-
-def dit5_bwd(do, q, k, v, w1, w2, w1n, w2n, scale: float):
-    return inner_bwd(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
-
-
+t5_fwd, t5_bwd, dit5_fwd, dit5_bwd = model_entry_points(inner_fwd, inner_bwd)
 T5TTT = make_function("T5TTT", t5_fwd, t5_bwd, 3)
 DiT5TTT = make_function("DiT5TTT", dit5_fwd, dit5_bwd, 2)
 

@@ -9,11 +9,12 @@ D >= 16 (d = 72 -> 128) and masked; N is tiled by BLOCK_N and masked.  Nothing o
 weight is ever written to memory.
 
 Passes, per (batch, head):
-  fwd 1 ``_update``: z = k W, silu, h, e (DiT5: f = h O, e = c (f - v)), dh = e O^T and the weight gradients
+  fwd 1 ``_vjp`` (UPDATE): z = k W, silu, h, e (DiT5: f = h O, e = c (f - v)), dh = e O^T and the weight gradients
       G = k^T (..), h^T e, fused per token tile; each program reduces TILES tiles into fp32 partials (one d x d per
       weight per chunk), summed in PyTorch; W' = W - G on the tiny d x d tensors.
   fwd 2 ``_apply``: out = silu(q W1') [* q W2'] O', fused; reads q once, writes out once.
-  bwd 3 ``_apply_bwd``: recomputes y = q W', writes dq, reduces dW' (2 or 3 d x d) into partials.
+  bwd 3 ``_vjp``: recomputes y = q W', writes dq, reduces dW' (2 or 3 d x d) into partials (pass 1's algebra with
+      k -> q and e -> dO).
   bwd 4 ``_update_bwd``: recomputes z, silu, silu', silu'', h, e, dh from k, v, W; writes dk, dv, reduces the
       gradient through G into dW partials.
   Token tiles: 64 (apply, update) and 32 (backward) for d <= 64; 32 / 16 / 16 for d = 72 (D = 128): chosen from
@@ -30,21 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch import _check, compute_dtype, make_function
+from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
+    store_tile, tile_rows, wstrides as _wstrides
+from .torch import _check, compute_dtype, make_function, model_entry_points
 
 __all__ = ["inner_fwd_triton", "inner_bwd_triton", "t5_fwd_triton", "t5_bwd_triton", "dit5_fwd_triton",
            "dit5_bwd_triton", "t5_swiglu_ttt_triton", "mlp_ttt_triton"]
 
 BLOCK_N = 64      # tokens per tile (32 when d pads to 128)
 TILES = 4         # tiles reduced per program in the reduction kernels
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
-
-
-def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
 
 
 def _block_n(bd: int, pass_: str) -> int:
@@ -66,36 +61,12 @@ def _warps(bd: int) -> int:
 
 # ------------------------------------------------------------------------------------------- shared helpers
 @triton.jit
-def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
-    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
-    return tl.load(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_tile(ptr, base, val, offs_n, offs_d, sn, sd, n_max, d_max):
-    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
-    tl.store(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, val.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _load_mat(ptr, base, offs_d, sr, sc, d_max):
-    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
-    return tl.load(ptr + base + offs_d[:, None] * sr + offs_d[None, :] * sc, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_mat(ptr, base, val, offs_d, d_max):
-    m = (offs_d[:, None] < d_max) & (offs_d[None, :] < d_max)
-    tl.store(ptr + base + offs_d[:, None] * d_max + offs_d[None, :], val, mask=m)
-
-
-@triton.jit
 def _load_weights(WA, WB, WO, base, offs_d, sr, sc, D, GATED: tl.constexpr):
     """The 2 (MLP) or 3 (gated) d x d weights of one (batch, head); wb = wa when not gated (unused)."""
-    wa = _load_mat(WA, base, offs_d, sr, sc, D)
-    wo = _load_mat(WO, base, offs_d, sr, sc, D)
+    wa = load_mat(WA, base, offs_d, offs_d, sr, sc, D)
+    wo = load_mat(WO, base, offs_d, offs_d, sr, sc, D)
     if GATED:
-        wb = _load_mat(WB, base, offs_d, sr, sc, D)
+        wb = load_mat(WB, base, offs_d, offs_d, sr, sc, D)
     else:
         wb = wa
     return wa, wb, wo
@@ -103,10 +74,17 @@ def _load_weights(WA, WB, WO, base, offs_d, sr, sc, D, GATED: tl.constexpr):
 
 @triton.jit
 def _store_partials(PA, PB, PO, base, ga, gb, go, offs_d, D, GATED: tl.constexpr):
-    _store_mat(PA, base, ga, offs_d, D)
-    _store_mat(PO, base, go, offs_d, D)
+    store_mat(PA, base, ga, offs_d, offs_d, D)
+    store_mat(PO, base, go, offs_d, offs_d, D)
     if GATED:
-        _store_mat(PB, base, gb, offs_d, D)
+        store_mat(PB, base, gb, offs_d, offs_d, D)
+
+
+@triton.jit
+def _zeros3(BLOCK_D: tl.constexpr):
+    """Three fp32 d x d accumulators (the partials of A, B, O)."""
+    shape: tl.constexpr = (BLOCK_D, BLOCK_D)
+    return tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32)
 
 
 @triton.jit
@@ -137,32 +115,44 @@ def _residual(h, v, wo, c, GATED: tl.constexpr, PREC: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _update(K, V, WA, WB, WO, PA, PB, PO,
-            skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
-            H, N, D, n_chunks, c,
-            GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PREC: tl.constexpr):
+def _vjp(X, Y, WA, WB, WO, DX, PA, PB, PO,
+         sxb, sxh, sxn, sxd, syb, syh, syn, syd, swb, swh, swr, swc, sdb, sdh, sdn, sdd,
+         H, N, D, n_chunks, c,
+         GATED: tl.constexpr, UPDATE: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """Partials of the weight gradients of f = hidden(x) O for a cotangent e of f, reduced over TILES tiles.
+    ``UPDATE`` (fwd pass 1): x = k, e = the inner loss gradient from y = v (:func:`_residual`), the partials are G.
+    Otherwise (bwd pass 3): x = q, e = y = dO, W = W', the partials are dW', and dx = dq is written."""
     pid, chunk = tl.program_id(0), tl.program_id(1)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
     wa, wb, wo = _load_weights(WA, WB, WO, b * swb + h * swh, offs_d, swr, swc, D, GATED)
-    ga = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    gb = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    go = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    ga, gb, go = _zeros3(BLOCK_D)
     for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
-        z1, a, da, s, z2, hid = _hidden(k, wa, wb, GATED, PREC)
-        e = _residual(hid, v, wo, c, GATED, PREC)
-        dh = tl.dot(e, tl.trans(wo), input_precision=PREC)
-        kt = tl.trans(k)
-        if GATED:
-            ga += tl.dot(kt, dh * z2 * da, input_precision=PREC)
-            gb += tl.dot(kt, dh * a, input_precision=PREC)
+        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
+        x, y = load_tile_pair(X, Y, b * sxb + h * sxh, b * syb + h * syh, offs_n, offs_d, offs_d, sxn, sxd, syn,
+                              syd, N, D)
+        z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
+        if UPDATE:
+            e = _residual(hid, y, wo, c, GATED, PREC)
         else:
-            ga += tl.dot(kt, dh * da, input_precision=PREC)
+            e = y
+        dh = tl.dot(e, tl.trans(wo), input_precision=PREC)
+        xt = tl.trans(x)
+        if GATED:
+            dya = dh * z2 * da
+            dyb = dh * a
+            gb += tl.dot(xt, dyb, input_precision=PREC)
+        else:
+            dya = dh * da
+        ga += tl.dot(xt, dya, input_precision=PREC)
         go += tl.dot(tl.trans(hid), e, input_precision=PREC)
+        if not UPDATE:
+            if GATED:
+                dx = tl.dot(dya, tl.trans(wa), input_precision=PREC) + tl.dot(dyb, tl.trans(wb), input_precision=PREC)
+            else:
+                dx = tl.dot(dya, tl.trans(wa), input_precision=PREC)
+            store_tile(DX, b * sdb + h * sdh, dx, offs_n, offs_d, sdn, sdd, N, D)
     _store_partials(PA, PB, PO, (pid * n_chunks + chunk) * D * D, ga, gb, go, offs_d, D, GATED)
 
 
@@ -176,44 +166,10 @@ def _apply(Q, WA, WB, WO, O,
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     wa, wb, wo = _load_weights(WA, WB, WO, pid * D * D, offs_d, D, 1, D, GATED)
-    q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+    q = load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
     z1, a, da, s, z2, hid = _hidden(q, wa, wb, GATED, PREC)
     out = tl.dot(hid, wo, input_precision=PREC)
-    _store_tile(O, b * sob + h * soh, out, offs_n, offs_d, son, sod, N, D)
-
-
-@triton.jit
-def _apply_bwd(Q, DO, WA, WB, WO, DQ, PA, PB, PO,
-               sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sgb, sgh, sgn, sgd,
-               H, N, D, n_chunks,
-               GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PREC: tl.constexpr):
-    pid, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = pid // H, pid % H
-    offs_d = tl.arange(0, BLOCK_D)
-    wa, wb, wo = _load_weights(WA, WB, WO, pid * D * D, offs_d, D, 1, D, GATED)
-    ga = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    gb = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    go = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
-        do = _load_tile(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D)
-        z1, a, da, s, z2, hid = _hidden(q, wa, wb, GATED, PREC)
-        go += tl.dot(tl.trans(hid), do, input_precision=PREC)
-        dh = tl.dot(do, tl.trans(wo), input_precision=PREC)
-        qt = tl.trans(q)
-        if GATED:
-            dya = dh * z2 * da
-            dyb = dh * a
-            dq = tl.dot(dya, tl.trans(wa), input_precision=PREC) + tl.dot(dyb, tl.trans(wb), input_precision=PREC)
-            gb += tl.dot(qt, dyb, input_precision=PREC)
-        else:
-            dya = dh * da
-            dq = tl.dot(dya, tl.trans(wa), input_precision=PREC)
-        ga += tl.dot(qt, dya, input_precision=PREC)
-        _store_tile(DQ, b * sgb + h * sgh, dq, offs_n, offs_d, sgn, sgd, N, D)
-    _store_partials(PA, PB, PO, (pid * n_chunks + chunk) * D * D, ga, gb, go, offs_d, D, GATED)
+    store_tile(O, b * sob + h * soh, out, offs_n, offs_d, son, sod, N, D)
 
 
 @triton.jit
@@ -229,13 +185,11 @@ def _update_bwd(K, V, WA, WB, WO, DA, DB, DG, DK, DV, PA, PB, PO,
     offs_d = tl.arange(0, BLOCK_D)
     wa, wb, wo = _load_weights(WA, WB, WO, b * swb + h * swh, offs_d, swr, swc, D, GATED)
     cta, ctb, cto = _load_weights(DA, DB, DG, pid * D * D, offs_d, D, 1, D, GATED)
-    ga = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    gb = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
-    go = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
+    ga, gb, go = _zeros3(BLOCK_D)
     for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
+        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
+        k, v = load_tile_pair(K, V, b * skb + h * skh, b * svb + h * svh, offs_n, offs_d, offs_d, skn, skd, svn,
+                              svd, N, D)
         z1, a, da, s, z2, hid = _hidden(k, wa, wb, GATED, PREC)
         d2a = s * (1.0 - s) * (2.0 + z1 * (1.0 - 2.0 * s))
         e = _residual(hid, v, wo, c, GATED, PREC)
@@ -265,17 +219,12 @@ def _update_bwd(K, V, WA, WB, WO, DA, DB, DG, DK, DV, PA, PB, PO,
             go += tl.dot(tl.trans(hid), df, input_precision=PREC)
         go += tl.dot(tl.trans(ddh), e, input_precision=PREC)
         ga += tl.dot(tl.trans(k), dz1, input_precision=PREC)
-        _store_tile(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
-        _store_tile(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
+        store_tile(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
+        store_tile(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
     _store_partials(PA, PB, PO, (pid * n_chunks + chunk) * D * D, ga, gb, go, offs_d, D, GATED)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def _wstrides(w: torch.Tensor):
-    sb = 0 if w.shape[0] == 1 else w.stride(0)  # (1, heads, d, d) broadcasts over the batch
-    return sb, w.stride(1), w.stride(2), w.stride(3)
-
-
 def _slots(ws: Sequence[torch.Tensor]):
     """(A, B, O) slots: B aliases A for the 2-layer MLP (never read)."""
     return (ws[0], ws[1], ws[2]) if len(ws) == 3 else (ws[0], ws[0], ws[1])
@@ -306,9 +255,9 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     pa, pb, po = _slots(p)
     wa, wb, wo = _slots(ws)
     c = (-scale if gated else scale) / n
-    _update[(b * h, chunks)](k, v, wa, wb, wo, pa, pb, po, *k.stride(), *v.stride(), *_wstrides(ws[0]),
-                             h, n, d, chunks, c, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                             num_warps=_warps(bd))
+    _vjp[(b * h, chunks)](k, v, wa, wb, wo, pa, pa, pb, po, *k.stride(), *v.stride(), *_wstrides(ws[0]),
+                          0, 0, 0, 0, h, n, d, chunks, c, GATED=gated, UPDATE=True, TILES=tiles, BLOCK_N=bn,
+                          BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
     gs = _sum_partials(p, b, h, d)
     wn = [(w.float() - g).expand(b, h, d, d).contiguous() for w, g in zip(ws, gs)]
     out = _heads_merged(b, h, n, d, q)
@@ -333,9 +282,9 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     p = _partials(b * h, chunks, d, n_w, q.device)
     pa, pb, po = _slots(p)
     na, nb, no = _slots(wn)
-    _apply_bwd[(b * h, chunks)](q, do, na, nb, no, dq, pa, pb, po, *q.stride(), *do.stride(), *dq.stride(),
-                                h, n, d, chunks, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                             num_warps=_warps(bd))
+    _vjp[(b * h, chunks)](q, do, na, nb, no, dq, pa, pb, po, *q.stride(), *do.stride(), h * d * d, d * d, d, 1,
+                          *dq.stride(), h, n, d, chunks, 1.0, GATED=gated, UPDATE=False, TILES=tiles, BLOCK_N=bn,
+                          BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
     dwn = _sum_partials(p, b, h, d)
     cts = [(-t).contiguous() for t in dwn]  # cotangents of G (W' = W - G)
     ca, cb, co = _slots(cts)
@@ -355,22 +304,8 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     return [dq, dk, dv] + dws
 
 
-def t5_fwd_triton(q, k, v, w1, w2, w3, scale: float):
-    out, wn = inner_fwd_triton(q, k, v, (w1, w2, w3), scale, True)
-    return out, wn[0], wn[1], wn[2]
-
-
-def t5_bwd_triton(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale: float):
-    return inner_bwd_triton(do, q, k, v, (w1, w2, w3), (w1n, w2n, w3n), scale, True)
-
-
-def dit5_fwd_triton(q, k, v, w1, w2, scale: float):
-    out, wn = inner_fwd_triton(q, k, v, (w1, w2), scale, False)
-    return out, wn[0], wn[1]
-
-
-def dit5_bwd_triton(do, q, k, v, w1, w2, w1n, w2n, scale: float):
-    return inner_bwd_triton(do, q, k, v, (w1, w2), (w1n, w2n), scale, False)
+t5_fwd_triton, t5_bwd_triton, dit5_fwd_triton, dit5_bwd_triton = model_entry_points(inner_fwd_triton,
+                                                                                     inner_bwd_triton)
 
 
 # differentiable entry points straight over the kernels, without the custom op (the kernel tests use them)

@@ -79,6 +79,18 @@ def _check_scan_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
                          f"got {list(w0.shape)} and {list(b0.shape)}")
 
 
+def _scan_setup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int
+                ) -> Tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks the scan's arguments; returns the compute dtype and, in it, ``ln_w``, ``ln_b`` as (1, heads, 1, d)
+    and the initial state ``w0`` (B, heads, d, d), ``b0`` (B, heads, 1, d) expanded over the batch."""
+    _check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    bsz, heads, d = q.shape[0], q.shape[1], q.shape[3]
+    cd = _compute_dtype(q.dtype)
+    return (cd, ln_w.to(cd).reshape(1, heads, 1, d), ln_b.to(cd).reshape(1, heads, 1, d),
+            w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d))
+
+
 def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Tensor, inv_d: float) -> torch.Tensor:
     """:func:`ln_l2_grad` with ``c = (ln_b - target) * ln_w``, ``lnw2 = ln_w^2`` and ``eps`` (a 1-element tensor)
     precomputed.  ``z`` is centred here: a rounding-level row mean left in would be fed back, with the same sign,
@@ -164,21 +176,17 @@ def ttt_linear_reference(
     Returns:
         (out (B, heads, N, d), grad_norm or None)
     """
-    _check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    out_dtype = q.dtype
+    cd, lnw, lnb, w, b = _scan_setup(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch)
     bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     bh = bsz * heads
-    out_dtype = q.dtype
-    cd = _compute_dtype(q.dtype)
     shared = q is k
     q, lr, tau = q.to(cd), lr.to(cd).reshape(bh, n), tau.to(cd)
     k = q if shared else k.to(cd)
     one = torch.ones(bsz, heads, n, 1, device=q.device, dtype=cd)
     ka = torch.cat([k, one], -1).reshape(bh, n, d + 1)
     qa = ka if shared else torch.cat([q, one], -1).reshape(bh, n, d + 1)
-    state = torch.cat([w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d)], 2)
-    state = state.reshape(bh, d + 1, d)
-    lnw = ln_w.to(cd).reshape(1, heads, 1, d)
-    lnb = ln_b.to(cd).reshape(1, heads, 1, d)
+    state = torch.cat([w, b], 2).reshape(bh, d + 1, d)
     lnw2: Optional[torch.Tensor] = None
     if ln_residual:
         tgt = ((lnb - (v.to(cd) - k)) * lnw).reshape(bh, n, d)
@@ -229,15 +237,10 @@ def ttt_linear_naive(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The same scan written plainly (arguments as :func:`ttt_linear_reference`): per mini-batch the state
     recursion; the states of all mini-batches are stacked and the outputs formed from them afterwards."""
-    _check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
-    bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     out_dtype = q.dtype
-    cd = _compute_dtype(q.dtype)
+    cd, lnw, lnb, w, b = _scan_setup(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch)
+    n, d = q.shape[2], q.shape[3]
     q, k, v, lr, tau = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd)
-    lnw = ln_w.to(cd).view(1, heads, 1, d)
-    lnb = ln_b.to(cd).view(1, heads, 1, d)
-    w = w0.to(cd).expand(bsz, heads, d, d)
-    b = b0.to(cd).expand(bsz, heads, 1, d)
     outs: List[torch.Tensor] = []
     norms: List[torch.Tensor] = []
     for s in range(0, n, mini_batch):

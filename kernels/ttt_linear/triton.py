@@ -35,17 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import block_d as _block_d, prec as _prec
 from .torch import ckpt_every
 
 __all__ = ["scan_fwd_triton", "scan_bwd_triton"]
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _pow2(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
 
 
 @triton.jit
@@ -82,6 +75,17 @@ def _rows(r, s, N, MB, offs_c, dmask):
 
 
 @triton.jit
+def _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D):
+    """q, k, v, lr of the mini-batch's tokens ``t``, tau of its positions and tau of its last position (fp32)."""
+    q = _load_rows(qb, t, offs_d, m2, D)
+    k = _load_rows(kb, t, offs_d, m2, D)
+    v = _load_rows(vb, t, offs_d, m2, D)
+    lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+    tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
+    return q, k, v, lr, tau, tl.load(TAU + c - 1).to(tl.float32)
+
+
+@triton.jit
 def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr):
     """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v), z = k W + b; rows / columns outside m2 are 0."""
     z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
@@ -101,36 +105,40 @@ def _store_state(ptr, w, bias, offs_d, wmask, dmask, D):
 
 
 @triton.jit
+def _program(B, H, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's direction r, batch b, head h, sequence index ((direction x batch) x heads + head), the
+    mini-batch and head-dim offsets, and the head-dim and d x d masks."""
+    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    return pid // B, pid % B, h, pid * H + h, tl.arange(0, BLOCK_C), offs_d, dmask, dmask[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask):
+    """The head's inner LayerNorm weight and bias (fp32), the first token row of the sequence in (B, H, N) tensors,
+    and the q, k, v pointers of the sequence (q, k per direction)."""
+    lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    row = (b * H + h) * N
+    return lnw, lnb, row, Q + r * sqr + row * D, K + r * skr + row * D, V + row * D
+
+
+@triton.jit
 def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
               sqr, skr, swr, swb, sbr, sbb,
               B, H, N, D, n_mb, CK, n_ck, eps,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
-    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    r, b = pid // B, pid % B
-    seq = pid * H + h
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    wmask = dmask[:, None] & dmask[None, :]
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(B, H, D, BLOCK_C, BLOCK_D)
     w = tl.load(W0 + r * swr + b * swb + h * D * D + offs_d[:, None] * D + offs_d[None, :], mask=wmask,
                 other=0.0).to(tl.float32)
     bias = tl.load(B0 + r * sbr + b * sbb + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    row = (b * H + h) * N  # token row of (B, H, N) tensors
-    qb = Q + r * sqr + row * D
-    kb = K + r * skr + row * D
-    vb = V + row * D
+    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     ob = O + (seq * N) * D
     for m in range(n_mb):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        k = _load_rows(kb, t, offs_d, m2, D)
-        q = _load_rows(qb, t, offs_d, m2, D)
-        v = _load_rows(vb, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
         if SAVE:
             if m % CK == 0:
                 _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
@@ -157,19 +165,8 @@ def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
               B, H, N, D, n_mb, CK, n_ck, eps,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, PREC: tl.constexpr):
-    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    r, b = pid // B, pid % B
-    seq = pid * H + h
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    wmask = dmask[:, None] & dmask[None, :]
-    lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    row = (b * H + h) * N
-    qb = Q + r * sqr + row * D
-    kb = K + r * skr + row * D
-    vb = V + row * D
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(B, H, D, BLOCK_C, BLOCK_D)
+    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     dob = DO + row * D
     gb = seq * N  # rows of the per-direction (ndir B, H, N) gradient buffers
     dw = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
@@ -204,13 +201,8 @@ def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
             sb = scr + (m - lo) * (D + 1) * D
             w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
             bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
-            k = _load_rows(kb, t, offs_d, m2, D)
-            q = _load_rows(qb, t, offs_d, m2, D)
-            v = _load_rows(vb, t, offs_d, m2, D)
+            q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
             do = _load_rows(dob, t, offs_d, m2, D)
-            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-            tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
-            tau_last = tl.load(TAU + c - 1).to(tl.float32)
             # recompute the mini-batch's forward
             z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
             if LN_RES:
@@ -295,8 +287,8 @@ def _bstride(x: torch.Tensor, dim: int) -> int:
 
 
 def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
-    block_d = _pow2(d)  # 8 warps from d = 64: sm_90 ptxas spills of the backward 1356 -> 540 B (compile_kernels.py)
-    return _pow2(mini_batch), block_d, (8 if block_d >= 64 else 4)
+    block_d = _block_d(d)  # 8 warps from d = 64: sm_90 ptxas spills of the backward 1356 -> 540 B (compile_kernels.py)
+    return _block_d(mini_batch), block_d, (8 if block_d >= 64 else 4)
 
 
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,

@@ -10,10 +10,11 @@ ever written to memory.
 SwiGLU branch, per (batch, head) with N tokens of head dim d (D = d padded to a power of two >= 16).  Every kernel
 handles one block of output columns of [W1 | W2] (all D when D <= MAX_COLS, else COL_BLOCK); dq and dk sum over the
 blocks through fp32 partials (one N x d buffer per block, only when there is more than one):
-  fwd kernel 1 ``_swiglu_update``: z = k [W1|W2], the SwiGLU derivative and k^T A, fused per token tile; each
-      program reduces TILES tiles and writes one fp32 partial of G (2 d^2); partials are summed in PyTorch.
+  fwd kernel 1 ``_swiglu_vjp`` (x = k, y = v): z = k [W1|W2], the SwiGLU derivative and k^T A, fused per token
+      tile; each program reduces TILES tiles and writes one fp32 partial of G (2 d^2); partials are summed in PyTorch.
   fwd kernel 2 ``_swiglu_apply``: y = q W', out = y1 silu(y2), fused; reads q once, writes out once.
-  bwd kernel 3 ``_swiglu_apply_bwd``: recomputes y = q W', writes dq, reduces dW' = q^T dy into partials.
+  bwd kernel 3 ``_swiglu_vjp`` (x = q, y = dO, WRITE_DX): recomputes y = q W', writes dq, reduces dW' = q^T dy
+      into partials (the same algebra as kernel 1: dW' = q^T dy is G with k -> q, v -> dO).
   bwd kernel 4 ``_swiglu_update_bwd``: recomputes z = k W, silu, silu', silu'' and A, writes dk and dv, reduces
       dW = k^T dz into partials.
   Saved for backward: q, k, v (the inputs) and G (2 d^2 fp32).  Extra memory per (batch, head): G, the normalised
@@ -38,6 +39,8 @@ import triton.language as tl
 from . import torch as R
 from .torch import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
 from .naive import compute_dtype
+from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
+    store_tile, tile_rows, wstrides as _wstrides
 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
            "dwconv_ttt_triton", "qkv_ttt_triton"]
@@ -49,71 +52,64 @@ MAX_COLS = 64     # widest column block of the d x d SwiGLU kernels; larger (pad
 COL_BLOCK = 32    # column-block width used when the padded head dim exceeds MAX_COLS (e.g. d = 72 -> 128 = 4 x 32)
 
 
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
-
-
-def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
 # --------------------------------------------------------------------------------------------- SwiGLU kernels
 # Every SwiGLU kernel works on one block of BLOCK_C output columns of W = [W1 | W2] (grid axis 2): the SwiGLU is
 # elementwise in the hidden units, so column blocks are independent except for dq / dk, which sum over them (one
 # fp32 partial per block, summed in PyTorch).  BLOCK_C = BLOCK_D (one block) for head dims up to 64.
 @triton.jit
-def _load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
-    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
-    return tl.load(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_mat(ptr, base, offs_r, offs_c, sr, sc, d_max):
-    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
-    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_mat(ptr, base, val, offs_r, offs_c, d_max):
-    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
-    tl.store(ptr + base + offs_r[:, None] * d_max + offs_c[None, :], val, mask=m)
-
-
-@triton.jit
-def _store_tile(ptr, base, val, offs_n, offs_d, sn, sd, n_max, d_max):
-    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
-    tl.store(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, val.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _swiglu_update(K, V, W1, W2, P1, P2,
-                   skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
-                   H, N, D, n_chunks,
-                   TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                   PREC: tl.constexpr):
+def _program(H, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(program, chunk or tile, column block, batch, head, head-dim offsets, column offsets) of this program."""
     pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid // H, pid % H
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    w1 = _load_mat(W1, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
-    w2 = _load_mat(W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
-    g1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    return pid, chunk, cb, pid // H, pid % H, tl.arange(0, BLOCK_D), cb * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
+def _load_pair(W1, W2, base, offs_d, offs_c, sr, sc, D):
+    """The column block of two d x d matrices (W1 and W2, or their cotangents)."""
+    return load_mat(W1, base, offs_d, offs_c, sr, sc, D), load_mat(W2, base, offs_d, offs_c, sr, sc, D)
+
+
+@triton.jit
+def _store_partials(P1, P2, base, p1, p2, offs_d, offs_c, D):
+    """The column block of one program's fp32 partials of the two d x d gradients."""
+    store_mat(P1, base, p1, offs_d, offs_c, D)
+    store_mat(P2, base, p2, offs_d, offs_c, D)
+
+
+@triton.jit
+def _swiglu_tile(x, w1, w2, PREC: tl.constexpr):
+    """z1 = x W1, z2 = x W2 and sigmoid(z2)."""
+    z1 = tl.dot(x, w1, input_precision=PREC)
+    z2 = tl.dot(x, w2, input_precision=PREC)
+    return z1, z2, tl.sigmoid(z2)
+
+
+@triton.jit
+def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
+                sxb, sxh, sxn, sxd, syb, syh, syn, syd, swb, swh, swr, swc, sdc, sdb, sdh, sdn, sdd,
+                H, N, D, n_chunks,
+                TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                WRITE_DX: tl.constexpr, PREC: tl.constexpr):
+    """For ``z1 silu(z2)``, z = x [W1|W2], and its cotangent y: dz = (y silu(z2), y z1 silu'(z2)), reduced over TILES
+    tiles into fp32 partials of x^T dz, and (``WRITE_DX``) dx = dz [W1|W2]^T.  Forward update: x = k, y = v
+    (partials of G, no dx); backward of the apply: x = q, y = dO, W = W' (partials of dW', dq)."""
+    pid, chunk, cb, b, h, offs_d, offs_c = _program(H, BLOCK_D, BLOCK_C)
+    w1, w2 = _load_pair(W1, W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    p1, p2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32), tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_c, svn, svd, N, D)
-        z1 = tl.dot(k, w1, input_precision=PREC)
-        z2 = tl.dot(k, w2, input_precision=PREC)
-        s = tl.sigmoid(z2)
-        a1 = v * z2 * s
-        a2 = v * z1 * s * (1.0 + z2 * (1.0 - s))
-        kt = tl.trans(k)
-        g1 += tl.dot(kt, a1, input_precision=PREC)
-        g2 += tl.dot(kt, a2, input_precision=PREC)
-    base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, g1, offs_d, offs_c, D)
-    _store_mat(P2, base, g2, offs_d, offs_c, D)
+        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
+        x, y = load_tile_pair(X, Y, b * sxb + h * sxh, b * syb + h * syh, offs_n, offs_d, offs_c, sxn, sxd, syn,
+                              syd, N, D)
+        z1, z2, s = _swiglu_tile(x, w1, w2, PREC)
+        dz1 = y * z2 * s
+        dz2 = y * z1 * s * (1.0 + z2 * (1.0 - s))
+        if WRITE_DX:
+            dx = tl.dot(dz1, tl.trans(w1), input_precision=PREC) + tl.dot(dz2, tl.trans(w2), input_precision=PREC)
+            store_tile(DX, cb * sdc + b * sdb + h * sdh, dx, offs_n, offs_d, sdn, sdd, N, D)
+        xt = tl.trans(x)
+        p1 += tl.dot(xt, dz1, input_precision=PREC)
+        p2 += tl.dot(xt, dz2, input_precision=PREC)
+    _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, p1, p2, offs_d, offs_c, D)
 
 
 @triton.jit
@@ -121,50 +117,12 @@ def _swiglu_apply(Q, W1, W2, O,
                   sqb, sqh, sqn, sqd, sob, soh, son, sod,
                   H, N, D,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
-    pid, tile, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid // H, pid % H
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    pid, tile, cb, b, h, offs_d, offs_c = _program(H, BLOCK_D, BLOCK_C)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w1 = _load_mat(W1, pid * D * D, offs_d, offs_c, D, 1, D)
-    w2 = _load_mat(W2, pid * D * D, offs_d, offs_c, D, 1, D)
-    q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
-    y1 = tl.dot(q, w1, input_precision=PREC)
-    y2 = tl.dot(q, w2, input_precision=PREC)
-    _store_tile(O, b * sob + h * soh, y1 * y2 * tl.sigmoid(y2), offs_n, offs_c, son, sod, N, D)
-
-
-@triton.jit
-def _swiglu_apply_bwd(Q, DO, W1, W2, DQ, P1, P2,
-                      sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sgc, sgb, sgh, sgn, sgd,
-                      H, N, D, n_chunks,
-                      TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                      PREC: tl.constexpr):
-    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid // H, pid % H
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    w1 = _load_mat(W1, pid * D * D, offs_d, offs_c, D, 1, D)
-    w2 = _load_mat(W2, pid * D * D, offs_d, offs_c, D, 1, D)
-    dw1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
-    for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        q = _load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
-        do = _load_tile(DO, b * sdb + h * sdh, offs_n, offs_c, sdn, sdd, N, D)
-        y1 = tl.dot(q, w1, input_precision=PREC)
-        y2 = tl.dot(q, w2, input_precision=PREC)
-        s = tl.sigmoid(y2)
-        dy1 = do * y2 * s
-        dy2 = do * y1 * s * (1.0 + y2 * (1.0 - s))
-        dq = tl.dot(dy1, tl.trans(w1), input_precision=PREC) + tl.dot(dy2, tl.trans(w2), input_precision=PREC)
-        _store_tile(DQ, cb * sgc + b * sgb + h * sgh, dq, offs_n, offs_d, sgn, sgd, N, D)
-        qt = tl.trans(q)
-        dw1 += tl.dot(qt, dy1, input_precision=PREC)
-        dw2 += tl.dot(qt, dy2, input_precision=PREC)
-    base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, dw1, offs_d, offs_c, D)
-    _store_mat(P2, base, dw2, offs_d, offs_c, D)
+    w1, w2 = _load_pair(W1, W2, pid * D * D, offs_d, offs_c, D, 1, D)
+    q = load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+    y1, y2, s = _swiglu_tile(q, w1, w2, PREC)
+    store_tile(O, b * sob + h * soh, y1 * y2 * s, offs_n, offs_c, son, sod, N, D)
 
 
 @triton.jit
@@ -174,23 +132,16 @@ def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
                        H, N, D, n_chunks, c,
                        TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                        PREC: tl.constexpr):
-    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid // H, pid % H
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    w1 = _load_mat(W1, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
-    w2 = _load_mat(W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
-    dg1 = _load_mat(DG1, pid * D * D, offs_d, offs_c, D, 1, D) * c
-    dg2 = _load_mat(DG2, pid * D * D, offs_d, offs_c, D, 1, D) * c
-    dw1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    pid, chunk, cb, b, h, offs_d, offs_c = _program(H, BLOCK_D, BLOCK_C)
+    w1, w2 = _load_pair(W1, W2, b * swb + h * swh, offs_d, offs_c, swr, swc, D)
+    dg1, dg2 = _load_pair(DG1, DG2, pid * D * D, offs_d, offs_c, D, 1, D)
+    dg1, dg2 = dg1 * c, dg2 * c
+    dw1, dw2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32), tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for t in range(TILES):
-        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
-        v = _load_tile(V, b * svb + h * svh, offs_n, offs_c, svn, svd, N, D)
-        z1 = tl.dot(k, w1, input_precision=PREC)
-        z2 = tl.dot(k, w2, input_precision=PREC)
-        s = tl.sigmoid(z2)
+        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
+        k, v = load_tile_pair(K, V, b * skb + h * skh, b * svb + h * svh, offs_n, offs_d, offs_c, skn, skd, svn,
+                              svd, N, D)
+        z1, z2, s = _swiglu_tile(k, w1, w2, PREC)
         silu = z2 * s
         dsilu = s * (1.0 + z2 * (1.0 - s))
         d2silu = s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s))
@@ -202,19 +153,12 @@ def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
         dk += tl.dot(v * z1 * dsilu, tl.trans(dg2), input_precision=PREC)
         dk += tl.dot(dz1, tl.trans(w1), input_precision=PREC)
         dk += tl.dot(dz2, tl.trans(w2), input_precision=PREC)
-        _store_tile(DK, cb * sdkc + b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
-        _store_tile(DV, b * sdvb + h * sdvh, da1 * silu + da2 * z1 * dsilu, offs_n, offs_c, sdvn, sdvd, N, D)
+        store_tile(DK, cb * sdkc + b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
+        store_tile(DV, b * sdvb + h * sdvh, da1 * silu + da2 * z1 * dsilu, offs_n, offs_c, sdvn, sdvd, N, D)
         kt = tl.trans(k)
         dw1 += tl.dot(kt, dz1, input_precision=PREC)
         dw2 += tl.dot(kt, dz2, input_precision=PREC)
-    base = (pid * n_chunks + chunk) * D * D
-    _store_mat(P1, base, dw1, offs_d, offs_c, D)
-    _store_mat(P2, base, dw2, offs_d, offs_c, D)
-
-
-def _wstrides(w: torch.Tensor) -> Tuple[int, int, int, int]:
-    sb = 0 if w.shape[0] == 1 else w.stride(0)  # (1, heads, d, d) broadcasts over the batch
-    return sb, w.stride(1), w.stride(2), w.stride(3)
+    _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, dw1, dw2, offs_d, offs_c, D)
 
 
 def _check(q, k, v, w1, w2):
@@ -267,9 +211,9 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     cols, chunks = triton.cdiv(d, bc), _grid_chunks(n, bn)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
-    _swiglu_update[(b * h, chunks, cols)](k, v, w1, w2, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1), h, n, d,
-                                          chunks, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec,
-                                          num_warps=warps)
+    _swiglu_vjp[(b * h, chunks, cols)](k, v, w1, w2, p1, p1, p2, *k.stride(), *v.stride(), *_wstrides(w1),
+                                       0, 0, 0, 0, 0, h, n, d, chunks, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd,
+                                       BLOCK_C=bc, WRITE_DX=False, PREC=prec, num_warps=warps)
     g = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d) * (-scale / n)
     wn = torch.cat([w1, w2], dim=-1).float() - (normalize_columns(g) if normalize_grad else g)
     wn1, wn2 = wn[..., :d].contiguous(), wn[..., d:].contiguous()
@@ -296,10 +240,10 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
     dq_buf, dq = _heads_merged(b, n, h, d, q, cols)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
-    _swiglu_apply_bwd[(b * h, chunks, cols)](q, do, wn1, wn2, dq_buf, p1, p2, *q.stride(), *do.stride(),
-                                             dq_buf.stride(0), *dq.stride()[1:], h, n, d, chunks,
-                                             TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec,
-                                             num_warps=warps)
+    _swiglu_vjp[(b * h, chunks, cols)](q, do, wn1, wn2, dq_buf, p1, p2, *q.stride(), *do.stride(), h * d * d, d * d,
+                                       d, 1, dq_buf.stride(0), *dq.stride()[1:], h, n, d, chunks, TILES=TILES,
+                                       BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, WRITE_DX=True, PREC=prec,
+                                       num_warps=warps)
     dwn = torch.cat([p1.sum(1), p2.sum(1)], dim=-1).reshape(b, h, d, 2 * d)
     dg = normalize_columns_bwd(g, -dwn) if normalize_grad else -dwn
     dg1, dg2 = dg[..., :d].contiguous(), dg[..., d:].contiguous()

@@ -1,0 +1,67 @@
+"""Triton helpers shared by the op folders' kernels: launch choices and masked tile loads / stores.
+
+Imported only by the ``<op>/triton.py`` modules (CPU users never import Triton).  Every load is upcast to float32;
+``d_max`` / ``n_max`` mask the padding of the head dim (to a power of two) and of the token count.
+"""
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat", "store_mat",
+           "tile_rows"]
+
+
+def prec(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision: IEEE fp32 for fp32/fp64 inputs, TF32 for fp16/bf16 inputs."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def block_d(d: int) -> int:
+    """The head dim padded to a power of two >= 16 (the smallest ``tl.dot`` operand)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def wstrides(w: torch.Tensor):
+    """Strides of a (B | 1, heads, d, d) weight; a leading 1 broadcasts over the batch (stride 0)."""
+    sb = 0 if w.shape[0] == 1 else w.stride(0)
+    return sb, w.stride(1), w.stride(2), w.stride(3)
+
+
+@triton.jit
+def tile_rows(chunk, t, TILES, BLOCK_N: tl.constexpr):
+    """Token rows of tile ``t`` of reduction chunk ``chunk`` (TILES tiles of BLOCK_N tokens)."""
+    return (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
+    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
+    return tl.load(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_tile_pair(X, Y, xbase, ybase, offs_n, offs_x, offs_y, sxn, sxd, syn, syd, n_max, d_max):
+    """The same token rows of two tensors (columns ``offs_x`` of X, ``offs_y`` of Y)."""
+    x = load_tile(X, xbase, offs_n, offs_x, sxn, sxd, n_max, d_max)
+    y = load_tile(Y, ybase, offs_n, offs_y, syn, syd, n_max, d_max)
+    return x, y
+
+
+@triton.jit
+def store_tile(ptr, base, val, offs_n, offs_d, sn, sd, n_max, d_max):
+    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
+    tl.store(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, val.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def load_mat(ptr, base, offs_r, offs_c, sr, sc, d_max):
+    """Rows ``offs_r`` x columns ``offs_c`` of a d x d matrix."""
+    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
+    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_mat(ptr, base, val, offs_r, offs_c, d_max):
+    """Into a contiguous d x d matrix (a fp32 partial)."""
+    m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
+    tl.store(ptr + base + offs_r[:, None] * d_max + offs_c[None, :], val, mask=m)
