@@ -1,12 +1,13 @@
 """Helpers shared by the model files: input validation, building (checkpoints: :mod:`ttt_zoo.checkpoint`)."""
 
 import contextlib
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg
+from timm.models._features import feature_take_indices
 
 # checkpoint loading lives in ttt_zoo.checkpoint; re-exported for the model files' checkpoint_filter_fn
 from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_filter_fn, load_checkpoint_file,
@@ -120,6 +121,11 @@ class TTTClassifier(nn.Module):
     meets (torch.fx autowraps only the traced ``forward``'s module globals).
     """
 
+    #: the ModuleList of stages that ``forward_intermediates`` indexes: ``blocks`` (plain) or ``layers``
+    stages_attr: str = "layers"
+    #: the ``output_fmt`` s ``forward_intermediates`` accepts
+    intermediate_fmts: Tuple[str, ...] = ("NCHW",)
+
     def __init__(self, num_classes: int, global_pool: str, in_chans: int, display_name: str = ""):
         super().__init__()
         self.model_name = type(self).__name__
@@ -157,3 +163,38 @@ class TTTClassifier(nn.Module):
         if self.global_pool == "" and not nhwc:  # no pooling: per-location logits, NCHW
             return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return self.head(x)
+
+    # ----- timm feature API (the families walk their stages in ``_intermediates``) -----
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """The outputs of the stages (plain models: blocks) picked by ``indices``, laid out as ``output_fmt``, and
+        unless ``intermediates_only`` the final normalised features (as ``forward_features``)."""
+        if output_fmt not in self.intermediate_fmts:
+            raise ValueError(f"{self.model_name} returns intermediates as {' or '.join(self.intermediate_fmts)}, "
+                             f"got output_fmt={output_fmt!r}")
+        num_stages = len(getattr(self, self.stages_attr))
+        take_indices, max_index = feature_take_indices(num_stages, indices)
+        last = max_index + 1 if stop_early else num_stages
+        return self._intermediates(x, take_indices, last, norm, output_fmt, intermediates_only)
+
+    def _intermediates(self, x: torch.Tensor, take_indices: List[int], last: int, norm: bool, output_fmt: str,
+                       intermediates_only: bool) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        stages = getattr(self, self.stages_attr)
+        take_indices, max_index = feature_take_indices(len(stages), indices)
+        setattr(self, self.stages_attr, stages[:max_index + 1])
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices

@@ -5,13 +5,11 @@ families build their own stem, stages and norm (and their own ``forward_intermed
 downsamples differs); everything else lives here.
 """
 
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from timm.layers import register_notrace_function
-from timm.models._features import feature_take_indices
 
 from ._common import TTTClassifier
 
@@ -29,7 +27,12 @@ def pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class HierarchicalTTT(TTTClassifier):
-    """Subclasses build ``patch_embed``, ``layers``, ``norm``, call :meth:`init_head` and define ``_stem``."""
+    """Subclasses build ``patch_embed``, ``layers``, ``norm``, call :meth:`init_head` and define ``_stem``.
+
+    Each stage has ``forward_blocks`` and an optional ``downsample``, run after its blocks (H-ViT3) or, with
+    ``downsample_first``, before them (Swin layout, Vision-TTT-H); intermediates are the blocks' outputs."""
+
+    downsample_first: bool = False
 
     def __init__(self, num_classes: int, global_pool: str, in_chans: int, num_features: int,
                  display_name: str = ""):
@@ -66,12 +69,21 @@ class HierarchicalTTT(TTTClassifier):
             x = stage(x)
         return self.norm(x)
 
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        self.layers = self.layers[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
+    def _intermediates(self, x: torch.Tensor, take_indices: List[int], last: int, norm: bool, output_fmt: str,
+                       intermediates_only: bool) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Stage outputs at strides 4, 8, 16, 32 (before the downsample of a ``downsample_first=False`` stage)."""
+        x = self._stem(x)
+        intermediates = []
+        for i in range(last):
+            stage = self.layers[i]
+            if self.downsample_first and stage.downsample is not None:
+                x = stage.downsample(x)
+            x = stage.forward_blocks(x)
+            if i in take_indices:
+                y = self.norm(x) if norm and i == len(self.layers) - 1 else x
+                intermediates.append(y if output_fmt == self.output_fmt else y.permute(0, 3, 1, 2).contiguous())
+            if not self.downsample_first and stage.downsample is not None and (i < last - 1 or not intermediates_only):
+                x = stage.downsample(x)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates

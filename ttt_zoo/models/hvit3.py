@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
@@ -157,33 +156,6 @@ class HViT3(HierarchicalTTT):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Stage outputs (before downsampling) at strides 4, 8, 16, 32 as (B, C, H, W)."""
-        if output_fmt != "NCHW":
-            raise ValueError(f"H-ViT3 returns NCHW intermediates, got output_fmt={output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self._stem(x)
-        last = max_index + 1 if stop_early else len(self.layers)
-        intermediates = []
-        for i in range(last):
-            stage = self.layers[i]
-            x = stage.forward_blocks(x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm and i == len(self.layers) - 1 else x)
-            if stage.downsample is not None and (i < last - 1 or not intermediates_only):
-                x = stage.downsample(x)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> List[int]:

@@ -7,7 +7,7 @@ Official keys are kept (``Transformer-to-TTT/T5/models.py``).  Use :func:`ttt_zo
 pretrained timm ViT / DeiT.
 """
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -23,42 +23,20 @@ __all__ = ["T5", "resample_pos_embed"]
 class T5(PlainTTTViT):
     """Patch embedding + pos_embed -> TTT blocks (no CPE) -> LayerNorm -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            num_heads: int = 3,
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            na_kernel: int = 0,
-            drop_rate: float = 0.0,
-            pos_drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "t5",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
+    def __init__(self, num_heads: int = 3, patch_size: int = 16, na_kernel: int = 0, mixer: str = "t5",
+                 mixer_kwargs: Optional[Dict[str, Any]] = None, **kwargs):
         """
         Args:
             na_kernel: 0 for T5; 5 (paper default) or 3 for T5+ (neighbourhood attention averaged in, Eq. 15),
                 an option of the ``'t5'`` mixer.
-            mixer, mixer_kwargs: the token mixer of every block (``ttt_zoo.layers.create_mixer``).
-            Others as timm's VisionTransformer.
+            Others: those of :class:`PlainTTTViT` (position embedding, no CPE).
         """
         if na_kernel and mixer != "t5":
             raise ValueError(f"na_kernel={na_kernel} (T5+) is an option of the 't5' mixer, not of {mixer!r}; "
                              f"build t5_* (na_kernel=0) for another mixer.")
         mk = family_mixer_kwargs(mixer, "t5", dict(na_kernel=na_kernel), mixer_kwargs)
-        super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True,
-            drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
-            drop_path_rate=drop_path_rate, min_size=patch_size * max(na_kernel, 1))
+        super().__init__(num_heads=num_heads, patch_size=patch_size, mixer=mixer, mixer_kwargs=mk, cpe=False,
+                         pos_embed=True, min_size=patch_size * max(na_kernel, 1), **kwargs)
         self.na_kernel = na_kernel
 
 

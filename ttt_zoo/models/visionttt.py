@@ -10,7 +10,7 @@ whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official V
 
 import math
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,6 @@ from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
 from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
@@ -68,31 +67,15 @@ def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float]
 class VisionTTT(PlainTTTViT):
     """Patch embedding + position embedding -> Vittt blocks (TTT-Linear mixer, SwiGLU) -> LN -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            head_dim: int = 64,
-            mlp_ratio: float = 8.0 / 3.0,
-            qkv_bias: bool = True,
-            drop_rate: float = 0.0,
-            pos_drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "ttt_linear",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
+    def __init__(self, embed_dim: int = 192, head_dim: int = 64, mlp_ratio: float = 8.0 / 3.0,
+                 proj_drop_rate: float = 0.0, mixer: str = "ttt_linear", mixer_kwargs: Optional[Dict[str, Any]] = None,
+                 **kwargs):
+        """Args: ``head_dim`` (heads = width / head_dim), others those of :class:`PlainTTTViT`."""
         num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer, mixer_kwargs)
         super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True, drop_rate=drop_rate,
-            pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
-            mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate))
+            embed_dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, mixer=mixer, mixer_kwargs=mk, cpe=False,
+            pos_embed=True, proj_drop_rate=proj_drop_rate, mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate),
+            **kwargs)
 
 
 @register_notrace_function
@@ -131,6 +114,10 @@ class VisionTTTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.downsample is not None:
             x = self.downsample(x)
+        return self.forward_blocks(x)
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C) through the Vittt blocks."""
         b, h, w, c = x.shape
         feat_size = (h, w)
         t = x.reshape(b, h * w, c)
@@ -149,6 +136,8 @@ class VisionTTTH(HierarchicalTTT):
     each merge (as Swin does).  ``head_dim`` is per stage; default (32, 32, 32, 32) is the spec's variant A
     (Swin's heads), (32, 64, 64, 64) variant B.
     """
+    downsample_first = True
+    intermediate_fmts = ("NCHW", "NHWC")
 
     def __init__(
             self,
@@ -200,31 +189,6 @@ class VisionTTTH(HierarchicalTTT):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Stage outputs at strides 4, 8, 16, 32 as (B, C, H, W) (``NCHW``) or (B, H, W, C) (``NHWC``)."""
-        if output_fmt not in ("NCHW", "NHWC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self._stem(x)
-        last = max_index + 1 if stop_early else len(self.layers)
-        intermediates = []
-        for i in range(last):
-            x = self.layers[i](x)
-            if i in take_indices:
-                y = self.norm(x) if norm and i == len(self.layers) - 1 else x
-                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
 
 
 # ----------------------------------------------------------------------------- analysis utility

@@ -5,7 +5,7 @@ embedding: each block starts with a residual depthwise-conv position encoding (C
 Official keys are kept, so the authors' checkpoints load through :func:`checkpoint_filter_fn` unchanged.
 """
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -20,28 +20,9 @@ __all__ = ["ViT3"]
 class ViT3(PlainTTTViT):
     """Patch embedding -> TTT blocks (CPE, TTT mixer, MLP) -> LayerNorm -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            num_heads: int = 6,
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "vit3",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
-        super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mixer_kwargs, cpe=True, pos_embed=False, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+    def __init__(self, num_heads: int = 6, mixer: str = "vit3", **kwargs):
+        """Args: those of :class:`PlainTTTViT` (CPE on, no position embedding)."""
+        super().__init__(num_heads=num_heads, mixer=mixer, cpe=True, pos_embed=False, **kwargs)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: ViT3) -> Dict[str, torch.Tensor]:
