@@ -1,10 +1,11 @@
 """Helpers shared by the model files: input validation, building (checkpoints: :mod:`ttt_zoo.checkpoint`)."""
 
 import contextlib
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
@@ -16,7 +17,7 @@ from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
-           "with_hub_ids", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
+           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
 
 
 @register_notrace_function
@@ -76,6 +77,18 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indic
                 f"The pretrained weights of {variant} could not be read ({e}). The model.safetensors file is "
                 f"truncated or corrupt: delete it (from the local folder or the Hugging Face cache) and download "
                 f"or convert it again (`ttt-zoo convert`).") from e
+
+
+def image_cfg(url: str = "", *, pool_size: Tuple[int, int], crop_pct: float, first_conv: str,
+              **kwargs) -> Dict[str, Any]:
+    """timm's pretrained cfg of our ImageNet-1k classifiers (224 px, bicubic, any input size); ``kwargs``: the
+    paper's ``paper_ids`` / ``paper_name`` / ``origin_url`` and any other field."""
+    return {
+        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": pool_size,
+        "crop_pct": crop_pct, "interpolation": "bicubic", "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": first_conv, "classifier": "head", "license": "apache-2.0", **kwargs,
+    }
 
 
 def factory_device(device: Optional[Union[str, torch.device]]):

@@ -14,9 +14,10 @@ from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_
 from timm.models import checkpoint
 
 from ttt_zoo.layers import TTTBlock
-from ._common import TTTClassifier, check_image, drop_path_schedule, init_weights, reset_inner_parameters
+from ._common import (CheckpointError, TTTClassifier, check_image, drop_path_schedule, init_weights,
+                      reset_inner_parameters)
 
-__all__ = ["PlainTTTViT", "resample_pos_embed", "resample_checkpoint_pos_embed"]
+__all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
 
 
 @register_notrace_function
@@ -28,16 +29,21 @@ def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat
                                   old_size=[grid_size[0], grid_size[1]], num_prefix_tokens=0)
 
 
-def resample_checkpoint_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int]) -> Optional[torch.Tensor]:
-    """A checkpoint's (1, n, C) embedding of a square grid (optionally after one class-token slot, dropped)
-    resampled to ``grid_size``; None when ``n`` is not such a grid."""
-    n = pos_embed.shape[1]
+def fit_checkpoint_pos_embed(sd: Dict[str, Any], model: "PlainTTTViT") -> None:
+    """Resample (in ``sd``) a checkpoint's (1, n, C) ``pos_embed`` of another square grid, optionally after one
+    class-token slot (dropped), to the model's grid; a clear error when ``n`` is not such a grid."""
+    pe = sd.get("pos_embed")
+    if pe is None or pe.dim() != 3 or model.pos_embed is None or pe.shape[1] == model.pos_embed.shape[1]:
+        return
+    n = pe.shape[1]
     for prefix in (0, 1):
         side = math.isqrt(max(n - prefix, 0))
         if side > 0 and side * side == n - prefix:
-            return resample_abs_pos_embed(pos_embed[:, prefix:], new_size=list(grid_size), old_size=[side, side],
-                                          num_prefix_tokens=0)
-    return None
+            sd["pos_embed"] = resample_abs_pos_embed(pe[:, prefix:], new_size=list(model.grid_size),
+                                                     old_size=[side, side], num_prefix_tokens=0)
+            return
+    raise CheckpointError(f"pos_embed with {n} tokens is not a square grid (+ optional class slot); cannot resample "
+                          f"it to the model's {model.grid_size[0]}x{model.grid_size[1]} grid.")
 
 
 class PlainTTTViT(TTTClassifier):

@@ -9,13 +9,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
-from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
-                      unwrap_checkpoint, validate_state_dict, with_hub_ids)
+from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
+                      reset_inner_parameters, unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
+from .vit3 import TSINGHUA_URL, VIT3_PAPER
 
 __all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -181,22 +181,14 @@ def _create_hvit3(variant: str, pretrained: bool = False, **kwargs) -> HViT3:
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
-    return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.conv.0.conv", "classifier": "head",
-        "license": "apache-2.0", "paper_ids": "arXiv:2512.01643", "paper_name": "ViT3: Unlocking Test-Time Training in Vision",
-        "origin_url": "https://github.com/LeapLabTHU/ViTTT", **kwargs,
-    }
+    return image_cfg(url, pool_size=(7, 7), crop_pct=0.875, first_conv="patch_embed.conv.0.conv", **VIT3_PAPER,
+                     **kwargs)
 
-
-_TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 
 default_cfgs = generate_default_cfgs(with_hub_ids({
-    "hvit3_tiny.in1k": _cfg(url=_TSINGHUA.format("f0c7c73ceabe49b7b161")),
-    "hvit3_small.in1k": _cfg(url=_TSINGHUA.format("3eeab8621a7f43929a87")),
-    "hvit3_base.in1k": _cfg(url=_TSINGHUA.format("1d0d7fb840254275b29d")),
+    "hvit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("f0c7c73ceabe49b7b161")),
+    "hvit3_small.in1k": _cfg(url=TSINGHUA_URL.format("3eeab8621a7f43929a87")),
+    "hvit3_base.in1k": _cfg(url=TSINGHUA_URL.format("1d0d7fb840254275b29d")),
 }))
 
 

@@ -10,12 +10,11 @@ pretrained timm ViT / DeiT.
 from typing import Any, Dict, Optional
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import family_mixer_kwargs
-from ._common import CheckpointError, build_ttt_model, unwrap_checkpoint, validate_state_dict
-from ._plain import PlainTTTViT, resample_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
+from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict
+from ._plain import PlainTTTViT, fit_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
 
 __all__ = ["T5", "resample_pos_embed"]
 
@@ -50,13 +49,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: T5) -> Dict[str, tor
         state_dict = state_dict["model"]
     sd = unwrap_checkpoint(state_dict)
     sd = {k: v for k, v in sd.items() if not k.startswith("head_dist.")}
-    pe = sd.get("pos_embed")
-    if pe is not None and pe.dim() == 3 and pe.shape[1] != model.pos_embed.shape[1]:
-        resampled = resample_checkpoint_pos_embed(pe, model.grid_size)
-        if resampled is None:
-            raise CheckpointError(f"pos_embed with {pe.shape[1]} tokens is not a square grid; cannot resample it to "
-                                  f"the model's {model.grid_size[0]}x{model.grid_size[1]} grid.")
-        sd["pos_embed"] = resampled
+    fit_checkpoint_pos_embed(sd, model)
     validate_state_dict(sd, model)
     return sd
 
@@ -67,15 +60,9 @@ def _create_t5(variant: str, pretrained: bool = False, **kwargs) -> T5:
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
-    return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (14, 14),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head",
-        "license": "apache-2.0", "paper_ids": "arXiv:2605.02772",
-        "paper_name": "Linearizing Vision Transformer with Test-Time Training",
-        "origin_url": "https://github.com/LeapLabTHU/Transformer-to-TTT", **kwargs,
-    }
+    return image_cfg(url, pool_size=(14, 14), crop_pct=0.875, first_conv="patch_embed.proj",
+                     paper_ids="arXiv:2605.02772", paper_name="Linearizing Vision Transformer with Test-Time Training",
+                     origin_url="https://github.com/LeapLabTHU/Transformer-to-TTT", **kwargs)
 
 
 # no trained T5 weights are released; build from a softmax ViT with ttt_zoo.linearize()

@@ -15,15 +15,14 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
-from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
-                      unwrap_checkpoint, validate_state_dict)
+from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
+                      reset_inner_parameters, unwrap_checkpoint, validate_state_dict)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
-from ._plain import PlainTTTViT, resample_checkpoint_pos_embed
+from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
 
 __all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
 
@@ -245,13 +244,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
     """Our checkpoints (bare or ``{'model': ...}``); a position embedding of another grid (or with one extra
     class-token slot, the paper's (T+1) x D) is resampled to the model's grid."""
     sd = unwrap_checkpoint(state_dict)
-    pos = sd.get("pos_embed")
-    if isinstance(model, VisionTTT) and pos is not None and pos.shape != model.pos_embed.shape:
-        resampled = resample_checkpoint_pos_embed(pos, model.grid_size)
-        if resampled is None:
-            raise ValueError(f"Cannot resample a pos_embed of {pos.shape[1]} tokens: not a square grid "
-                             f"(+ optional class slot).")
-        sd["pos_embed"] = resampled
+    if isinstance(model, VisionTTT):
+        fit_checkpoint_pos_embed(sd, model)
     validate_state_dict(sd, model)
     return sd
 
@@ -261,15 +255,9 @@ def _create(cls, variant: str, pretrained: bool, default_out: Any, **kwargs) -> 
                            pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head",
-        "license": "apache-2.0", "paper_name": "Vision-TTT", "origin_url": "https://github.com/imKQv/Vittt",
-        **kwargs,
-    }
+def _cfg(pool_size: Tuple[int, int] = (7, 7)) -> Dict[str, Any]:
+    return image_cfg(pool_size=pool_size, crop_pct=0.875, first_conv="patch_embed.proj", paper_name="Vision-TTT",
+                     origin_url="https://github.com/imKQv/Vittt")
 
 
 default_cfgs = generate_default_cfgs({
