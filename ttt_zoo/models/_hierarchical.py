@@ -5,13 +5,14 @@ families build their own stem, stages and norm (and their own ``forward_intermed
 downsamples differs); everything else lives here.
 """
 
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from timm.layers import register_notrace_function
 
-from ._common import TTTClassifier
+from ._common import TTTClassifier, drop_path_schedule, init_weights, reset_inner_parameters
 
 __all__ = ["HierarchicalTTT", "pad_to_multiple"]
 
@@ -39,6 +40,25 @@ class HierarchicalTTT(TTTClassifier):
         super().__init__(num_classes, global_pool, in_chans, display_name)
         self.num_features = self.head_hidden_size = num_features
         self.grad_checkpointing = False
+
+    def init_stages(self, depths: Sequence[int], dims: Sequence[int], drop_path_rate: float,
+                    make_stage: Callable[[int, List[float]], nn.Module]) -> None:
+        """``layers``: ``make_stage(i, drop-path rates of its blocks)`` per stage (the rates rise over all blocks),
+        and their ``feature_info`` (stage i: ``dims[i]`` channels at stride 4 * 2**i)."""
+        dpr = drop_path_schedule(drop_path_rate, sum(depths))
+        self.layers = nn.ModuleList()
+        self.feature_info = []
+        for i in range(len(depths)):
+            start = sum(depths[:i])
+            self.layers.append(make_stage(i, dpr[start:start + depths[i]]))
+            self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
+
+    def init_norm_head(self, norm: nn.Module, drop_rate: float) -> None:
+        """The final ``norm`` and the head, then the official init of every weight and of the TTT inner ones."""
+        self.norm = norm
+        self.init_head(self.num_features, drop_rate)
+        self.apply(init_weights)
+        reset_inner_parameters(self)
 
     # ----- timm model API -----
     @torch.jit.ignore

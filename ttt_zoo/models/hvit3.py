@@ -135,19 +135,11 @@ class HViT3(HierarchicalTTT):
 
         self.patch_embed = Stem(in_chans, embed_dim[0])
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = drop_path_schedule(drop_path_rate, sum(depths))
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(HViT3Stage(
-                embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
-                mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
-        self.init_head(self.num_features, drop_rate)
-        self.apply(init_weights)
-        reset_inner_parameters(self)
+        self.init_stages(depths, embed_dim, drop_path_rate, lambda i, dpr: HViT3Stage(
+            embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i], mlp_ratio,
+            qkv_bias, dpr, proj_drop_rate, mixer, mixer_kwargs))
+        # official: BatchNorm1d over (B, C, N), same keys and math
+        self.init_norm_head(nn.BatchNorm2d(self.num_features), drop_rate)
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, "HViT3")

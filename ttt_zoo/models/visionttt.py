@@ -19,8 +19,7 @@ from timm.layers import register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
-from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
-                      reset_inner_parameters, unwrap_checkpoint, validate_state_dict)
+from ._common import build_ttt_model, check_image, image_cfg, unwrap_checkpoint, validate_state_dict
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
 
@@ -166,19 +165,10 @@ class VisionTTTH(HierarchicalTTT):
         self.patch_embed = nn.Sequential()
         self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
         self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
-        dpr = drop_path_schedule(drop_path_rate, sum(depths))
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(VisionTTTStage(
-                dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
-                proj_drop_rate, qkv_bias, mlp_ratio, mixer, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.LayerNorm(self.num_features)
-        self.init_head(self.num_features, drop_rate)
-        self.apply(init_weights)
-        reset_inner_parameters(self)
+        self.init_stages(depths, dims, drop_path_rate, lambda i, dpr: VisionTTTStage(
+            dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr, proj_drop_rate, qkv_bias, mlp_ratio,
+            mixer, mixer_kwargs))
+        self.init_norm_head(nn.LayerNorm(self.num_features), drop_rate)
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, self.model_name)
