@@ -35,8 +35,9 @@ class HierarchicalTTT(TTTClassifier):
 
     downsample_first: bool = False
 
-    def __init__(self, num_classes: int, global_pool: str, in_chans: int, num_features: int,
-                 display_name: str = ""):
+    def __init__(self, num_features: int, num_classes: int = 1000, global_pool: str = "avg", in_chans: int = 3,
+                 img_size: Any = 224, display_name: str = ""):
+        """timm's num_classes, global_pool, in_chans; img_size is accepted and unused (any input size runs)."""
         super().__init__(num_classes, global_pool, in_chans, display_name)
         self.num_features = self.head_hidden_size = num_features
         self.grad_checkpointing = False

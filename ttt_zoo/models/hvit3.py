@@ -5,7 +5,7 @@ right/bottom to a multiple of 4 and odd maps are padded before each stride-2 mer
 backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -112,10 +112,6 @@ class HViT3(HierarchicalTTT):
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
             embed_dim: Sequence[int] = _TINY["embed_dim"],
             depths: Sequence[int] = _TINY["depths"],
             num_heads: Sequence[int] = _TINY["num_heads"],
@@ -126,14 +122,16 @@ class HViT3(HierarchicalTTT):
             drop_path_rate: float = 0.0,
             mixer: str = "vit3",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            **kwargs,
     ):
-        super().__init__(num_classes, global_pool, in_chans, embed_dim[-1], display_name="H-ViT3")
+        """Per-stage ``embed_dim``, ``depths``, ``num_heads``; timm's usual arguments go to :class:`HierarchicalTTT`."""
+        super().__init__(embed_dim[-1], display_name="H-ViT3", **kwargs)
         if not (len(embed_dim) == len(depths) == len(num_heads)):
             raise ValueError("embed_dim, depths and num_heads need one entry per stage")
         self.embed_dim = list(embed_dim)
         self.num_stages = len(depths)
 
-        self.patch_embed = Stem(in_chans, embed_dim[0])
+        self.patch_embed = Stem(self.in_chans, embed_dim[0])
         self.pos_drop = nn.Dropout(drop_rate)
         self.init_stages(depths, embed_dim, drop_path_rate, lambda i, dpr: HViT3Stage(
             embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i], mlp_ratio,

@@ -10,7 +10,7 @@ whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official V
 
 import math
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -139,10 +139,6 @@ class VisionTTTH(HierarchicalTTT):
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
             embed_dim: int = 96,
             depths: Sequence[int] = (2, 2, 6, 2),
             head_dim: Sequence[int] = (32, 32, 32, 32),
@@ -153,8 +149,10 @@ class VisionTTTH(HierarchicalTTT):
             drop_path_rate: float = 0.1,
             mixer: str = "ttt_linear",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            **kwargs,
     ):
-        super().__init__(num_classes, global_pool, in_chans, embed_dim * 2 ** (len(depths) - 1))
+        """Stem width ``embed_dim`` (doubling per stage); timm's usual arguments go to :class:`HierarchicalTTT`."""
+        super().__init__(embed_dim * 2 ** (len(depths) - 1), **kwargs)
         if len(head_dim) != len(depths):
             raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
         self.num_stages = len(depths)
@@ -163,7 +161,7 @@ class VisionTTTH(HierarchicalTTT):
         self.output_fmt = "NHWC"
 
         self.patch_embed = nn.Sequential()
-        self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
+        self.patch_embed.add_module("proj", nn.Conv2d(self.in_chans, embed_dim, 4, 4))
         self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
         self.init_stages(depths, dims, drop_path_rate, lambda i, dpr: VisionTTTStage(
             dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr, proj_drop_rate, qkv_bias, mlp_ratio,
