@@ -9,6 +9,7 @@ anything else are refused with an error that names the one explicit opt-in for t
 """
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 from typing import Any, List
@@ -19,7 +20,7 @@ from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
 
 from .dense import HViT3Dense, TimmDense
 
-__all__ = ["register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals"]
+__all__ = ["install", "register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals"]
 
 BACKBONES = {"TTTHViT3": HViT3Dense, "TTTTimm": TimmDense}
 _UNSAFE = {"on": False}
@@ -30,6 +31,19 @@ def register(registry) -> None:
     for name, cls in BACKBONES.items():
         if registry.get(name) is not cls:
             registry.register_module(name=name, module=cls, force=True)
+
+
+def install(registry, also: str) -> None:
+    """What an entry point does: register our backbones in its ``MODELS`` ``registry`` and in the ``also`` toolbox's
+    (``'mmdet'`` / ``'mmseg'``) when that is installed, then make mmengine load checkpoints safely."""
+    register(registry)
+    try:
+        other = importlib.import_module(f"{also}.registry").MODELS
+    except ImportError:  # the other toolbox is optional here
+        other = None
+    if other is not None:
+        register(other)
+    install_safe_loader()
 
 
 def mmengine_safe_globals() -> List[Any]:

@@ -5,13 +5,6 @@ mmengine load checkpoints with ``weights_only=True`` (see ``ttt_zoo.adapters._mm
 """
 from mmdet.registry import MODELS
 
-from ._mm import install_safe_loader, register
+from ._mm import install
 
-register(MODELS)
-try:
-    from mmseg.registry import MODELS as _SEG_MODELS
-except ImportError:  # mmseg is optional here
-    _SEG_MODELS = None
-if _SEG_MODELS is not None:
-    register(_SEG_MODELS)
-install_safe_loader()
+install(MODELS, also="mmseg")

@@ -5,13 +5,6 @@ mmengine load checkpoints with ``weights_only=True`` (see ``ttt_zoo.adapters._mm
 """
 from mmseg.registry import MODELS
 
-from ._mm import install_safe_loader, register
+from ._mm import install
 
-register(MODELS)
-try:
-    from mmdet.registry import MODELS as _DET_MODELS
-except ImportError:  # mmdet is optional here
-    _DET_MODELS = None
-if _DET_MODELS is not None:
-    register(_DET_MODELS)
-install_safe_loader()
+install(MODELS, also="mmdet")

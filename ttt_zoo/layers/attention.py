@@ -4,7 +4,6 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .mixer import TTTMixer, register_mixer
 
@@ -20,14 +19,8 @@ class SoftmaxAttention(TTTMixer):
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, proj_drop: float = 0.0):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
+        self._init_heads(dim, num_heads)
+        self._init_projections(dim, qkv_bias, proj_drop)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape

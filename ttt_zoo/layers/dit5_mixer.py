@@ -44,11 +44,7 @@ class DiT5MixedAttention(TTTMixer):
                  dilation: int = 1, proj_drop: float = 0.0, use_natten: Optional[bool] = None,
                  backend: Optional[str] = None):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = d = dim // num_heads
+        d = self._init_heads(dim, num_heads)
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation
@@ -58,11 +54,7 @@ class DiT5MixedAttention(TTTMixer):
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.qk_scale_ttt = nn.Parameter(torch.ones(1, 1, dim, 2))
         self.qk_offset_ttt = nn.Parameter(torch.zeros(1, 1, dim, 2))
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-        self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:

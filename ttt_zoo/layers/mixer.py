@@ -28,6 +28,25 @@ class TTTMixer(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    def _init_heads(self, dim: int, num_heads: int) -> int:
+        """Check and record the head split (``dim``, ``num_heads``, ``head_dim``); returns the head dim."""
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        return self.head_dim
+
+    def _init_projections(self, dim: int, qkv_bias: bool, proj_drop: float, qk_convs: bool = False) -> None:
+        """Softmax attention's ``qkv`` / ``proj`` (+ dropout), inheritable when linearising; ``qk_convs``: the
+        T5 mixers' residual depthwise 3x3 ``q_conv2d`` / ``k_conv2d`` after them (keys and order are official)."""
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if qk_convs:
+            self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+            self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+
     def ttt_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if n.split(".")[0] in self.inner_param_names]
 

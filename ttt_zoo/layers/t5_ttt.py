@@ -49,13 +49,9 @@ class T5TTT(TTTMixer):
                  na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None,
                  recompute: bool = True):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        d = self._init_heads(dim, num_heads)
         if na_kernel < 0 or (na_kernel and na_kernel % 2 == 0):
             raise ValueError(f"na_kernel must be 0 (no neighbourhood attention) or odd (3, 5, ...), got {na_kernel}")
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = d = dim // num_heads
         self.scale = d ** -0.5
         self.na_kernel = na_kernel
         self.key_norm_eps = key_norm_eps
@@ -64,11 +60,7 @@ class T5TTT(TTTMixer):
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w3 = nn.Parameter(torch.empty(1, num_heads, d, d))
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-        self.q_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.k_conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:

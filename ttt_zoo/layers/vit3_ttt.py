@@ -39,11 +39,7 @@ class ViT3TTT(TTTMixer):
                  normalize_grad: bool = True, rope: bool = False, rope_base: float = 10000.0,
                  proj_drop: float = 0.0, backend: Optional[str] = None, **kwargs):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = d = dim // num_heads
+        d = self._init_heads(dim, num_heads)
         self.scale = scale
         self.normalize_grad = normalize_grad
         self.use_rope = rope

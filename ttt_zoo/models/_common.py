@@ -1,12 +1,14 @@
 """Helpers shared by the model files: input validation, building (checkpoints: :mod:`ttt_zoo.checkpoint`)."""
 
 import contextlib
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg
+from timm.models._features import feature_take_indices
 
 # checkpoint loading lives in ttt_zoo.checkpoint; re-exported for the model files' checkpoint_filter_fn
 from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_filter_fn, load_checkpoint_file,
@@ -15,7 +17,7 @@ from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
-           "with_hub_ids", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
+           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
 
 
 @register_notrace_function
@@ -77,6 +79,18 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indic
                 f"or convert it again (`ttt-zoo convert`).") from e
 
 
+def image_cfg(url: str = "", *, pool_size: Tuple[int, int], crop_pct: float, first_conv: str,
+              **kwargs) -> Dict[str, Any]:
+    """timm's pretrained cfg of our ImageNet-1k classifiers (224 px, bicubic, any input size); ``kwargs``: the
+    paper's ``paper_ids`` / ``paper_name`` / ``origin_url`` and any other field."""
+    return {
+        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": pool_size,
+        "crop_pct": crop_pct, "interpolation": "bicubic", "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": first_conv, "classifier": "head", "license": "apache-2.0", **kwargs,
+    }
+
+
 def factory_device(device: Optional[Union[str, torch.device]]):
     """Context that creates parameters directly on ``device`` (timm passes ``device=``/``dtype=`` to constructors)."""
     return torch.device(device) if device is not None else contextlib.nullcontext()
@@ -120,6 +134,11 @@ class TTTClassifier(nn.Module):
     meets (torch.fx autowraps only the traced ``forward``'s module globals).
     """
 
+    #: the ModuleList of stages that ``forward_intermediates`` indexes: ``blocks`` (plain) or ``layers``
+    stages_attr: str = "layers"
+    #: the ``output_fmt`` s ``forward_intermediates`` accepts
+    intermediate_fmts: Tuple[str, ...] = ("NCHW",)
+
     def __init__(self, num_classes: int, global_pool: str, in_chans: int, display_name: str = ""):
         super().__init__()
         self.model_name = type(self).__name__
@@ -157,3 +176,38 @@ class TTTClassifier(nn.Module):
         if self.global_pool == "" and not nhwc:  # no pooling: per-location logits, NCHW
             return self.head(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return self.head(x)
+
+    # ----- timm feature API (the families walk their stages in ``_intermediates``) -----
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """The outputs of the stages (plain models: blocks) picked by ``indices``, laid out as ``output_fmt``, and
+        unless ``intermediates_only`` the final normalised features (as ``forward_features``)."""
+        if output_fmt not in self.intermediate_fmts:
+            raise ValueError(f"{self.model_name} returns intermediates as {' or '.join(self.intermediate_fmts)}, "
+                             f"got output_fmt={output_fmt!r}")
+        num_stages = len(getattr(self, self.stages_attr))
+        take_indices, max_index = feature_take_indices(num_stages, indices)
+        last = max_index + 1 if stop_early else num_stages
+        return self._intermediates(x, take_indices, last, norm, output_fmt, intermediates_only)
+
+    def _intermediates(self, x: torch.Tensor, take_indices: List[int], last: int, norm: bool, output_fmt: str,
+                       intermediates_only: bool) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        stages = getattr(self, self.stages_attr)
+        take_indices, max_index = feature_take_indices(len(stages), indices)
+        setattr(self, self.stages_attr, stages[:max_index + 1])
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
 from timm.models import checkpoint
-from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock
-from ._common import TTTClassifier, check_image, drop_path_schedule, init_weights, reset_inner_parameters
+from ._common import (CheckpointError, TTTClassifier, check_image, drop_path_schedule, init_weights,
+                      reset_inner_parameters)
 
-__all__ = ["PlainTTTViT", "resample_pos_embed", "resample_checkpoint_pos_embed"]
+__all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
 
 
 @register_notrace_function
@@ -29,20 +29,29 @@ def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat
                                   old_size=[grid_size[0], grid_size[1]], num_prefix_tokens=0)
 
 
-def resample_checkpoint_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int]) -> Optional[torch.Tensor]:
-    """A checkpoint's (1, n, C) embedding of a square grid (optionally after one class-token slot, dropped)
-    resampled to ``grid_size``; None when ``n`` is not such a grid."""
-    n = pos_embed.shape[1]
+def fit_checkpoint_pos_embed(sd: Dict[str, Any], model: "PlainTTTViT") -> None:
+    """Resample (in ``sd``) a checkpoint's (1, n, C) ``pos_embed`` of another square grid, optionally after one
+    class-token slot (dropped), to the model's grid; a clear error when ``n`` is not such a grid."""
+    pe = sd.get("pos_embed")
+    if pe is None or pe.dim() != 3 or model.pos_embed is None or pe.shape[1] == model.pos_embed.shape[1]:
+        return
+    n = pe.shape[1]
     for prefix in (0, 1):
         side = math.isqrt(max(n - prefix, 0))
         if side > 0 and side * side == n - prefix:
-            return resample_abs_pos_embed(pos_embed[:, prefix:], new_size=list(grid_size), old_size=[side, side],
-                                          num_prefix_tokens=0)
-    return None
+            sd["pos_embed"] = resample_abs_pos_embed(pe[:, prefix:], new_size=list(model.grid_size),
+                                                     old_size=[side, side], num_prefix_tokens=0)
+            return
+    raise CheckpointError(f"pos_embed with {n} tokens is not a square grid (+ optional class slot); cannot resample "
+                          f"it to the model's {model.grid_size[0]}x{model.grid_size[1]} grid.")
 
 
 class PlainTTTViT(TTTClassifier):
     """Patch embedding [+ pos_embed] -> TTT blocks -> LayerNorm -> mean pool -> head; features are (B, H, W, C).
+
+    The families subclass it with their own defaults (mixer, heads, CPE or position embedding, MLP) and pass
+    timm's usual arguments (``img_size``, ``patch_size``, ``in_chans``, ``num_classes``, ``global_pool``,
+    ``embed_dim``, ``depth``, ``mlp_ratio``, ``qkv_bias``, drop rates) through as keyword arguments.
 
     Args (besides timm's usual ones):
         mixer, mixer_kwargs: the token mixer of every block (``ttt_zoo.layers.create_mixer``).
@@ -52,22 +61,25 @@ class PlainTTTViT(TTTClassifier):
         min_size: smallest input side (default ``patch_size``).
     """
 
+    stages_attr = "blocks"
+    intermediate_fmts = ("NCHW", "NLC")
+
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]],
-            patch_size: int,
-            in_chans: int,
-            num_classes: int,
-            global_pool: str,
-            embed_dim: int,
-            depth: int,
-            num_heads: int,
-            mlp_ratio: float,
-            qkv_bias: bool,
-            mixer: str,
-            mixer_kwargs: Optional[Dict[str, Any]],
-            cpe: bool,
-            pos_embed: bool,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: int = 16,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = "avg",
+            embed_dim: int = 192,
+            depth: int = 12,
+            num_heads: int = 3,
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            mixer: str = "vit3",
+            mixer_kwargs: Optional[Dict[str, Any]] = None,
+            cpe: bool = False,
+            pos_embed: bool = False,
             drop_rate: float = 0.0,
             pos_drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
@@ -147,22 +159,11 @@ class PlainTTTViT(TTTClassifier):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    def _intermediates(self, x: torch.Tensor, take_indices: List[int], last: int, norm: bool, output_fmt: str,
+                       intermediates_only: bool) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """Block outputs at stride ``patch_size`` as (B, C, H, W) (``NCHW``) or (B, N, C) (``NLC``)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         x, feat_size = self._embed(x)
         b = x.shape[0]
-        last = max_index + 1 if stop_early else len(self.blocks)
         intermediates = []
         for i, blk in enumerate(self.blocks[:last]):
             if self.grad_checkpointing and not torch.jit.is_scripting():
@@ -178,13 +179,3 @@ class PlainTTTViT(TTTClassifier):
             return intermediates
         x = self.norm(x).reshape(b, feat_size[0], feat_size[1], -1)
         return x, intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices

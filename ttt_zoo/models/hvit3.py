@@ -5,18 +5,17 @@ right/bottom to a multiple of 4 and odd maps are padded before each stride-2 mer
 backbone; RoPE is computed for the runtime (H, W).  Official keys are kept.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
-from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
-                      unwrap_checkpoint, validate_state_dict, with_hub_ids)
+from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
+                      reset_inner_parameters, unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
+from .vit3 import TSINGHUA_URL, VIT3_PAPER
 
 __all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -113,10 +112,6 @@ class HViT3(HierarchicalTTT):
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
             embed_dim: Sequence[int] = _TINY["embed_dim"],
             depths: Sequence[int] = _TINY["depths"],
             num_heads: Sequence[int] = _TINY["num_heads"],
@@ -127,28 +122,22 @@ class HViT3(HierarchicalTTT):
             drop_path_rate: float = 0.0,
             mixer: str = "vit3",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            **kwargs,
     ):
-        super().__init__(num_classes, global_pool, in_chans, embed_dim[-1], display_name="H-ViT3")
+        """Per-stage ``embed_dim``, ``depths``, ``num_heads``; timm's usual arguments go to :class:`HierarchicalTTT`."""
+        super().__init__(embed_dim[-1], display_name="H-ViT3", **kwargs)
         if not (len(embed_dim) == len(depths) == len(num_heads)):
             raise ValueError("embed_dim, depths and num_heads need one entry per stage")
         self.embed_dim = list(embed_dim)
         self.num_stages = len(depths)
 
-        self.patch_embed = Stem(in_chans, embed_dim[0])
+        self.patch_embed = Stem(self.in_chans, embed_dim[0])
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = drop_path_schedule(drop_path_rate, sum(depths))
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(HViT3Stage(
-                embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i],
-                mlp_ratio, qkv_bias, dpr[start:start + depths[i]], proj_drop_rate, mixer, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=embed_dim[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.BatchNorm2d(self.num_features)  # official: BatchNorm1d over (B, C, N), same keys and math
-        self.init_head(self.num_features, drop_rate)
-        self.apply(init_weights)
-        reset_inner_parameters(self)
+        self.init_stages(depths, embed_dim, drop_path_rate, lambda i, dpr: HViT3Stage(
+            embed_dim[i], embed_dim[i + 1] if i + 1 < self.num_stages else None, depths[i], num_heads[i], mlp_ratio,
+            qkv_bias, dpr, proj_drop_rate, mixer, mixer_kwargs))
+        # official: BatchNorm1d over (B, C, N), same keys and math
+        self.init_norm_head(nn.BatchNorm2d(self.num_features), drop_rate)
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, "HViT3")
@@ -157,33 +146,6 @@ class HViT3(HierarchicalTTT):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Stage outputs (before downsampling) at strides 4, 8, 16, 32 as (B, C, H, W)."""
-        if output_fmt != "NCHW":
-            raise ValueError(f"H-ViT3 returns NCHW intermediates, got output_fmt={output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self._stem(x)
-        last = max_index + 1 if stop_early else len(self.layers)
-        intermediates = []
-        for i in range(last):
-            stage = self.layers[i]
-            x = stage.forward_blocks(x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm and i == len(self.layers) - 1 else x)
-            if stage.downsample is not None and (i < last - 1 or not intermediates_only):
-                x = stage.downsample(x)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> List[int]:
@@ -209,22 +171,14 @@ def _create_hvit3(variant: str, pretrained: bool = False, **kwargs) -> HViT3:
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
-    return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.conv.0.conv", "classifier": "head",
-        "license": "apache-2.0", "paper_ids": "arXiv:2512.01643", "paper_name": "ViT3: Unlocking Test-Time Training in Vision",
-        "origin_url": "https://github.com/LeapLabTHU/ViTTT", **kwargs,
-    }
+    return image_cfg(url, pool_size=(7, 7), crop_pct=0.875, first_conv="patch_embed.conv.0.conv", **VIT3_PAPER,
+                     **kwargs)
 
-
-_TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 
 default_cfgs = generate_default_cfgs(with_hub_ids({
-    "hvit3_tiny.in1k": _cfg(url=_TSINGHUA.format("f0c7c73ceabe49b7b161")),
-    "hvit3_small.in1k": _cfg(url=_TSINGHUA.format("3eeab8621a7f43929a87")),
-    "hvit3_base.in1k": _cfg(url=_TSINGHUA.format("1d0d7fb840254275b29d")),
+    "hvit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("f0c7c73ceabe49b7b161")),
+    "hvit3_small.in1k": _cfg(url=TSINGHUA_URL.format("3eeab8621a7f43929a87")),
+    "hvit3_base.in1k": _cfg(url=TSINGHUA_URL.format("1d0d7fb840254275b29d")),
 }))
 
 

@@ -7,15 +7,14 @@ Official keys are kept (``Transformer-to-TTT/T5/models.py``).  Use :func:`ttt_zo
 pretrained timm ViT / DeiT.
 """
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import family_mixer_kwargs
-from ._common import CheckpointError, build_ttt_model, unwrap_checkpoint, validate_state_dict
-from ._plain import PlainTTTViT, resample_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
+from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict
+from ._plain import PlainTTTViT, fit_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
 
 __all__ = ["T5", "resample_pos_embed"]
 
@@ -23,42 +22,20 @@ __all__ = ["T5", "resample_pos_embed"]
 class T5(PlainTTTViT):
     """Patch embedding + pos_embed -> TTT blocks (no CPE) -> LayerNorm -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            num_heads: int = 3,
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            na_kernel: int = 0,
-            drop_rate: float = 0.0,
-            pos_drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "t5",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
+    def __init__(self, num_heads: int = 3, patch_size: int = 16, na_kernel: int = 0, mixer: str = "t5",
+                 mixer_kwargs: Optional[Dict[str, Any]] = None, **kwargs):
         """
         Args:
             na_kernel: 0 for T5; 5 (paper default) or 3 for T5+ (neighbourhood attention averaged in, Eq. 15),
                 an option of the ``'t5'`` mixer.
-            mixer, mixer_kwargs: the token mixer of every block (``ttt_zoo.layers.create_mixer``).
-            Others as timm's VisionTransformer.
+            Others: those of :class:`PlainTTTViT` (position embedding, no CPE).
         """
         if na_kernel and mixer != "t5":
             raise ValueError(f"na_kernel={na_kernel} (T5+) is an option of the 't5' mixer, not of {mixer!r}; "
                              f"build t5_* (na_kernel=0) for another mixer.")
         mk = family_mixer_kwargs(mixer, "t5", dict(na_kernel=na_kernel), mixer_kwargs)
-        super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True,
-            drop_rate=drop_rate, pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate,
-            drop_path_rate=drop_path_rate, min_size=patch_size * max(na_kernel, 1))
+        super().__init__(num_heads=num_heads, patch_size=patch_size, mixer=mixer, mixer_kwargs=mk, cpe=False,
+                         pos_embed=True, min_size=patch_size * max(na_kernel, 1), **kwargs)
         self.na_kernel = na_kernel
 
 
@@ -72,13 +49,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: T5) -> Dict[str, tor
         state_dict = state_dict["model"]
     sd = unwrap_checkpoint(state_dict)
     sd = {k: v for k, v in sd.items() if not k.startswith("head_dist.")}
-    pe = sd.get("pos_embed")
-    if pe is not None and pe.dim() == 3 and pe.shape[1] != model.pos_embed.shape[1]:
-        resampled = resample_checkpoint_pos_embed(pe, model.grid_size)
-        if resampled is None:
-            raise CheckpointError(f"pos_embed with {pe.shape[1]} tokens is not a square grid; cannot resample it to "
-                                  f"the model's {model.grid_size[0]}x{model.grid_size[1]} grid.")
-        sd["pos_embed"] = resampled
+    fit_checkpoint_pos_embed(sd, model)
     validate_state_dict(sd, model)
     return sd
 
@@ -89,15 +60,9 @@ def _create_t5(variant: str, pretrained: bool = False, **kwargs) -> T5:
 
 
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
-    return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (14, 14),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head",
-        "license": "apache-2.0", "paper_ids": "arXiv:2605.02772",
-        "paper_name": "Linearizing Vision Transformer with Test-Time Training",
-        "origin_url": "https://github.com/LeapLabTHU/Transformer-to-TTT", **kwargs,
-    }
+    return image_cfg(url, pool_size=(14, 14), crop_pct=0.875, first_conv="patch_embed.proj",
+                     paper_ids="arXiv:2605.02772", paper_name="Linearizing Vision Transformer with Test-Time Training",
+                     origin_url="https://github.com/LeapLabTHU/Transformer-to-TTT", **kwargs)
 
 
 # no trained T5 weights are released; build from a softmax ViT with ttt_zoo.linearize()

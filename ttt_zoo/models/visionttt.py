@@ -10,21 +10,18 @@ whole map.  Registered as ``visionttt_*`` (``vittt_*`` belongs to the official V
 
 import math
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
-from ._common import (build_ttt_model, check_image, drop_path_schedule, init_weights, reset_inner_parameters,
-                      unwrap_checkpoint, validate_state_dict)
+from ._common import build_ttt_model, check_image, image_cfg, unwrap_checkpoint, validate_state_dict
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
-from ._plain import PlainTTTViT, resample_checkpoint_pos_embed
+from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
 
 __all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
 
@@ -68,31 +65,15 @@ def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float]
 class VisionTTT(PlainTTTViT):
     """Patch embedding + position embedding -> Vittt blocks (TTT-Linear mixer, SwiGLU) -> LN -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            head_dim: int = 64,
-            mlp_ratio: float = 8.0 / 3.0,
-            qkv_bias: bool = True,
-            drop_rate: float = 0.0,
-            pos_drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "ttt_linear",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
+    def __init__(self, embed_dim: int = 192, head_dim: int = 64, mlp_ratio: float = 8.0 / 3.0,
+                 proj_drop_rate: float = 0.0, mixer: str = "ttt_linear", mixer_kwargs: Optional[Dict[str, Any]] = None,
+                 **kwargs):
+        """Args: ``head_dim`` (heads = width / head_dim), others those of :class:`PlainTTTViT`."""
         num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer, mixer_kwargs)
         super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mk, cpe=False, pos_embed=True, drop_rate=drop_rate,
-            pos_drop_rate=pos_drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
-            mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate))
+            embed_dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, mixer=mixer, mixer_kwargs=mk, cpe=False,
+            pos_embed=True, proj_drop_rate=proj_drop_rate, mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate),
+            **kwargs)
 
 
 @register_notrace_function
@@ -131,6 +112,10 @@ class VisionTTTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.downsample is not None:
             x = self.downsample(x)
+        return self.forward_blocks(x)
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C) through the Vittt blocks."""
         b, h, w, c = x.shape
         feat_size = (h, w)
         t = x.reshape(b, h * w, c)
@@ -149,13 +134,11 @@ class VisionTTTH(HierarchicalTTT):
     each merge (as Swin does).  ``head_dim`` is per stage; default (32, 32, 32, 32) is the spec's variant A
     (Swin's heads), (32, 64, 64, 64) variant B.
     """
+    downsample_first = True
+    intermediate_fmts = ("NCHW", "NHWC")
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
             embed_dim: int = 96,
             depths: Sequence[int] = (2, 2, 6, 2),
             head_dim: Sequence[int] = (32, 32, 32, 32),
@@ -166,8 +149,10 @@ class VisionTTTH(HierarchicalTTT):
             drop_path_rate: float = 0.1,
             mixer: str = "ttt_linear",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            **kwargs,
     ):
-        super().__init__(num_classes, global_pool, in_chans, embed_dim * 2 ** (len(depths) - 1))
+        """Stem width ``embed_dim`` (doubling per stage); timm's usual arguments go to :class:`HierarchicalTTT`."""
+        super().__init__(embed_dim * 2 ** (len(depths) - 1), **kwargs)
         if len(head_dim) != len(depths):
             raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
         self.num_stages = len(depths)
@@ -176,21 +161,12 @@ class VisionTTTH(HierarchicalTTT):
         self.output_fmt = "NHWC"
 
         self.patch_embed = nn.Sequential()
-        self.patch_embed.add_module("proj", nn.Conv2d(in_chans, embed_dim, 4, 4))
+        self.patch_embed.add_module("proj", nn.Conv2d(self.in_chans, embed_dim, 4, 4))
         self.patch_embed.add_module("norm", nn.LayerNorm(embed_dim))
-        dpr = drop_path_schedule(drop_path_rate, sum(depths))
-        self.layers = nn.ModuleList()
-        self.feature_info = []
-        for i in range(self.num_stages):
-            start = sum(depths[:i])
-            self.layers.append(VisionTTTStage(
-                dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr[start:start + depths[i]],
-                proj_drop_rate, qkv_bias, mlp_ratio, mixer, mixer_kwargs))
-            self.feature_info.append(dict(num_chs=dims[i], reduction=4 * 2 ** i, module=f"layers.{i}"))
-        self.norm = nn.LayerNorm(self.num_features)
-        self.init_head(self.num_features, drop_rate)
-        self.apply(init_weights)
-        reset_inner_parameters(self)
+        self.init_stages(depths, dims, drop_path_rate, lambda i, dpr: VisionTTTStage(
+            dims[max(i - 1, 0)], dims[i], depths[i], head_dim[i], i > 0, dpr, proj_drop_rate, qkv_bias, mlp_ratio,
+            mixer, mixer_kwargs))
+        self.init_norm_head(nn.LayerNorm(self.num_features), drop_rate)
 
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, self.model_name)
@@ -200,31 +176,6 @@ class VisionTTTH(HierarchicalTTT):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # here, not in the base class: torch.fx then autowraps this module's check_image / pad_to_multiple
         return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Stage outputs at strides 4, 8, 16, 32 as (B, C, H, W) (``NCHW``) or (B, H, W, C) (``NHWC``)."""
-        if output_fmt not in ("NCHW", "NHWC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self._stem(x)
-        last = max_index + 1 if stop_early else len(self.layers)
-        intermediates = []
-        for i in range(last):
-            x = self.layers[i](x)
-            if i in take_indices:
-                y = self.norm(x) if norm and i == len(self.layers) - 1 else x
-                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
 
 
 # ----------------------------------------------------------------------------- analysis utility
@@ -281,13 +232,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
     """Our checkpoints (bare or ``{'model': ...}``); a position embedding of another grid (or with one extra
     class-token slot, the paper's (T+1) x D) is resampled to the model's grid."""
     sd = unwrap_checkpoint(state_dict)
-    pos = sd.get("pos_embed")
-    if isinstance(model, VisionTTT) and pos is not None and pos.shape != model.pos_embed.shape:
-        resampled = resample_checkpoint_pos_embed(pos, model.grid_size)
-        if resampled is None:
-            raise ValueError(f"Cannot resample a pos_embed of {pos.shape[1]} tokens: not a square grid "
-                             f"(+ optional class slot).")
-        sd["pos_embed"] = resampled
+    if isinstance(model, VisionTTT):
+        fit_checkpoint_pos_embed(sd, model)
     validate_state_dict(sd, model)
     return sd
 
@@ -297,15 +243,9 @@ def _create(cls, variant: str, pretrained: bool, default_out: Any, **kwargs) -> 
                            pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
-def _cfg(**kwargs) -> Dict[str, Any]:
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7),
-        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head",
-        "license": "apache-2.0", "paper_name": "Vision-TTT", "origin_url": "https://github.com/imKQv/Vittt",
-        **kwargs,
-    }
+def _cfg(pool_size: Tuple[int, int] = (7, 7)) -> Dict[str, Any]:
+    return image_cfg(pool_size=pool_size, crop_pct=0.875, first_conv="patch_embed.proj", paper_name="Vision-TTT",
+                     origin_url="https://github.com/imKQv/Vittt")
 
 
 default_cfgs = generate_default_cfgs({

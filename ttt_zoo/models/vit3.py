@@ -5,13 +5,12 @@ embedding: each block starts with a residual depthwise-conv position encoding (C
 Official keys are kept, so the authors' checkpoints load through :func:`checkpoint_filter_fn` unchanged.
 """
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import generate_default_cfgs, register_model
 
-from ._common import build_ttt_model, unwrap_checkpoint, validate_state_dict, with_hub_ids
+from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict, with_hub_ids
 from ._plain import PlainTTTViT
 
 __all__ = ["ViT3"]
@@ -20,28 +19,9 @@ __all__ = ["ViT3"]
 class ViT3(PlainTTTViT):
     """Patch embedding -> TTT blocks (CPE, TTT mixer, MLP) -> LayerNorm -> mean pool -> head."""
 
-    def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: int = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = "avg",
-            embed_dim: int = 192,
-            depth: int = 12,
-            num_heads: int = 6,
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            drop_path_rate: float = 0.0,
-            mixer: str = "vit3",
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-    ):
-        super().__init__(
-            img_size, patch_size, in_chans, num_classes, global_pool, embed_dim, depth, num_heads, mlp_ratio,
-            qkv_bias, mixer=mixer, mixer_kwargs=mixer_kwargs, cpe=True, pos_embed=False, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+    def __init__(self, num_heads: int = 6, mixer: str = "vit3", **kwargs):
+        """Args: those of :class:`PlainTTTViT` (CPE on, no position embedding)."""
+        super().__init__(num_heads=num_heads, mixer=mixer, cpe=True, pos_embed=False, **kwargs)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: ViT3) -> Dict[str, torch.Tensor]:
@@ -57,23 +37,20 @@ def _create_vit3(variant: str, pretrained: bool = False, **kwargs) -> ViT3:
                            pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
 
 
+#: the paper of ViT3 and H-ViT3, and where the authors' checkpoints are
+VIT3_PAPER = dict(paper_ids="arXiv:2512.01643", paper_name="ViT3: Unlocking Test-Time Training in Vision",
+                  origin_url="https://github.com/LeapLabTHU/ViTTT")
+TSINGHUA_URL = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
+
+
 def _cfg(url: str = "", **kwargs) -> Dict[str, Any]:
-    return {
-        "url": url, "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (14, 14),
-        "crop_pct": 0.9, "interpolation": "bicubic", "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj", "classifier": "head",
-        "license": "apache-2.0", "paper_ids": "arXiv:2512.01643", "paper_name": "ViT3: Unlocking Test-Time Training in Vision",
-        "origin_url": "https://github.com/LeapLabTHU/ViTTT", **kwargs,
-    }
+    return image_cfg(url, pool_size=(14, 14), crop_pct=0.9, first_conv="patch_embed.proj", **VIT3_PAPER, **kwargs)
 
-
-_TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 
 default_cfgs = generate_default_cfgs(with_hub_ids({
-    "vit3_tiny.in1k": _cfg(url=_TSINGHUA.format("e12d1bd1c20c4e06a2da")),
-    "vit3_small.in1k": _cfg(url=_TSINGHUA.format("4ab59ca54b474dff9b70")),
-    "vit3_base.in1k": _cfg(url=_TSINGHUA.format("c9e9bb09f85d449ab8cf")),
+    "vit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("e12d1bd1c20c4e06a2da")),
+    "vit3_small.in1k": _cfg(url=TSINGHUA_URL.format("4ab59ca54b474dff9b70")),
+    "vit3_base.in1k": _cfg(url=TSINGHUA_URL.format("c9e9bb09f85d449ab8cf")),
 }))
 
 
