@@ -1,0 +1,1 @@
+"""Training: ``ttt-zoo train`` / ``validate`` on timm (classification) and diffusers (diffusion) components."""
