@@ -5,8 +5,9 @@ import torch
 from timm.layers import register_notrace_function
 
 from .backend import BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend
-from .inner_mlp import (mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
+from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
+from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
 from .key_norm import key_norm_op, key_norm_reference, key_norm_torch
 from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_naive, ttt_linear_bidir_op, ttt_linear_bidir_reference,
                          ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_reference,
@@ -24,6 +25,10 @@ register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_tt
 register_op("key_instance_norm", key_norm_torch, key_norm_op, key_norm_reference)
 register_op("ttt_linear", ttt_linear_torch, ttt_linear_op, ttt_linear_naive)
 register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op, ttt_linear_bidir_naive)
+# the variants' fast paths ("TTT with KV Binding Is Secretly Linear Attention", Table 2): the T5/DiT5 V1/V3
+# last-layer step (GEMMs: no Triton kernel, cuBLAS already is one) and the linear-attention Vision-TTT scan
+register_op("last_layer_ttt", last_layer_ttt_torch, None, last_layer_ttt_reference)
+register_op("linear_attention", la_chunk_torch, linear_attention_op, la_scan_naive)
 
 
 def _op(name: str, t: torch.Tensor, backend: Optional[str], head_dim: Optional[int] = None):
@@ -117,7 +122,22 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
                                                           ln_residual, rope_theta, eps, return_grad_norm)
 
 
-__all__ = ["BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",
+def last_layer_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
+                   loss: str = "dot", steps: int = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """T5 / DiT5 variants V1 / V3: ``steps`` inner steps of a linear last layer on fixed features, applied to q;
+    see ``inner_mlp.naive.last_layer_ttt_reference``."""
+    return _op("last_layer_ttt", q, backend)(q, k, v, w, scale, loss, steps)
+
+
+def linear_attention_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                           w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16,
+                           rope_theta: Optional[float] = 10000.0, backend: Optional[str] = None) -> torch.Tensor:
+    """Plain linear-attention Vision-TTT scan in both directions, summed; see ``linear_attention.naive``.
+    torch: the chunk-parallel form; triton: the Triton forward (custom op); torch_naive: the recurrent scan."""
+    return la_bidir(_op("linear_attention", q, backend), q, k, v, lr, tau, w0, b0, mini_batch, rope_theta)
+
+
+__all__ = ["last_layer_ttt", "linear_attention_bidir", "mlp_inner_update_reference", "BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",
            "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
            "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
            "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from ..utils import compute_dtype
 
-__all__ = ["t5_swiglu_ttt_reference", "t5_inner_update_reference", "mlp_ttt_reference"]
+__all__ = ["t5_swiglu_ttt_reference", "t5_inner_update_reference", "mlp_ttt_reference", "mlp_inner_update_reference",
+           "last_layer_ttt_reference"]
 
 
 def t5_inner_update_reference(k, v, w1, w2, w3, scale: float):
@@ -82,3 +83,46 @@ def mlp_ttt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: tor
     g1 = k.transpose(-2, -1) @ ((e @ w2.transpose(-2, -1)) * sig * (1 + z * (1 - sig)))  # silu'(z)
     out = F.silu(q @ (w1 - g1)) @ (w2 - g2)
     return out.to(out_dtype)
+
+
+def mlp_inner_update_reference(k, v, w1, w2, scale: float):
+    """DiT5: the updated weights (W1', W2') of one step (lr 1) of :func:`mlp_ttt_reference`'s regression loss."""
+    n = k.shape[-2]
+    z = k @ w1
+    sig = torch.sigmoid(z)
+    a = z * sig
+    e = (a @ w2 - v) * (scale / n)
+    g2 = a.transpose(-2, -1) @ e
+    g1 = k.transpose(-2, -1) @ ((e @ w2.transpose(-2, -1)) * sig * (1 + z * (1 - sig)))
+    return w1 - g1, w2 - g2
+
+
+def last_layer_ttt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
+                             loss: str = "dot", steps: int = 1) -> torch.Tensor:
+    """``steps`` inner steps (lr 1) of the linear last layer ``f(x) = x W`` on fixed features, applied to q.
+
+    The T5 / DiT5 variants V1 (only the last layer learns: q, k are the frozen hidden features phi(q), phi(k)) and
+    V3 (a single linear inner layer: q, k themselves).  Losses, per (batch, head), N tokens:
+    ``dot``: L = -(scale / N) sum_n <k_n W, v_n> (T5);  ``mse``: L = (scale / 2N) sum_n ||k_n W - v_n||^2 (DiT5).
+    A negative ``scale`` is gradient ascent.  Written plainly: the gradient of the explicit loss by autograd.
+
+    Args:
+        q, k: (B, heads, N, dh) features; v: (B, heads, N, d); w: (1 or B, heads, dh, d).
+    """
+    out_dtype = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v, w = (t.to(dt) for t in (q, k, v, w))
+    n = k.shape[-2]
+    outer = torch.is_grad_enabled()
+    with torch.enable_grad():
+        for _ in range(steps):
+            w = w if w.requires_grad else w.detach().requires_grad_(True)
+            f = k @ w
+            if loss == "dot":
+                l_ = -(scale / n) * (f * v).sum()
+            elif loss == "mse":
+                l_ = (scale / (2 * n)) * (f - v).pow(2).sum()
+            else:
+                raise ValueError(f"loss must be 'dot' or 'mse', got {loss!r}")
+            w = w - torch.autograd.grad(l_, w, create_graph=outer)[0]
+    return (q @ w).to(out_dtype)

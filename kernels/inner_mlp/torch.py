@@ -189,3 +189,32 @@ def mlp_ttt_torch(q, k, v, w1, w2, scale: float) -> torch.Tensor:
     """DiT5 inner step + apply (same signature as ``mlp_ttt_reference``), recomputing backward."""
     _check(q, k, v, (w1, w2), "dit5_mlp_ttt")
     return DiT5TTT.apply(q, k, v, w1, w2, float(scale))
+
+
+# ------------------------------------------------------------------ the last-layer step (T5 / DiT5 V1 and V3)
+def last_layer_ttt_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
+                         loss: str = "dot", steps: int = 1) -> torch.Tensor:
+    """Closed form of ``naive.last_layer_ttt_reference``: GEMMs over the tokens, nothing of size N x d x d.
+
+    dot (T5): the gradient does not depend on W, so k steps are one step of k times the update:
+        out = q W + (k scale / N) q (k^T v)                                   -- two GEMMs per head
+    mse (DiT5): with A = (scale / N) k^T k and R = (scale / N) k^T v (both d x d, one pass over the tokens),
+        W <- W - (A W - R) per step, out = q W.
+    Autograd stores only q, k, v and the d x d matrices.
+    """
+    if loss not in ("dot", "mse"):
+        raise ValueError(f"loss must be 'dot' or 'mse', got {loss!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    out_dtype = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v, w = (t.to(dt) for t in (q, k, v, w))
+    c = scale / k.shape[-2]
+    kt = _tr(k)
+    if loss == "dot":
+        w = w + (kt @ v) * (steps * c)
+    else:
+        a, r = (kt @ k) * c, (kt @ v) * c
+        for _ in range(steps):
+            w = w - (a @ w - r)
+    return (q @ w).to(out_dtype)

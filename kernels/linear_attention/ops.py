@@ -1,0 +1,65 @@
+"""The linear-attention Vision-TTT scan as a ``torch.library`` custom op (``ttt_zoo::linear_attention_fwd``).
+
+The forward runs the Triton kernel where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+the chunk-parallel PyTorch form elsewhere; a fake (meta) impl lets ``torch.compile`` and meta-device models see an
+opaque node.  The backward recomputes the chunk-parallel form (``torch.py``) and differentiates it.
+"""
+from typing import List
+
+import torch
+from torch import Tensor
+
+from ..backend import use_triton
+from ..utils import triton_module
+from .naive import check_la_args
+from .torch import la_chunk_torch
+
+_OP = "linear_attention"
+
+__all__ = ["la_fwd_op", "linear_attention_op"]
+
+
+@torch.library.custom_op("ttt_zoo::linear_attention_fwd", mutates_args=())
+def la_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+              mini_batch: int) -> Tensor:
+    if use_triton(q, _OP):
+        return triton_module(__package__).la_fwd_triton(q, k, v, lr, tau, w0, b0, mini_batch)
+    return la_chunk_torch(q, k, v, lr, tau, w0, b0, mini_batch).contiguous()
+
+
+@la_fwd_op.register_fake
+def _(q, k, v, lr, tau, w0, b0, mini_batch):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("ttt_zoo::linear_attention_bwd", mutates_args=())
+def la_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+              mini_batch: int) -> List[Tensor]:
+    ins = [t.detach().requires_grad_(True) for t in (q, k, v, lr, tau, w0, b0)]
+    with torch.enable_grad():
+        out = la_chunk_torch(*ins, mini_batch)
+        grads = torch.autograd.grad(out, ins, do, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, ins)]
+
+
+@la_bwd_op.register_fake
+def _(do, q, k, v, lr, tau, w0, b0, mini_batch):
+    return [torch.empty_like(t) for t in (q, k, v, lr, tau, w0, b0)]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.mini_batch = inputs[7]
+
+
+def _backward(ctx, do):
+    return (*la_bwd_op(do.contiguous(), *ctx.saved_tensors, ctx.mini_batch), None)
+
+
+la_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16) -> Tensor:
+    """The scan through the custom op (the ``triton`` backend); arguments as ``naive.la_scan_naive``."""
+    check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    return la_fwd_op(q, k, v, lr, tau, w0, b0, int(mini_batch))
