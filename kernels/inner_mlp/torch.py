@@ -203,7 +203,7 @@ def last_layer_ttt_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: t
     Autograd stores only q, k, v and the d x d matrices.
     """
     if loss not in ("dot", "mse"):
-        raise ValueError(f"loss must be 'dot' or 'mse', got {loss!r}")
+        raise ValueError("loss must be 'dot' or 'mse', got " + loss)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     out_dtype = q.dtype

@@ -5,7 +5,7 @@ T5 keeps a softmax ViT's ``qkv`` / ``proj`` and replaces softmax attention by on
 T5+ averages that with 2-D neighbourhood attention on the same q, k, v (paper Eq. 15).
 """
 
-from typing import Optional, Tuple
+from typing import Final, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +13,34 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import key_instance_norm, t5_swiglu_ttt
+from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
+from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
+from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
-__all__ = ["T5TTT", "key_instance_norm"]
+__all__ = ["T5TTT", "key_instance_norm", "check_variant_options"]
+
+INNER_UPDATES = ("all", "last")
+
+
+def check_variant_options(mixer: str, inner_update: str, inner_model: Optional[str], inner_models: Tuple[str, ...],
+                          inner_steps: int) -> None:
+    """Shared checks of the paper-variant options ("TTT with KV Binding Is Secretly Linear Attention", Tables 1-2)."""
+    if inner_update not in INNER_UPDATES:
+        raise ValueError(f"{mixer}: inner_update must be one of {INNER_UPDATES}, got {inner_update!r}")
+    if inner_model is not None and inner_model not in inner_models:
+        raise ValueError(f"{mixer}: inner_model must be None (the default) or one of {inner_models}, "
+                         f"got {inner_model!r}")
+    if int(inner_steps) != inner_steps or inner_steps < 1:
+        raise ValueError(f"{mixer}: inner_steps must be an integer >= 1, got {inner_steps!r}")
+
+
+def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
+    """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
+    h = F.silu(x @ w1)
+    return h * (x @ w2) if w2 is not None else h
 
 
 @register_mixer("t5")
@@ -40,16 +62,52 @@ class T5TTT(TTTMixer):
         recompute: when training (grad enabled, not under torch.compile / TorchScript), store only the mixer input
             and recompute qkv, the key norm, the convs and the inner step in the backward (torch.utils.checkpoint);
             the lean inner-step backward then keeps training memory below a softmax ViT's.
+
+    Variants of "TTT with KV Binding Is Secretly Linear Attention" (Liu et al., Tables 1-2); the defaults are T5:
+        inner_update: ``'all'``; ``'last'`` = Table 2 Variant 1: only the last layer w3 learns in the inner loop
+            (w1, w2 stay at their initial values), out = phi(q) (w3 + (s/N) phi(k)^T v) with
+            phi(x) = silu(x w1) * (x w2): linear attention, two GEMMs per head (op ``last_layer_ttt``).
+        inner_model: ``None`` (the 3-matrix SwiGLU); ``'linear'`` = Table 2 Variant 3: a single linear inner layer
+            (only ``w3`` exists), out = q (w3 + (s/N) k^T v).
+        normalize_grad: Table 2 Variant 6 (no gradient normalisation) *is* T5: its inner step is a plain gradient
+            step (lr 1), so only ``False`` is accepted (``True`` raises).
+        gradient_ascent: Table 1 "Gradient Ascent": W' = W + grad (the dot-product loss makes it exactly descent
+            with v negated).
+        share_qk: Table 1 "Replace Q with K": the inner model is read with the keys (the normalised, conv-enhanced
+            k also serves as q); ``qkv`` projects only [k, v] (C -> 2C) and ``q_conv2d`` is dropped.  T5+'s
+            neighbourhood attention then takes k as its query.
+        inner_steps: inner gradient steps on (k, v) before reading with q (Figure 1: more steps at inference);
+            settable after construction.  With V1/V3 the dot-product gradient does not depend on w3, so k steps
+            are exactly one step with k times the update.
     """
     # new relative to a softmax ViT: the inner weights and the q/k convs (the official recipe trains all of
     # them with the larger "new parameter" learning rate, and `linearize` initialises exactly these)
     inner_param_names = ("w1", "w2", "w3", "q_conv2d", "k_conv2d")
+    # TorchScript constants: only the live branches are compiled (q_conv2d, w1, w2 may not exist)
+    share_qk: Final[bool]
+    inner_update: Final[str]
+    linear: Final[bool]
+    gradient_ascent: Final[bool]
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, proj_drop: float = 0.0,
                  na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None,
-                 recompute: bool = True):
+                 recompute: bool = True, inner_update: str = "all", inner_model: Optional[str] = None,
+                 normalize_grad: bool = False, gradient_ascent: bool = False, share_qk: bool = False,
+                 inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
+        check_variant_options("T5TTT", inner_update, inner_model, ("linear",), inner_steps)
+        if normalize_grad:
+            raise ValueError("T5TTT: normalize_grad=True does not apply: T5's inner step is a plain gradient step "
+                             "without gradient normalisation (Table 2 Variant 6 is already the baseline).")
+        if inner_model == "linear" and inner_update == "last":
+            raise ValueError("T5TTT: inner_model='linear' has a single layer; inner_update='last' does not apply")
+        self.inner_update = inner_update
+        self.inner_model = inner_model
+        self.linear = inner_model == "linear"
+        self.gradient_ascent = gradient_ascent
+        self.share_qk = share_qk
+        self.inner_steps = inner_steps
         if na_kernel < 0 or (na_kernel and na_kernel % 2 == 0):
             raise ValueError(f"na_kernel must be 0 (no neighbourhood attention) or odd (3, 5, ...), got {na_kernel}")
         self.scale = d ** -0.5
@@ -57,20 +115,47 @@ class T5TTT(TTTMixer):
         self.key_norm_eps = key_norm_eps
         self.backend = backend
         self.recompute = recompute
-        self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
-        self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
+        if inner_model != "linear":
+            self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
+            self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w3 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
+        if share_qk:  # no query: the projection makes [k, v] only
+            self.qkv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            del self.q_conv2d
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:
         """Official init of the TTT-only parameters: w1..w3 trunc_normal(.02), q/k convs PyTorch default."""
-        if self.w1.device.type == "meta":
+        if self.w3.device.type == "meta":
             return
-        for w in (self.w1, self.w2, self.w3):
+        for w in self._inner_weights():
             trunc_normal_(w, std=0.02)
-        self.q_conv2d.reset_parameters()
+        if not self.share_qk:
+            self.q_conv2d.reset_parameters()
         self.k_conv2d.reset_parameters()
+
+    def _inner_weights(self) -> Tuple[torch.Tensor, ...]:
+        return (self.w3,) if self.inner_model == "linear" else (self.w1, self.w2, self.w3)
+
+    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each."""
+        scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
+        if self.linear or self.inner_update == "last":
+            if not self.linear:
+                q, k = silu_gate_features(q, self.w1, self.w2), silu_gate_features(k, self.w1, self.w2)
+            if torch.jit.is_scripting():
+                return last_layer_ttt_torch(q, k, v, self.w3, scale, "dot", self.inner_steps)
+            return last_layer_ttt(q, k, v, self.w3, scale, "dot", self.inner_steps, backend=self.backend)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if self.inner_steps > 1:  # the first k - 1 steps (tiny d x d updates), then the last step + read by the op
+            dt = compute_dtype(q.dtype)
+            kc, vc = k.to(dt), v.to(dt)
+            w1, w2, w3 = w1.to(dt), w2.to(dt), w3.to(dt)
+            for _ in range(self.inner_steps - 1):
+                w1, w2, w3 = t5_inner_update_reference(kc, vc, w1, w2, w3, scale)
+            w1, w2, w3 = w1.to(q.dtype), w2.to(q.dtype), w3.to(q.dtype)
+        return t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=self.backend)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         b, n, _ = t.shape
@@ -79,12 +164,19 @@ class T5TTT(TTTMixer):
     def _core(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """Everything between the input and ``proj``: (B, N, C) -> (B, heads, N, d)."""
         b, n, c = x.shape
-        q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
+        if self.share_qk:
+            k, v = torch.split(self.qkv(x), [c, c], dim=-1)
+            q = k
+        else:
+            q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
         kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-        q2 = q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size)))
         k2 = kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size)))
-        out = t5_swiglu_ttt(self._heads(q2), self._heads(k2), self._heads(v), self.w1, self.w2, self.w3,
-                            self.scale, backend=self.backend)
+        k2h = self._heads(k2)
+        if self.share_qk:
+            q2h = k2h
+        else:
+            q2h = self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+        out = self._inner(q2h, k2h, self._heads(v))
         if self.na_kernel > 0:
             grid = (b, self.num_heads, feat_size[0], feat_size[1], c // self.num_heads)
             na = neighborhood_attention_2d(self._heads(q).reshape(grid), self._heads(k).reshape(grid),
@@ -108,4 +200,9 @@ class T5TTT(TTTMixer):
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, na_kernel={self.na_kernel}"
+        r = f"dim={self.dim}, num_heads={self.num_heads}, na_kernel={self.na_kernel}"
+        for name, default in (("inner_update", "all"), ("inner_model", None), ("gradient_ascent", False),
+                              ("share_qk", False), ("inner_steps", 1)):
+            if getattr(self, name) != default:
+                r += f", {name}={getattr(self, name)!r}"
+        return r
