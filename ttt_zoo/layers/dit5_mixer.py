@@ -5,16 +5,19 @@ of the official ``DiT5/models.py``.  Official keys: ``w1, w2, qk_scale_ttt, qk_o
 k_conv2d``; ``qkv`` and ``proj`` have the shapes of softmax attention, so they are inherited when linearising.
 """
 
-from typing import Optional, Tuple
+from typing import Final, Optional, Tuple
 
 import torch
 from torch import nn
 from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import key_instance_norm, mlp_ttt
+from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
+from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
+from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_to_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
+from .t5_ttt import check_variant_options, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -37,30 +40,85 @@ class DiT5MixedAttention(TTTMixer):
             ``True`` requires it, ``False`` never.
         backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
             ``ttt_zoo.kernels.backend``; ``None`` = the process default).
+
+    Variants of "TTT with KV Binding Is Secretly Linear Attention" (Liu et al., Tables 1-2); defaults are DiT5:
+        inner_update: ``'all'``; ``'last'`` = Table 2 Variant 1: only w2 learns (w1 stays), so with
+            phi(x) = silu(x w1) the step is w2' = w2 - (s/N) phi(k)^T (phi(k) w2 - v), out = phi(q) w2'.
+        inner_model: ``None`` (2-layer SiLU MLP); ``'linear'`` = Table 2 Variant 3: one linear layer (only ``w2``
+            exists), out = q (w2 - (s/N) k^T (k w2 - v)).
+        normalize_grad: DiT5's step is a plain gradient step, so Variant 6 is the baseline: only ``False``.
+        gradient_ascent: Table 1: W' = W + grad.  With the regression loss this is descent with v replaced by
+            2 f0(k) - v (f0 the initial inner model), not with v negated.
+        share_qk: Table 1 "Replace Q with K": the TTT read uses the processed keys; ``qkv`` projects [k, v] only and
+            ``q_conv2d`` is dropped; the neighbourhood-attention half takes k as its query too.
+        inner_steps: inner gradient steps before the read (Figure 1), settable after construction.  The gradient
+            depends on the weights (regression loss), so k steps are *not* k times one step.
     """
     inner_param_names = ("w1", "w2")
+    share_qk: Final[bool]
+    inner_update: Final[str]
+    linear: Final[bool]
+    gradient_ascent: Final[bool]
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, kernel_size: int = 5,
                  dilation: int = 1, proj_drop: float = 0.0, use_natten: Optional[bool] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, inner_update: str = "all", inner_model: Optional[str] = None,
+                 normalize_grad: bool = False, gradient_ascent: bool = False, share_qk: bool = False,
+                 inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
+        check_variant_options("DiT5MixedAttention", inner_update, inner_model, ("linear",), inner_steps)
+        if normalize_grad:
+            raise ValueError("DiT5MixedAttention: normalize_grad=True does not apply: DiT5's inner step is a plain "
+                             "gradient step without gradient normalisation (Variant 6 is already the baseline).")
+        if inner_model == "linear" and inner_update == "last":
+            raise ValueError("DiT5MixedAttention: inner_model='linear' has a single layer; inner_update='last' "
+                             "does not apply")
+        self.inner_update = inner_update
+        self.inner_model = inner_model
+        self.linear = inner_model == "linear"
+        self.gradient_ascent = gradient_ascent
+        self.share_qk = share_qk
+        self.inner_steps = inner_steps
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation
         self.use_natten: Optional[bool] = use_natten
         self.backend: Optional[str] = backend
-        self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
+        if not self.linear:
+            self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.qk_scale_ttt = nn.Parameter(torch.ones(1, 1, dim, 2))
         self.qk_offset_ttt = nn.Parameter(torch.zeros(1, 1, dim, 2))
         self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
+        if share_qk:  # no query: the projection makes [k, v] only ([..., 0] of the q/k affine is unused)
+            self.qkv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            del self.q_conv2d
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:
-        for w in (self.w1, self.w2):
+        for w in ((self.w2,) if self.linear else (self.w1, self.w2)):
             if w.device.type != "meta":
                 trunc_normal_(w, std=0.02)
+
+    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each."""
+        scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
+        if self.linear or self.inner_update == "last":
+            if not self.linear:
+                q, k = silu_gate_features(q, self.w1, None), silu_gate_features(k, self.w1, None)
+            if torch.jit.is_scripting():
+                return last_layer_ttt_torch(q, k, v, self.w2, scale, "mse", self.inner_steps)
+            return last_layer_ttt(q, k, v, self.w2, scale, "mse", self.inner_steps, backend=self.backend)
+        w1, w2 = self.w1, self.w2
+        if self.inner_steps > 1:  # the first k - 1 steps (tiny d x d updates), then the last step + read by the op
+            dt = compute_dtype(q.dtype)
+            kc, vc = k.to(dt), v.to(dt)
+            w1, w2 = w1.to(dt), w2.to(dt)
+            for _ in range(self.inner_steps - 1):
+                w1, w2 = mlp_inner_update_reference(kc, vc, w1, w2, scale)
+            w1, w2 = w1.to(q.dtype), w2.to(q.dtype)
+        return mlp_ttt(q, k, v, w1, w2, scale, backend=self.backend)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -68,14 +126,15 @@ class DiT5MixedAttention(TTTMixer):
 
     def _ttt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         s, o = self.qk_scale_ttt, self.qk_offset_ttt
-        q = q * s[..., 0] + o[..., 0]
         k = k * s[..., 1] + o[..., 1]
         k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
-        q = q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size)))
-        k = k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size)))
-        out = mlp_ttt(self._heads(q), self._heads(k), self._heads(v), self.w1, self.w2, self.scale,
-                      backend=self.backend)
-        return out.transpose(1, 2).flatten(2)
+        k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size))))
+        if self.share_qk:
+            q = k
+        else:
+            q = q * s[..., 0] + o[..., 0]
+            q = self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+        return self._inner(q, k, self._heads(v)).transpose(1, 2).flatten(2)
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = q.shape
@@ -87,7 +146,11 @@ class DiT5MixedAttention(TTTMixer):
         return out.permute(0, 2, 3, 1, 4).reshape(b, n, c)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.share_qk:
+            k, v = self.qkv(x).chunk(2, dim=-1)
+            q = k
+        else:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
         x = 0.5 * self._na(q, k, v, feat_size) + 0.5 * self._ttt(q, k, v, feat_size)
         return self.proj_drop(self.proj(x))
 
