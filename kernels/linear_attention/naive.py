@@ -22,22 +22,25 @@ import torch
 from ..ttt_linear.naive import bidir_inputs, bidir_outputs
 from ..utils import compute_dtype
 
-__all__ = ["la_scan_naive", "la_bidir", "check_la_args"]
+__all__ = ["la_scan_naive", "la_bidir", "la_bidir_reference", "check_la_args"]
 
 
-def check_la_args(q, k, v, lr, tau, w0, b0, mini_batch: int) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share a (B, heads, N, d) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    bsz, h, n, d = q.shape
-    if tuple(lr.shape) != (bsz, h, n):
-        raise ValueError(f"lr must be (B, heads, N) = {(bsz, h, n)}, got {tuple(lr.shape)}")
-    if mini_batch < 1 or tuple(tau.shape) != (mini_batch,):
-        raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {tuple(tau.shape)}")
-    if (w0.dim() != 4 or tuple(w0.shape[1:]) != (h, d, d) or w0.shape[0] not in (1, bsz)
-            or b0.dim() != 4 or tuple(b0.shape[1:]) != (h, 1, d) or b0.shape[0] != w0.shape[0]):
-        raise ValueError(f"w0 must be (1 or B, {h}, {d}, {d}) and b0 (1 or B, {h}, 1, {d}); got "
-                         f"{tuple(w0.shape)} and {tuple(b0.shape)}")
+def check_la_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                  w0: torch.Tensor, b0: torch.Tensor, mini_batch: int) -> None:
+    """Shapes of the scan's arguments (TorchScript-compilable)."""
+    if q.dim() != 4 or list(k.shape) != list(q.shape) or list(v.shape) != list(q.shape):
+        raise ValueError("q, k, v must share a (B, heads, N, d) shape, got " + str(list(q.shape)) + ", "
+                         + str(list(k.shape)) + ", " + str(list(v.shape)))
+    bsz, h, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    if list(lr.shape) != [bsz, h, n]:
+        raise ValueError("lr must be (B, heads, N) = " + str([bsz, h, n]) + ", got " + str(list(lr.shape)))
+    if mini_batch < 1 or list(tau.shape) != [mini_batch]:
+        raise ValueError("tau must have one entry per mini-batch position (" + str(mini_batch) + "), got "
+                         + str(list(tau.shape)))
+    if (w0.dim() != 4 or list(w0.shape[1:]) != [h, d, d] or (w0.shape[0] != 1 and w0.shape[0] != bsz)
+            or b0.dim() != 4 or list(b0.shape[1:]) != [h, 1, d] or b0.shape[0] != w0.shape[0]):
+        raise ValueError("w0 must be (1 or B, heads, d, d) and b0 (1 or B, heads, 1, d) with (heads, d) = "
+                         + str([h, d]) + "; got " + str(list(w0.shape)) + " and " + str(list(b0.shape)))
 
 
 def la_scan_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
@@ -53,7 +56,7 @@ def la_scan_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.T
     check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
     out_dtype = q.dtype
     cd = compute_dtype(q.dtype)
-    q, k, v, lr, tau, w, b = (t.to(cd) for t in (q, k, v, lr, tau, w0, b0))
+    q, k, v, lr, tau, w, b = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd), w0.to(cd), b0.to(cd)
     n = q.shape[2]
     outs: List[torch.Tensor] = []
     for s in range(0, n, mini_batch):
@@ -65,6 +68,15 @@ def la_scan_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.T
         w = w + kc.transpose(-1, -2) @ step
         b = b + step.sum(-2, keepdim=True)
     return torch.cat(outs, dim=2).to(out_dtype)
+
+
+def la_bidir_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                       w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16,
+                       rope_theta: Optional[float] = 10000.0) -> torch.Tensor:
+    """:func:`la_bidir` with the recurrent scan (TorchScript-compilable)."""
+    q2, k2, v2, lr2, w0, b0 = bidir_inputs(q, k, v, lr, w0, b0, mini_batch, rope_theta)
+    out, _ = bidir_outputs(la_scan_naive(q2, k2, v2, lr2, tau, w0, b0, mini_batch), None, q.shape[0])
+    return out
 
 
 def la_bidir(scan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,

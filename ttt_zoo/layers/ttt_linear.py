@@ -7,15 +7,17 @@ the mini-batch dual form over the raster order and over the flipped order (both 
 Items the paper does not state are constructor options with the spec's proposed defaults.
 """
 
-from typing import Optional, Tuple
+from typing import Final, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from timm.layers import register_notrace_function
 
-from ttt_zoo.kernels import token_tau, ttt_linear_bidir
+from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
+from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from .mixer import TTTMixer, register_mixer
+from .t5_ttt import check_variant_options
 
 __all__ = ["TTTLinearMixer"]
 
@@ -30,6 +32,7 @@ def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> Non
 
 
 _QK_MODES = ("shared", "conv_q")
+_INNER_LOSSES = ("mse", "dot")
 
 
 @register_mixer("ttt_linear")
@@ -48,22 +51,73 @@ class TTTLinearMixer(TTTMixer):
         qk_mode: ``'shared'`` q = k = u_qk with the conv in front of all projections, ``'conv_q'`` the conv acts on
             u_qk for q only (k = u_qk, everything else from x).
         inner_rope: RoPE of the in-mini-batch position on q and k (ttt-lm).
-        inner_ln_residual: inner model ``x + LN(xW + b)`` with target ``v - k`` (ttt-lm); False gives the paper's
-            literal ``f(x) = xW + b`` with target v.
+        inner_ln_residual: inner model ``x + LN(xW + b)`` with target ``v - k`` (ttt-lm; the default for
+            ``inner_loss='mse'``); False gives the paper's literal ``f(x) = xW + b`` with target v.
         proj_per_direction: apply the q/k, v and lr projections once per scan direction, as the paper's FLOP count
             assumes, and the scan forms q S apart from k S (q = k); outputs are identical, it only costs extra MACs.
             Default False: project once, flip, and share q = k.
         backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
             ``ttt_zoo.kernels.backend``; ``None`` = the process default, ``TTT_ZOO_BACKEND`` or auto).
+        inner_loss: ``'mse'`` (TTT-Linear, above); ``'dot'``: the plain linear-attention Vision-TTT: inner model
+            ``f(x) = x W + b`` (no inner LayerNorm, no residual; ``inner_ln_residual`` must stay unset) and loss
+            ``-<f(k), v>``, whose gradient does not depend on the state, so the mini-batch scan is linear
+            attention with an exact chunk-parallel form (op ``linear_attention``; models ``visionttt_*_la``).
+
+    Variants of "TTT with KV Binding Is Secretly Linear Attention" (Liu et al., Tables 1-2) where they apply:
+        gradient_ascent: Table 1: the inner step adds the gradient (the per-token lr negated, exact in the dual
+            form).  With ``inner_loss='dot'`` this is exactly descent with v negated.
+        inner_steps: Figure 1's k inner steps per mini-batch: only with ``inner_loss='dot'``, where the gradient
+            does not depend on the state and k steps are exactly one step with k times the lr (settable later).
+        inner_update='last' (V1), inner_model='linear' (V3), normalize_grad=True (V6), share_qk=True raise: the
+            inner model is already a single linear layer (W, b) under a LayerNorm, nothing normalises its
+            gradient, and q = k already (``qk_mode='shared'``; ``'conv_q'`` is the separate-query form).
     """
+    # TorchScript: constants (only the live scan is compiled) and the Python-only inner_steps property
+    dot_loss: Final[bool]
+    gradient_ascent: Final[bool]
+    __jit_unused_properties__ = ["inner_steps"]
     inner_param_names = ("w0", "b0", "tau_offset", "ttt_norm_weight", "ttt_norm_bias", "lr_proj")
 
     def __init__(self, dim: int, num_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  qkv_bias: bool = True, mini_batch: int = 16, base_lr: float = 1.0, w0_mode: str = "shared",
                  qk_mode: str = "shared", inner_rope: bool = True, rope_theta: float = 10000.0,
-                 inner_ln_residual: bool = True, proj_per_direction: bool = False, proj_drop: float = 0.0,
-                 backend: Optional[str] = None):
+                 inner_ln_residual: Optional[bool] = None, proj_per_direction: bool = False, proj_drop: float = 0.0,
+                 backend: Optional[str] = None, inner_loss: str = "mse", inner_update: str = "all",
+                 inner_model: Optional[str] = None, normalize_grad: bool = False, gradient_ascent: bool = False,
+                 share_qk: bool = False, inner_steps: int = 1):
         super().__init__()
+        name = "TTTLinearMixer"
+        check_variant_options(name, inner_update, inner_model, ("linear",), inner_steps)
+        if inner_loss not in _INNER_LOSSES:
+            raise ValueError(f"{name}: inner_loss must be one of {_INNER_LOSSES}, got {inner_loss!r}")
+        if inner_update != "all":
+            raise ValueError(f"{name}: inner_update={inner_update!r} (Table 2 Variant 1) does not apply: the inner "
+                             f"model is a single linear layer (W, b) under a LayerNorm, already the last layer.")
+        if inner_model is not None:
+            raise ValueError(f"{name}: inner_model={inner_model!r} (Table 2 Variant 3) does not apply: the inner "
+                             f"model is already one linear layer (W, b) (+ LayerNorm and residual); "
+                             f"inner_loss='dot' is the plain linear-attention form.")
+        if normalize_grad:
+            raise ValueError(f"{name}: normalize_grad=True does not apply: TTT-Linear's inner gradient is not "
+                             f"normalised (Table 2 Variant 6 is already the baseline).")
+        if share_qk:
+            raise ValueError(f"{name}: share_qk=True does not apply: q = k already (qk_mode='shared', the Vittt "
+                             f"default, one projection u_qk); qk_mode='conv_q' is the form with a separate query.")
+        if inner_loss == "dot":
+            if inner_ln_residual:
+                raise ValueError(f"{name}: inner_loss='dot' has no inner LayerNorm or residual; leave "
+                                 f"inner_ln_residual unset (or False)")
+            inner_ln_residual = False
+        elif inner_steps != 1:
+            raise ValueError(f"{name}: inner_steps={inner_steps} needs inner_loss='dot': the mini-batch dual form "
+                             f"defines one step per mini-batch, and with the LayerNorm loss the gradient depends "
+                             f"on the state.")
+        if inner_ln_residual is None:
+            inner_ln_residual = True
+        self.inner_loss = inner_loss
+        self.dot_loss = inner_loss == "dot"
+        self.gradient_ascent = gradient_ascent
+        self._inner_steps = inner_steps
         if head_dim is None:
             head_dim = dim // num_heads if num_heads else 64
         if num_heads is not None and num_heads * head_dim != dim:
@@ -93,8 +147,9 @@ class TTTLinearMixer(TTTMixer):
         self.proj = nn.Linear(dim, 3 * dim, bias=qkv_bias)  # [u_qk, u_g, u_v]; fused with lr_proj at run time
         self.lr_proj = nn.Linear(dim, nh)
         self.tau_offset = nn.Parameter(torch.zeros(mini_batch))
-        self.ttt_norm_weight = nn.Parameter(torch.ones(nh, d))
-        self.ttt_norm_bias = nn.Parameter(torch.zeros(nh, d))
+        if inner_loss == "mse":
+            self.ttt_norm_weight = nn.Parameter(torch.ones(nh, d))
+            self.ttt_norm_bias = nn.Parameter(torch.zeros(nh, d))
         n_w0 = 2 if w0_mode == "separate" else 1
         if w0_mode == "frozen":
             self.register_buffer("w0", torch.zeros(1, nh, d, d), persistent=False)
@@ -117,8 +172,21 @@ class TTTLinearMixer(TTTMixer):
             nn.init.normal_(self.lr_proj.weight, std=0.02)
             nn.init.zeros_(self.lr_proj.bias)
             nn.init.zeros_(self.tau_offset)
-            nn.init.ones_(self.ttt_norm_weight)
-            nn.init.zeros_(self.ttt_norm_bias)
+            if self.inner_loss == "mse":
+                nn.init.ones_(self.ttt_norm_weight)
+                nn.init.zeros_(self.ttt_norm_bias)
+
+    @property
+    def inner_steps(self) -> int:
+        return self._inner_steps
+
+    @inner_steps.setter
+    def inner_steps(self, steps: int) -> None:
+        if int(steps) != steps or steps < 1:
+            raise ValueError(f"inner_steps must be an integer >= 1, got {steps!r}")
+        if steps != 1 and self.inner_loss != "dot":
+            raise ValueError("TTTLinearMixer: inner_steps > 1 needs inner_loss='dot' (see the class docstring)")
+        self._inner_steps = int(steps)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
@@ -157,6 +225,19 @@ class TTTLinearMixer(TTTMixer):
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         dt = q.dtype
+        if self.gradient_ascent:  # the update is -lr * grad everywhere in the dual form: flip lr's sign
+            lr = -lr
+        if self.dot_loss:
+            if return_grad_norm:
+                raise ValueError("inner_grad_norm is defined for inner_loss='mse' only")
+            lr = lr * float(self._inner_steps)  # state-independent gradient: k steps = k times the lr
+            rope = self.rope_theta if self.inner_rope else None
+            tau = token_tau(self.tau_offset).to(dt)
+            if torch.jit.is_scripting():
+                return la_bidir_reference(q, k, v, lr, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch,
+                                          rope), None
+            return linear_attention_bidir(q, k, v, lr, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch, rope,
+                                          self.backend), None
         return ttt_linear_bidir(
             q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
             self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
@@ -179,4 +260,5 @@ class TTTLinearMixer(TTTMixer):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, mini_batch={self.mini_batch}, "
                 f"w0_mode={self.w0_mode}, qk_mode={self.qk_mode}, inner_rope={self.inner_rope}, "
-                f"inner_ln_residual={self.inner_ln_residual}")
+                f"inner_ln_residual={self.inner_ln_residual}, inner_loss={self.inner_loss}, "
+                f"gradient_ascent={self.gradient_ascent}")

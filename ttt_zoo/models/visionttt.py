@@ -255,7 +255,24 @@ default_cfgs = generate_default_cfgs({
     "visionttt_h_tiny": _cfg(),
     "visionttt_h_small": _cfg(),
     "visionttt_h_base": _cfg(),
+    "visionttt_tiny_la": _cfg(pool_size=(14, 14)),
+    "visionttt_small_la": _cfg(pool_size=(14, 14)),
+    "visionttt_base_la": _cfg(pool_size=(14, 14)),
+    "visionttt_h_tiny_la": _cfg(),
+    "visionttt_h_small_la": _cfg(),
+    "visionttt_h_base_la": _cfg(),
 })
+
+# the plain linear-attention Vision-TTT ("TTT with KV Binding Is Secretly Linear Attention"): TTT-Linear with a
+# dot-product inner loss and no inner LayerNorm, an exact chunk-parallel linear attention (mixer option)
+_LA = dict(inner_loss="dot")
+
+
+def _la_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if kwargs.get("mixer", "ttt_linear") != "ttt_linear":
+        raise ValueError(f"visionttt_*_la is the 'ttt_linear' mixer with inner_loss='dot'; got mixer="
+                         f"{kwargs['mixer']!r} (build visionttt_* for another mixer)")
+    return dict(kwargs, mixer_kwargs=dict(_LA, **(kwargs.get("mixer_kwargs") or {})))
 
 
 @register_model
@@ -298,3 +315,45 @@ def visionttt_h_base(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-B: 88M params, 18.8 GFLOPs (paper)."""
     args = dict(embed_dim=128, depths=(2, 2, 18, 2))
     return _create(VisionTTTH, "visionttt_h_base", pretrained, (0, 1, 2, 3), **dict(args, **kwargs))
+
+
+@register_model
+def visionttt_tiny_la(pretrained: bool = False, **kwargs) -> VisionTTT:
+    """Vittt-T with the plain linear-attention inner loop (dot-product loss, no inner LayerNorm)."""
+    args = dict(patch_size=16, embed_dim=192, depth=12, head_dim=64)
+    return _create(VisionTTT, "visionttt_tiny_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+
+
+@register_model
+def visionttt_small_la(pretrained: bool = False, **kwargs) -> VisionTTT:
+    """Vittt-S, linear-attention inner loop."""
+    args = dict(patch_size=16, embed_dim=384, depth=12, head_dim=64)
+    return _create(VisionTTT, "visionttt_small_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+
+
+@register_model
+def visionttt_base_la(pretrained: bool = False, **kwargs) -> VisionTTT:
+    """Vittt-B, linear-attention inner loop."""
+    args = dict(patch_size=16, embed_dim=768, depth=12, head_dim=64)
+    return _create(VisionTTT, "visionttt_base_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+
+
+@register_model
+def visionttt_h_tiny_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
+    """Vittt-H-T, linear-attention inner loop."""
+    args = dict(embed_dim=96, depths=(2, 2, 6, 2))
+    return _create(VisionTTTH, "visionttt_h_tiny_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
+
+
+@register_model
+def visionttt_h_small_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
+    """Vittt-H-S, linear-attention inner loop."""
+    args = dict(embed_dim=96, depths=(2, 2, 18, 2))
+    return _create(VisionTTTH, "visionttt_h_small_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
+
+
+@register_model
+def visionttt_h_base_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
+    """Vittt-H-B, linear-attention inner loop."""
+    args = dict(embed_dim=128, depths=(2, 2, 18, 2))
+    return _create(VisionTTTH, "visionttt_h_base_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
