@@ -113,6 +113,7 @@ def last_layer_ttt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dt = compute_dtype(q.dtype)
     q, k, v, w = (t.to(dt) for t in (q, k, v, w))
     n = k.shape[-2]
+    w = w.expand(k.shape[0], *w.shape[1:])  # per-sample weights: each sample's loss moves only its own copy
     outer = torch.is_grad_enabled()
     with torch.enable_grad():
         for _ in range(steps):
