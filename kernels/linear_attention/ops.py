@@ -32,19 +32,12 @@ def _(q, k, v, lr, tau, w0, b0, mini_batch):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("ttt_zoo::linear_attention_bwd", mutates_args=())
-def la_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
-              mini_batch: int) -> List[Tensor]:
-    ins = [t.detach().requires_grad_(True) for t in (q, k, v, lr, tau, w0, b0)]
+def _chunk_vjp(do: Tensor, ins, mini_batch: int) -> List[Tensor]:
+    """Gradients of the chunk-parallel form (recomputed under autograd; the backward runs above the dispatcher)."""
+    ins = [t.detach().requires_grad_(True) for t in ins]
     with torch.enable_grad():
-        out = la_chunk_torch(*ins, mini_batch)
-        grads = torch.autograd.grad(out, ins, do, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, ins)]
-
-
-@la_bwd_op.register_fake
-def _(do, q, k, v, lr, tau, w0, b0, mini_batch):
-    return [torch.empty_like(t) for t in (q, k, v, lr, tau, w0, b0)]
+        grads = torch.autograd.grad(la_chunk_torch(*ins, mini_batch), ins, do, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, ins)]
 
 
 def _setup(ctx, inputs, output):
@@ -53,7 +46,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, do):
-    return (*la_bwd_op(do.contiguous(), *ctx.saved_tensors, ctx.mini_batch), None)
+    return (*_chunk_vjp(do, ctx.saved_tensors, ctx.mini_batch), None)
 
 
 la_fwd_op.register_autograd(_backward, setup_context=_setup)
