@@ -99,6 +99,9 @@ class Trainer:
             model.set_grad_checkpointing(True)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         if a.sync_bn and d.distributed and has_bn:
+            if d.device.type != "cuda":
+                raise SystemExit("ttt-zoo train: error: --sync-bn needs GPUs (torch's SyncBatchNorm has no CPU "
+                                 "implementation); leave out --sync-bn on CPU.")
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif a.sync_bn and not has_bn:
             self.log.info("--sync-bn: the model has no BatchNorm; nothing to convert")
