@@ -65,7 +65,7 @@ class Trainer:
             self.resume_file = ckpt.resolve_resume(a.resume)
             return os.path.dirname(os.path.abspath(self.resume_file))
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
-                                         (a.model or a.linearize_from or a.task).replace("/", "_"),
+                                         (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
                                          str(a.img_size or "default")])
         folder = broadcast_object(os.path.abspath(os.path.join(a.output, name)))
 
@@ -289,7 +289,7 @@ class Trainer:
                  "ema": self.ema.state_dict() if self.ema is not None else None,
                  "task": self.task.state_dict(), "rng": rngs, "world_size": d.world_size,
                  "args": {k: v for k, v in vars(self.args).items()}}
-        meta = {"epoch": epoch_done, "arch": self.args.model or self.args.linearize_from or "", "metric": metric,
+        meta = {"epoch": epoch_done, "arch": self.args.model or getattr(self.args, "linearize_from", "") or "", "metric": metric,
                 "task": self.task.name}
         ckpt.save_checkpoint(self.folder, "last", state, self.model.state_dict(),
                              self.ema.module.state_dict() if self.ema is not None else None, meta)
