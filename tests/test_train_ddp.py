@@ -24,9 +24,20 @@ def data(tmp_path_factory):
     return make_tiny_digits(str(tmp_path_factory.mktemp("digits")), train_per_class=7, val_per_class=3)
 
 
+def _torchrun_cmd():
+    """The `torchrun` script of this interpreter's environment (what a user types); its module when the script is
+    missing or was installed for another interpreter (a copied venv's shebang)."""
+    script = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if os.path.isfile(script):
+        with open(script) as f:
+            shebang = f.readline()[2:].strip()
+        if os.path.realpath(shebang) == os.path.realpath(sys.executable):
+            return [script]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
 def _torchrun(*args, nproc=2, ok=True):
-    # torchrun's entry point, through this interpreter (a venv's torchrun script may carry another's shebang)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "ttt_zoo", "train", *args]
+    cmd = [*_torchrun_cmd(), "--standalone", "--nproc_per_node", str(nproc), "-m", "ttt_zoo", "train", *args]
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert (out.returncode == 0) == ok, out.stdout[-3000:] + out.stderr[-5000:]
