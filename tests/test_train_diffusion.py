@@ -1,6 +1,7 @@
 """--task diffusion: the DiT loss against a float64 reference, the diffusers EMA adapter, RNG resume, training."""
-import argparse
+import csv
 import math
+import os
 
 import pytest
 import torch
@@ -119,10 +120,13 @@ def test_diffusers_ema_adapter_round_trip(tmp_path):
         DiffusersEMA(_tiny_dit(depth=2)).load_state_dict(ema.state_dict())
 
 
-def _args(root, **kw):
-    base = dict(model="dit3_s_2", model_kwargs=dict(TINY, class_dropout_prob=0.5), img_size=8, data_dir=root,
-                batch_size=16, workers=0, seed=0, diffusion_hflip=0.0, eval_seed=0, model_ema=False, vae=None)
-    return argparse.Namespace(**dict(base, **kw))
+def _args(root, *extra):
+    from ttt_zoo.train.args import parse_args
+    args, task_cls = parse_args(["--task", "diffusion", "--model", "dit3_s_2", "--model-kwargs", "hidden_size=32",
+                                 "depth=1", "num_heads=2", "class_dropout_prob=0.5", "--img-size", "8", "--data-dir",
+                                 root, "-b", "16", "-j", "0", "--hflip", "0", *extra])
+    assert task_cls is DiffusionTask
+    return args
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +149,89 @@ def test_task_rng_is_a_function_of_the_step_counter(digits8):
     assert resumed.train_step(model, batch)[0].item() == losses[2]  # same t, noise and label dropout
     ev = task.evaluate(model, [batch])
     assert ev == task.evaluate(model, [batch]) and set(ev) == {"loss", "mse", "vb"}
+
+
+# ----- through `ttt-zoo train --task diffusion` -----
+
+@pytest.fixture(scope="module")
+def tiny_digits(tmp_path_factory):
+    pytest.importorskip("sklearn")
+    from tests._train_data import make_tiny_digits
+    return make_tiny_digits(str(tmp_path_factory.mktemp("data") / "tiny"), train_per_class=4, val_per_class=2,
+                            img_size=8)
+
+
+def _train(data, out, experiment, model, *extra, patch_size=2):
+    from ttt_zoo.train.trainer import main
+    argv = ["--task", "diffusion", "--model", model, "--model-kwargs", "hidden_size=32", "depth=1", "num_heads=2",
+            f"patch_size={patch_size}", "--img-size", "8", "--data-dir", data, "-b", "8", "-j", "0", "--hflip", "0", "--opt", "adamw",
+            "--lr", "3e-3", "--weight-decay", "0", "--warmup-epochs", "0", "--seed", "3", "--log-interval", "100",
+            "--output", str(out), "--experiment", experiment, "--device", "cpu", *extra]
+    assert main(argv) == 0
+    return os.path.join(str(out), experiment)
+
+
+def _summary(folder):
+    with open(os.path.join(folder, "summary.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_loss_falls_then_sample_the_folder(tiny_digits, tmp_path):
+    folder = _train(tiny_digits, tmp_path, "run", "dit3_s_2", "--epochs", "8", "--model-ema",
+                    "--model-ema-decay", "0.9")
+    rows = _summary(folder)
+    train = [float(r["train_loss"]) for r in rows]
+    ev = [float(r["eval_loss"]) for r in rows]
+    assert len(rows) == 8 and train[-1] < 0.5 * train[0] and ev[-1] < 0.6 * ev[0], (train, ev)
+    assert {"eval_mse", "eval_vb", "eval_ema_loss"} <= set(rows[0])
+    assert os.path.isfile(os.path.join(folder, "best_ema.safetensors"))
+    from ttt_zoo.cli import main
+    out = tmp_path / "grid.png"
+    assert main(["sample", "--checkpoint", folder, "--steps", "5", "--labels", "0", "1", "7", "--nrow", "3",
+                 "--cfg", "2", "--out", str(out), "--device", "cpu"]) == 0
+    from PIL import Image
+    img = Image.open(out)
+    assert img.format == "PNG" and img.size == (3 * 8 + 4 * 2, 8 + 2 * 2)  # 3 pixel-space 8x8 samples, padding 2
+
+
+def test_exact_resume_dit5_with_ema(tiny_digits, tmp_path):
+    from safetensors.torch import load_file
+    common = ("--epochs", "2", "--model-ema", "--model-ema-decay", "0.9")
+    full = _train(tiny_digits, tmp_path, "full", "dit5_s_2", *common, patch_size=1)  # 8x8 tokens >= the 5x5 window
+    part = _train(tiny_digits, tmp_path, "part", "dit5_s_2", *common, "--stop-after", "1", patch_size=1)
+    _train(tiny_digits, tmp_path, "part", "dit5_s_2", *common, "--resume", part, patch_size=1)
+    for name in ("last.safetensors", "last_ema.safetensors"):
+        a, b = load_file(os.path.join(full, name)), load_file(os.path.join(part, name))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=f"{name}:{k}")
+    state = torch.load(os.path.join(part, "last.state.pt"), weights_only=True)
+    assert state["task"] == {"step": 10} and state["ema"]["optimization_step"] == 10  # 2 epochs x 5 batches
+    assert [r["eval_loss"] for r in _summary(full)] == [r["eval_loss"] for r in _summary(part)]
+
+
+def test_linearize_from_dit_gives_new_params_lr_scale(tiny_digits, tmp_path):
+    from safetensors.torch import save_file
+    from ttt_zoo.linearize import DIFFUSION_LR_MULTIPLIER
+    from ttt_zoo.train.args import parse_args
+    from ttt_zoo.train.trainer import Trainer
+    src = _tiny_dit("dit_s_2", num_classes=10)
+    save_file(src.state_dict(), str(tmp_path / "dit.safetensors"))
+    args, cls = parse_args(["--task", "diffusion", "--linearize-from", "dit_s_2", "--initial-checkpoint",
+                            str(tmp_path / "dit.safetensors"), "--model-kwargs", "hidden_size=32", "depth=1",
+                            "num_heads=2", "--img-size", "8", "--data-dir", tiny_digits, "-b", "8", "-j", "0",
+                            "--opt", "adamw", "--lr", "1e-3", "--output", str(tmp_path), "--experiment", "lin",
+                            "--device", "cpu"])
+    trainer = Trainer(args, cls)
+    trainer.setup()
+    model, new = trainer.model, set(trainer.task.new_param_names)
+    assert model.mixer == "dit5_mixed" and new
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in trainer.optimizer.param_groups:
+        scale = DIFFUSION_LR_MULTIPLIER if names[id(g["params"][0])] in new else 1.0
+        assert g["lr_scale"] == scale and all((names[id(p)] in new) == (scale != 1.0) for p in g["params"])
+    for k, v in src.state_dict().items():  # every source tensor inherited
+        assert torch.equal(model.state_dict()[k], v)
+    with pytest.raises(ValueError, match="needs the softmax DiT's weights"):
+        args.initial_checkpoint = ""
+        DiffusionTask(args, trainer.dist).build_model()

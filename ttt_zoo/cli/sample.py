@@ -21,8 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ["add_parser", "run", "find_weights", "load_run_args"]
 
 #: weights in a `ttt-zoo train` folder, in order of preference (EMA first, as the official sampler does)
-RUN_WEIGHTS = ("best_ema.safetensors", "last_ema.safetensors", "model_best_ema.safetensors",
-               "best.safetensors", "model_best.safetensors", "last.safetensors")
+RUN_WEIGHTS = ("best_ema.safetensors", "last_ema.safetensors", "best.safetensors", "last.safetensors")
 IMAGENET_LABELS = [207, 360, 387, 974, 88, 979, 417, 279]  # the official sample.py's classes
 
 
@@ -95,7 +94,7 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
     if weights and os.path.isdir(weights):
         run_args = load_run_args(weights)
         weights = find_weights(weights)
-    model_name = args.model or run_args.get("model")
+    model_name = args.model or run_args.get("model") or run_args.get("linearize_from")
     if not model_name:
         raise ValueError("give --model (e.g. dit3_b_2), or --checkpoint with a `ttt-zoo train` folder.")
     if not timm.is_model(model_name):

@@ -223,17 +223,23 @@ class DiffusionTask(Task):
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("diffusion (--task diffusion)")
+        g = parser.add_argument_group("diffusion data (--task diffusion)")
+        g.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
+        g.add_argument("--train-split", default="train")
+        g.add_argument("--val-split", default="validation", help="('' = no evaluation)")
+        g.add_argument("--hflip", type=float, default=0.5,
+                       help="horizontal flip probability of training images (DiT: 0.5; 0 for digits or text)")
         g.add_argument("--vae", default=None, metavar="DIR",
                        help="train on the latents of this local diffusers AutoencoderKL folder (default: pixels)")
-        g.add_argument("--linearize-from", default=None, metavar="MODEL",
-                       help="build this softmax DiT (with --pretrained / --initial-checkpoint), linearize it into "
-                            "DiT5 and train that; the new TTT parameters get lr_scale "
-                            "ttt_zoo.linearize.DIFFUSION_LR_MULTIPLIER (2x)")
-        g.add_argument("--diffusion-hflip", type=float, default=0.5, metavar="P",
-                       help="random horizontal flip probability of training images (DiT: 0.5; 0 for digits/text)")
         g.add_argument("--eval-seed", type=int, default=0,
-                       help="seed of the fixed timesteps and noise of the eval loss (same every epoch)")
+                       help="seed of the eval loss's fixed timesteps and noise (the same every epoch)")
+        g = parser.add_argument_group("linearize (DiT5)")
+        g.add_argument("--linearize-from", default="", metavar="MODEL",
+                       help="softmax DiT (dit_*) to linearize into DiT5 before training (needs --pretrained or "
+                            "--initial-checkpoint)")
+        g.add_argument("--ttt-lr-scale", type=float, default=None,
+                       help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 2x, "
+                            "ttt_zoo.linearize.DIFFUSION_LR_MULTIPLIER)")
 
     def __init__(self, args: argparse.Namespace, dist: DistInfo):
         super().__init__(args, dist)
@@ -241,91 +247,95 @@ class DiffusionTask(Task):
         self.new_param_names: List[str] = []
         self.vae = load_vae(args.vae, dist.device) if getattr(args, "vae", None) else None
         self.diffusion: Optional[DiTDiffusion] = None
-        self._train_set = self._eval_set = None
+        self._train_ds = self._eval_ds = None
 
     # --- data ---
     def _img_size(self) -> int:
         size = getattr(self.args, "img_size", None)
-        if size is None:
+        if not size:
             raise ValueError("--task diffusion needs --img-size (the training resolution in pixels).")
-        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        if size[0] != size[-1]:
-            raise ValueError(f"--task diffusion trains square images; got --img-size {size}.")
-        return int(size[0])
+        return int(size)
 
-    def _dataset(self, split: str, train: bool):
-        from timm.data import create_dataset
+    def _transform(self, train: bool):
         from torchvision import transforms as T
         size = self._img_size()
-        hflip = float(getattr(self.args, "diffusion_hflip", 0.5)) if train else 0.0
-        tf = T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
-                        T.RandomHorizontalFlip(hflip), T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3),
-                        ])
-        root = getattr(self.args, "data_dir", None)
-        if not root or not os.path.isdir(root):
-            raise FileNotFoundError(f"--data-dir {root!r} is not a folder; give an image folder with train/ and "
-                                    "val/ holding one subfolder per class.")
-        return create_dataset(getattr(self.args, "dataset", "") or "", root=root, split=split, is_training=train,
-                              transform=tf)
+        flip = [T.RandomHorizontalFlip(self.args.hflip)] if train and getattr(self.args, "hflip", 0) > 0 else []
+        return T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size), *flip,
+                          T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)])  # [-1, 1], as DiT
+
+    def _datasets(self):
+        if self._train_ds is None:
+            from timm.data import create_dataset
+            a = self.args
+            if not getattr(a, "data_dir", None) and not getattr(a, "dataset", ""):
+                raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
+                                 "or --dataset NAME.")
+            ds = lambda split, train: create_dataset(getattr(a, "dataset", ""), root=a.data_dir,  # noqa: E731
+                                                     split=split, is_training=train, transform=self._transform(train))
+            self._train_ds = ds(getattr(a, "train_split", "train"), True)
+            val = getattr(a, "val_split", "validation")
+            self._eval_ds = ds(val, False) if val else None
+        return self._train_ds, self._eval_ds
 
     def _num_classes(self) -> int:
-        n = getattr(self.args, "num_classes", None)
-        if n:
-            return int(n)
-        if self._train_set is None:
-            self._train_set = self._dataset(getattr(self.args, "train_split", "train"), True)
-        return len(self._train_set.reader.class_to_idx)
+        if getattr(self.args, "num_classes", None):
+            return int(self.args.num_classes)
+        reader = getattr(self._datasets()[0], "reader", None)
+        classes = getattr(reader, "class_to_idx", None)
+        if not classes:
+            raise ValueError("Cannot tell the number of classes from the data: give --num-classes.")
+        return len(classes)
 
     def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
-        from torch.utils.data import DataLoader, DistributedSampler
-        if self._train_set is None:
-            self._train_set = self._dataset(getattr(self.args, "train_split", "train"), True)
-        try:
-            self._eval_set = self._dataset(getattr(self.args, "val_split", "val"), False)
-        except (FileNotFoundError, RuntimeError, AssertionError):
-            self._eval_set = None  # no val split: train only
-        bs, workers = self.args.batch_size, getattr(self.args, "workers", 0)
-        common = dict(batch_size=bs, num_workers=workers, pin_memory=self.dist.device.type == "cuda",
-                      persistent_workers=workers > 0)
-        seed = getattr(self.args, "seed", 0)
-        if self.dist.world_size > 1:
-            train_sampler = DistributedSampler(self._train_set, shuffle=True, seed=seed, drop_last=True)
-            train = DataLoader(self._train_set, sampler=train_sampler, drop_last=True, **common)
-        else:
-            g = torch.Generator().manual_seed(seed)
-            train = DataLoader(self._train_set, shuffle=True, generator=g, drop_last=True, **common)
-        ev = None
-        if self._eval_set is not None:
-            sampler = (DistributedSampler(self._eval_set, shuffle=False, drop_last=False)
-                       if self.dist.world_size > 1 else None)
-            ev = DataLoader(self._eval_set, sampler=sampler, shuffle=False, **common)
-        return train, ev
+        from torch.utils.data import DataLoader, DistributedSampler, Subset
+        a, d = self.args, self.dist
+        train_ds, eval_ds = self._datasets()
+        # one permutation per epoch from (seed, epoch) (the Trainer calls set_epoch), split over ranks
+        sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
+        common = dict(num_workers=a.workers, pin_memory=bool(getattr(a, "pin_mem", False)) and d.device.type == "cuda")
+        train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler, drop_last=True, **common)
+        if len(train) == 0:
+            raise ValueError(f"The training set has {len(train_ds)} images, fewer than --batch-size "
+                             f"{a.batch_size} x {d.world_size} processes: lower -b.")
+        evaluate = None
+        if eval_ds is not None:
+            part = Subset(eval_ds, range(d.rank, len(eval_ds), d.world_size))  # disjoint, no padding duplicates
+            evaluate = DataLoader(part, batch_size=getattr(a, "validation_batch_size", None) or a.batch_size,
+                                  shuffle=False, **common)
+        return train, evaluate
 
     # --- model ---
     def build_model(self) -> nn.Module:
         a = self.args
+        if getattr(a, "drop_path", None) or getattr(a, "drop", 0):
+            raise ValueError("DiT models have no dropout or drop path: leave --drop / --drop-path unset for "
+                             "--task diffusion.")
+        if a.linearize_from and a.model:
+            raise ValueError("Give either --model (train it) or --linearize-from (linearize it into DiT5, then "
+                             "train), not both.")
+        if a.linearize_from and not (a.pretrained or a.initial_checkpoint):
+            raise ValueError("--linearize-from needs the softmax DiT's weights: add --pretrained or "
+                             "--initial-checkpoint PATH.")
+        if not (a.model or a.linearize_from):
+            raise ValueError("No model: give --model NAME (dit_*, dit3_*, dit5_*) or --linearize-from dit_*.")
         kwargs = dit_model_kwargs(self._img_size(), self._num_classes(), self.vae)
-        if getattr(a, "drop_path", None):
-            raise ValueError("DiT models have no drop path; leave --drop-path unset for --task diffusion.")
-        kwargs.update(dict(getattr(a, "model_kwargs", None) or {}))
-        model, self.new_param_names = build_dit(a.model, linearize_from=getattr(a, "linearize_from", None),
-                                                pretrained=bool(getattr(a, "pretrained", False)),
-                                                checkpoint=getattr(a, "initial_checkpoint", None) or None, **kwargs)
-        if getattr(a, "grad_checkpointing", False):
-            model.set_grad_checkpointing(True)
+        kwargs.update(dict(a.model_kwargs or {}))
+        model, self.new_param_names = build_dit(a.model, linearize_from=a.linearize_from or None,
+                                                pretrained=bool(a.pretrained), checkpoint=a.initial_checkpoint or None,
+                                                **kwargs)
         self.diffusion = DiTDiffusion(learn_sigma=model.learn_sigma)
         return model
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
         from ttt_zoo.linearize import DIFFUSION_LR_MULTIPLIER, param_groups
-        mult = DIFFUSION_LR_MULTIPLIER if self.new_param_names else 1.0
+        mult = (getattr(self.args, "ttt_lr_scale", None) or DIFFUSION_LR_MULTIPLIER) if self.new_param_names else 1.0
         return param_groups(_unwrap(model), self.new_param_names, multiplier=mult, weight_decay=weight_decay,
                             layer_decay=getattr(self.args, "layer_decay", None))
 
     def build_ema(self, model: nn.Module) -> Optional[DiffusersEMA]:
         if not getattr(self.args, "model_ema", False):
             return None
-        return DiffusersEMA(model, decay=float(getattr(self.args, "model_ema_decay", 0.9999) or 0.9999))
+        return DiffusersEMA(model, decay=float(self.args.model_ema_decay))
 
     # --- steps ---
     def _generator(self, *keys: int) -> torch.Generator:
