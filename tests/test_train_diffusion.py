@@ -235,3 +235,29 @@ def test_linearize_from_dit_gives_new_params_lr_scale(tiny_digits, tmp_path):
     with pytest.raises(ValueError, match="needs the softmax DiT's weights"):
         args.initial_checkpoint = ""
         DiffusionTask(args, trainer.dist).build_model()
+
+
+def test_vae_latents_train_and_sample(tiny_digits, tmp_path):
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                        scaling_factor=0.5)
+    vae.save_pretrained(str(tmp_path / "vae"))
+    folder = _train(tiny_digits, tmp_path, "latent", "dit_s_2", "--epochs", "1", "--vae", str(tmp_path / "vae"),
+                    patch_size=1)
+    from safetensors.torch import load_file
+    w = load_file(os.path.join(folder, "last.safetensors"))
+    assert tuple(w["x_embedder.proj.weight"].shape[1:]) == (4, 1, 1) and w["pos_embed"].shape[1] == 16  # 4x4 latents
+    # the task's latents are the VAE's posterior samples times its scaling factor
+    task = DiffusionTask(_args(tiny_digits, "--vae", str(tmp_path / "vae")), DistInfo())
+    x = torch.rand(2, 3, 8, 8) * 2 - 1
+    z = task._encode(x, torch.Generator().manual_seed(5))
+    ref = vae.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(5)) * 0.5
+    torch.testing.assert_close(z, ref)
+    from ttt_zoo.cli import main
+    out = tmp_path / "grid.png"
+    assert main(["sample", "--checkpoint", folder, "--steps", "3", "--labels", "1", "2", "--out", str(out),
+                 "--device", "cpu"]) == 0  # the VAE comes from the run's args.yaml
+    from PIL import Image
+    assert Image.open(out).size == (2 * 8 + 3 * 2, 8 + 2 * 2)
