@@ -164,8 +164,8 @@ def tiny_digits(tmp_path_factory):
 def _train(data, out, experiment, model, *extra, patch_size=2):
     from ttt_zoo.train.trainer import main
     argv = ["--task", "diffusion", "--model", model, "--model-kwargs", "hidden_size=32", "depth=1", "num_heads=2",
-            f"patch_size={patch_size}", "--img-size", "8", "--data-dir", data, "-b", "8", "-j", "0", "--hflip", "0", "--opt", "adamw",
-            "--lr", "3e-3", "--weight-decay", "0", "--warmup-epochs", "0", "--seed", "3", "--log-interval", "100",
+            f"patch_size={patch_size}", "--img-size", "8", "--data-dir", data, "-b", "8", "-j", "0", "--hflip", "0",
+            "--opt", "adamw", "--lr", "3e-3", "--weight-decay", "0", "--warmup-epochs", "0", "--seed", "3", "--log-interval", "100",
             "--output", str(out), "--experiment", experiment, "--device", "cpu", *extra]
     assert main(argv) == 0
     return os.path.join(str(out), experiment)
@@ -206,7 +206,8 @@ def test_exact_resume_dit5_with_ema(tiny_digits, tmp_path):
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=f"{name}:{k}")
     state = torch.load(os.path.join(part, "last.state.pt"), weights_only=True)
-    assert state["task"] == {"step": 10} and state["ema"]["optimization_step"] == 10  # 2 epochs x 5 batches
+    # 2 epochs x 5 batches
+    assert state["task"] == {"step": 10} and state["ema"]["optimization_step"] == 10
     assert [r["eval_loss"] for r in _summary(full)] == [r["eval_loss"] for r in _summary(part)]
 
 

@@ -68,10 +68,13 @@ class DiTDiffusion:
             "coef_x0": betas * ab_prev.sqrt() / (1 - ab), "coef_xt": (1 - ab_prev) * (1 - betas).sqrt() / (1 - ab),
             "post_logvar": torch.cat([post_var[1:2], post_var[1:]]).log(),  # clipped: t=0 uses t=1's variance
             "log_betas": betas.log()}
+        self._on_device: Dict[torch.device, Dict[str, torch.Tensor]] = {}
 
     def _at(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
-        v = self.tables[name].to(t.device)[t].float()
-        return v.reshape(-1, *([1] * (ndim - 1)))
+        """Table values at ``t`` (float32), shaped to broadcast over (B, C, H, W)."""
+        if t.device not in self._on_device:
+            self._on_device[t.device] = {k: v.to(t.device) for k, v in self.tables.items()}
+        return self._on_device[t.device][name][t].float().reshape(-1, *([1] * (ndim - 1)))
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.scheduler.add_noise(x0, noise, t)
@@ -104,7 +107,8 @@ class DiTDiffusion:
         frac = (var_values + 1) / 2
         logvar = frac * at("log_betas") + (1 - frac) * at("post_logvar")
         true_logvar = at("post_logvar")
-        kl = 0.5 * (-1 + logvar - true_logvar + (true_logvar - logvar).exp() + (true_mean - mean) ** 2 * (-logvar).exp())
+        kl = 0.5 * (-1 + logvar - true_logvar + (true_logvar - logvar).exp()
+                    + (true_mean - mean) ** 2 * (-logvar).exp())
         nll = -discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar)
         dims = tuple(range(1, x0.ndim))
         return torch.where(t == 0, nll.mean(dims), kl.mean(dims)) / math.log(2.0)
@@ -126,8 +130,9 @@ def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log
 class DiffusersEMA:
     """diffusers ``EMAModel`` whose shadow parameters ARE the parameters of ``.module`` (no second copy).
 
-    ``update(model, step)`` runs ``EMAModel.step`` (its own ``optimization_step`` counter sets the decay) and copies
-    buffers; ``state_dict`` / ``load_state_dict`` are EMAModel's (decay settings, step, shadow parameters)."""
+    ``update(model, step)`` runs ``EMAModel.step`` and copies buffers; the decay follows EMAModel's own
+    ``optimization_step`` counter (it counts the same updates as the Trainer's ``step``, and is restored with it).
+    ``state_dict`` / ``load_state_dict`` are EMAModel's (decay settings, counter, shadow parameters)."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, **ema_kwargs):
         from diffusers.training_utils import EMAModel
@@ -338,9 +343,9 @@ class DiffusionTask(Task):
         return DiffusersEMA(model, decay=float(self.args.model_ema_decay))
 
     # --- steps ---
-    def _generator(self, *keys: int) -> torch.Generator:
+    def _generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.dist.device)
-        g.manual_seed(step_seed(getattr(self.args, "seed", 0), *keys))
+        g.manual_seed(seed)
         return g
 
     @torch.no_grad()
@@ -348,8 +353,8 @@ class DiffusionTask(Task):
         if self.vae is None:
             return images
         with torch.autocast(images.device.type, enabled=False):
-            dist = self.vae.encode(images.to(self.vae.dtype)).latent_dist
-            z = dist.sample(generator=g).float()
+            posterior = self.vae.encode(images.to(self.vae.dtype)).latent_dist
+            z = posterior.sample(generator=g).float()
         shift = getattr(self.vae.config, "shift_factor", None) or 0.0
         return (z - shift) * self.vae.config.scaling_factor
 
@@ -363,16 +368,20 @@ class DiffusionTask(Task):
         return (images.to(self.dist.device, non_blocking=True).float(),
                 labels.to(self.dist.device, non_blocking=True).long())
 
-    def train_step(self, model: nn.Module, batch: Any) -> Tuple[torch.Tensor, Dict[str, float]]:
+    def train_step(self, model: nn.Module, batch: Any) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """DiT loss of one batch; extras ``mse`` / ``vb`` are 0-dim tensors (read only when logged: no sync)."""
         images, y = self._to_device(batch)
-        g = self._generator(_TRAIN, self.dist.rank, self.step)
+        seed = step_seed(self.args.seed, _TRAIN, self.dist.rank, self.step)
+        g = self._generator(seed)
         x0 = self._encode(images, g)
         t, noise = self._draw(x0, g)
-        devices = [self.dist.device] if self.dist.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.dist.device.type):
-            # the model's label dropout (torch.rand in y_embedder) draws from the global RNG: seed it per step
-            seed = step_seed(getattr(self.args, "seed", 0), _TRAIN, self.dist.rank, self.step, 1)
-            torch.manual_seed(seed) if not devices else torch.cuda.manual_seed(seed)
+        cuda = [self.dist.device] if self.dist.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            # the model's label dropout (torch.rand in its y_embedder) uses the global RNG: seed it from the step
+            if cuda:
+                torch.cuda.manual_seed(seed)
+            else:
+                torch.manual_seed(seed)
             terms = self.diffusion.loss(model, x0, y, t, noise)
         self.step += 1
         extras = {k: v.detach().mean() for k, v in terms.items() if k != "loss"}
@@ -380,14 +389,15 @@ class DiffusionTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader: Iterable) -> Dict[str, float]:
+        """Mean ``loss`` / ``mse`` / ``vb`` over the eval set, at timesteps and noise fixed by (--eval-seed, rank,
+        batch index): the same every epoch for a given number of processes."""
         was_training = model.training
         model.eval()
         sums = {"loss": 0.0, "mse": 0.0, "vb": 0.0}
         count = 0
         for i, batch in enumerate(loader):
             images, y = self._to_device(batch)
-            g = torch.Generator(device=self.dist.device)
-            g.manual_seed(step_seed(getattr(self.args, "eval_seed", 0), _EVAL, self.dist.rank, i))
+            g = self._generator(step_seed(self.args.eval_seed, _EVAL, self.dist.rank, i))
             x0 = self._encode(images, g)
             t, noise = self._draw(x0, g)
             terms = self.diffusion.loss(model, x0, y, t, noise)
