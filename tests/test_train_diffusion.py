@@ -262,3 +262,11 @@ def test_vae_latents_train_and_sample(tiny_digits, tmp_path):
                  "--device", "cpu"]) == 0  # the VAE comes from the run's args.yaml
     from PIL import Image
     assert Image.open(out).size == (2 * 8 + 3 * 2, 8 + 2 * 2)
+
+
+def test_initial_checkpoint_for_latents_into_a_pixel_model_says_how(digits8, tmp_path):
+    from safetensors.torch import save_file
+    save_file(_tiny_dit("dit_s_2", in_chans=4, num_classes=10).state_dict(), str(tmp_path / "latent.safetensors"))
+    task = DiffusionTask(_args(digits8, "--initial-checkpoint", str(tmp_path / "latent.safetensors")), DistInfo())
+    with pytest.raises(ValueError, match=r"x_embedder.proj.weight.*built for 3 input channels.*--vae DIR"):
+        task.build_model()

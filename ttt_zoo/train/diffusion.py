@@ -325,9 +325,16 @@ class DiffusionTask(Task):
             raise ValueError("No model: give --model NAME (dit_*, dit3_*, dit5_*) or --linearize-from dit_*.")
         kwargs = dit_model_kwargs(self._img_size(), self._num_classes(), self.vae)
         kwargs.update(dict(a.model_kwargs or {}))
-        model, self.new_param_names = build_dit(a.model, linearize_from=a.linearize_from or None,
-                                                pretrained=bool(a.pretrained), checkpoint=a.initial_checkpoint or None,
-                                                **kwargs)
+        from ttt_zoo.checkpoint import CheckpointError
+        try:
+            model, self.new_param_names = build_dit(a.model, linearize_from=a.linearize_from or None,
+                                                    pretrained=bool(a.pretrained),
+                                                    checkpoint=a.initial_checkpoint or None, **kwargs)
+        except CheckpointError as e:
+            raise ValueError(f"{e} The model was built for {kwargs['in_chans']} input channels at input_size "
+                             f"{kwargs['input_size']} and {kwargs['num_classes']} classes (from --img-size, --vae and "
+                             "the data): released DiT weights take 4-channel SD-VAE latents (--vae DIR, --img-size "
+                             "256) and 1000 classes (--num-classes 1000).") from e
         self.diffusion = DiTDiffusion(learn_sigma=model.learn_sigma)
         return model
 
