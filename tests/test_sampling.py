@@ -138,3 +138,22 @@ def test_sample_cli_errors(tmp_path, capsys):
                  "num_classes=5", "--labels", "7", "--out", str(tmp_path / "x.png")]) == 2
     assert "outside the model's 5 classes" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_sample_cli_builds_the_official_checkpoint_with_its_ema_weights(tmp_path):
+    """An official train.py file {'model', 'ema', 'opt', 'args'}: the CLI infers latent size, channels and classes
+    from the weights and loads the EMA ones (the model's output equals the official fixture's)."""
+    import argparse
+    from tests.fixtures import load_fixture
+    from ttt_zoo.cli.sample import _build
+    t, state, _, tol = load_fixture("dit3_model_tiny")
+    path = tmp_path / "0400000.pt"
+    torch.save({"model": {k: torch.zeros_like(v) for k, v in state.items()}, "ema": state,
+                "args": argparse.Namespace(model="DiTTT-B/2")}, path)
+    args = argparse.Namespace(model="dit3_s_2", model_kwargs=dict(hidden_size=64, depth=2, num_heads=2),
+                              checkpoint=str(path), vae=None, image_size=None)
+    model, vae, _ = _build(args)
+    assert vae is None and model.in_chans == 4 and model.grid_size == (8, 8) and model.num_classes == 10
+    with torch.no_grad():
+        out = model.eval()(t["input.x"], t["input.t"], t["input.y"])
+    torch.testing.assert_close(out, t["output"], **tol)
