@@ -160,6 +160,7 @@ def main():
 
     def finetune(model, new_names, multiplier):
         groups = ttt_zoo.param_groups(model, new_names, lr=args.ft_lr, multiplier=multiplier, weight_decay=wd)
+        groups = [dict(g, lr=g["lr"] * g["lr_scale"]) for g in groups]  # this loop's own schedule: absolute lrs
         return train(model, groups, xtr, ytr, args.ft_epochs, args.seed + 1, bs=args.batch)
 
     for label, kw in (("T5 (linearized)", {}), ("T5+ (linearized, NA 3x3)", dict(na_kernel=3))):

@@ -15,7 +15,7 @@ from .task import TASKS, get_task_class
 __all__ = ["build_parser", "parse_args"]
 
 # keys of args.yaml that are not flags (ignored when an args.yaml is used as -c)
-_NOT_FLAGS = ("config", "world_size", "ttt_zoo_version")
+_NOT_FLAGS = ("config", "world_size", "sched_on_updates")
 
 
 def _config_parser() -> argparse.ArgumentParser:

@@ -22,9 +22,13 @@ __all__ = ["ClassificationTask", "build_classifier"]
 _logger = logging.getLogger("ttt_zoo.train")
 
 
-def _load_weights(model: nn.Module, path: str) -> None:
+def _read_weights(path: str) -> Dict[str, torch.Tensor]:
     from ttt_zoo.checkpoint import load_checkpoint_file, unwrap_checkpoint
-    sd = unwrap_checkpoint(load_checkpoint_file(path))
+    return unwrap_checkpoint(load_checkpoint_file(path))
+
+
+def _load_weights(model: nn.Module, path: str, sd: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    sd = _read_weights(path) if sd is None else sd
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: missing "
@@ -48,9 +52,12 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
         if not (args.pretrained or args.initial_checkpoint):
             raise ValueError("--linearize-from needs the softmax model's weights: add --pretrained or "
                              "--initial-checkpoint PATH.")
+        sd = _read_weights(args.initial_checkpoint) if args.initial_checkpoint else None
+        if sd is not None and "head.weight" in sd and "num_classes" not in kw:
+            kw["num_classes"] = sd["head.weight"].shape[0]  # the source's own head; replaced below if needed
         src = timm.create_model(args.linearize_from, pretrained=args.pretrained, **kw)
-        if args.initial_checkpoint:
-            _load_weights(src, args.initial_checkpoint)
+        if sd is not None:
+            _load_weights(src, args.initial_checkpoint, sd)
         model, new = ttt_zoo.linearize(src, **({"img_size": args.img_size} if args.img_size else {}))
         if num_classes is not None and num_classes != model.num_classes:
             model.reset_classifier(num_classes)

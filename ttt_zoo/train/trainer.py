@@ -65,7 +65,7 @@ class Trainer:
             self.resume_file = ckpt.resolve_resume(a.resume)
             return os.path.dirname(os.path.abspath(self.resume_file))
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
-                                         (a.model or a.linearize_from or a.task).replace("/", "_"),
+                                         (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
                                          str(a.img_size or "default")])
         folder = broadcast_object(os.path.abspath(os.path.join(a.output, name)))
 
@@ -99,6 +99,9 @@ class Trainer:
             model.set_grad_checkpointing(True)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         if a.sync_bn and d.distributed and has_bn:
+            if d.device.type != "cuda":
+                raise SystemExit("ttt-zoo train: error: --sync-bn needs GPUs (torch's SyncBatchNorm has no CPU "
+                                 "implementation); leave out --sync-bn on CPU.")
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif a.sync_bn and not has_bn:
             self.log.info("--sync-bn: the model has no BatchNorm; nothing to convert")
@@ -286,7 +289,7 @@ class Trainer:
                  "ema": self.ema.state_dict() if self.ema is not None else None,
                  "task": self.task.state_dict(), "rng": rngs, "world_size": d.world_size,
                  "args": {k: v for k, v in vars(self.args).items()}}
-        meta = {"epoch": epoch_done, "arch": self.args.model or self.args.linearize_from or "", "metric": metric,
+        meta = {"epoch": epoch_done, "arch": self.args.model or getattr(self.args, "linearize_from", "") or "", "metric": metric,
                 "task": self.task.name}
         ckpt.save_checkpoint(self.folder, "last", state, self.model.state_dict(),
                              self.ema.module.state_dict() if self.ema is not None else None, meta)
