@@ -92,3 +92,68 @@ def test_sampling_errors():
     bad_vae = AutoencoderKL(block_out_channels=(8,), latent_channels=3, norm_num_groups=4)
     with pytest.raises(ValueError, match="3 latent channels"):
         sample(model, [1], vae=bad_vae, num_steps=2)
+
+
+def _official_respacing(num_steps, num_timesteps=1000):
+    """improved-diffusion's space_timesteps(num_timesteps, str(num_steps)) for one section, written out."""
+    stride = (num_timesteps - 1) / (num_steps - 1)
+    return sorted({round(i * stride) for i in range(num_steps)}, reverse=True)
+
+
+@pytest.mark.parametrize("steps", [250, 50, 7])
+def test_ddpm_timesteps_are_the_official_respacing(steps):
+    sched = make_scheduler("ddpm", learn_sigma=True)
+    sched.set_timesteps(steps)
+    assert sched.timesteps.tolist() == _official_respacing(steps)
+
+
+@pytest.mark.parametrize("k", [0, 100])
+def test_learned_range_ddpm_step_matches_the_respaced_official_posterior(k):
+    """One diffusers DDPM step with the learned-range variance == the respaced improved-DDPM p_sample (float64)."""
+    sched = make_scheduler("ddpm", learn_sigma=True)
+    sched.set_timesteps(250)
+    t, prev = int(sched.timesteps[k]), int(sched.timesteps[k + 1])
+    ab = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)
+    a_t, a_p = ab[t], ab[prev]
+    beta = 1 - a_t / a_p  # the respaced process's beta
+    g = torch.Generator().manual_seed(0)
+    x_t, eps, v = (torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    v = v.tanh()
+    x0 = (x_t - (1 - a_t).sqrt() * eps) / a_t.sqrt()
+    mean = (beta * a_p.sqrt() * x0 + (1 - a_p) * (1 - beta).sqrt() * x_t) / (1 - a_t)
+    logvar = (v + 1) / 2 * beta.log() + (1 - v) / 2 * (beta * (1 - a_p) / (1 - a_t)).log()
+    z = torch.randn(x_t.shape, generator=torch.Generator().manual_seed(9)).double()  # what diffusers draws
+    ref = mean + (0.5 * logvar).exp() * z
+    out = sched.step(torch.cat([eps, v], 1).float(), t, x_t.float(), generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(out.prev_sample.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sample_cli_errors(tmp_path, capsys):
+    from ttt_zoo.cli import main
+    assert main(["sample", "--out", str(tmp_path / "x.png")]) == 2
+    assert "give --model" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    assert "is it a `ttt-zoo train` output folder" in capsys.readouterr().err
+    assert main(["sample", "--model", "dit_s_2", "--model-kwargs", "hidden_size=32", "depth=1", "num_heads=2",
+                 "num_classes=5", "--labels", "7", "--out", str(tmp_path / "x.png")]) == 2
+    assert "outside the model's 5 classes" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_sample_cli_builds_the_official_checkpoint_with_its_ema_weights(tmp_path):
+    """An official train.py file {'model', 'ema', 'opt', 'args'}: the CLI infers latent size, channels and classes
+    from the weights and loads the EMA ones (the model's output equals the official fixture's)."""
+    import argparse
+    from tests.fixtures import load_fixture
+    from ttt_zoo.cli.sample import _build
+    t, state, _, tol = load_fixture("dit3_model_tiny")
+    path = tmp_path / "0400000.pt"
+    torch.save({"model": {k: torch.zeros_like(v) for k, v in state.items()}, "ema": state,
+                "args": argparse.Namespace(model="DiTTT-B/2")}, path)
+    args = argparse.Namespace(model="dit3_s_2", model_kwargs=dict(hidden_size=64, depth=2, num_heads=2),
+                              checkpoint=str(path), vae=None, image_size=None)
+    model, vae, _ = _build(args)
+    assert vae is None and model.in_chans == 4 and model.grid_size == (8, 8) and model.num_classes == 10
+    with torch.no_grad():
+        out = model.eval()(t["input.x"], t["input.t"], t["input.y"])
+    torch.testing.assert_close(out, t["output"], **tol)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
@@ -34,13 +35,18 @@ def _diffusers():
 def make_scheduler(name: str = "ddpm", learn_sigma: bool = True, num_train_timesteps: int = 1000):
     """The DiT training process as a diffusers scheduler.
 
-    ``'ddpm'``: ancestral sampling with the learned-range variance when ``learn_sigma`` (fixed-small otherwise);
-    ``'ddim'``: deterministic DDIM (eta 0; the variance output is unused).  No clipping, as in DiT."""
+    ``'ddpm'``: ancestral sampling with the learned-range variance when ``learn_sigma`` (fixed-small otherwise),
+    respaced like the official ``space_timesteps`` (``timestep_spacing='linspace'``: 250 steps run 999, 995, ..., 0;
+    diffusers' posterior uses the kept steps' alphas_cumprod, as the respaced official process does);
+    ``'ddim'``: deterministic DDIM (eta 0; the variance output is unused; diffusers' DDIM steps by a fixed stride, so
+    it keeps the ``'leading'`` spacing 996, ..., 0).  No clipping, as in DiT.  The training task
+    (:mod:`ttt_zoo.train.diffusion`) builds its noise process here too."""
     d = _diffusers()
     common = dict(num_train_timesteps=num_train_timesteps, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
                   clip_sample=False, prediction_type="epsilon")
     if name == "ddpm":
-        return d.DDPMScheduler(variance_type="learned_range" if learn_sigma else "fixed_small", **common)
+        return d.DDPMScheduler(variance_type="learned_range" if learn_sigma else "fixed_small",
+                               timestep_spacing="linspace", **common)
     if name == "ddim":
         return d.DDIMScheduler(set_alpha_to_one=True, **common)
     raise ValueError(f"Unknown scheduler {name!r}; choose one of {SCHEDULERS} or pass a diffusers scheduler.")
@@ -143,8 +149,9 @@ def sample(
     if vae is None:
         return x
     scale = vae_scaling_factor if vae_scaling_factor is not None else vae.config.scaling_factor
+    shift = getattr(vae.config, "shift_factor", None) or 0.0  # SD3-style VAEs; 0 for the SD VAE
     vdtype = next(vae.parameters()).dtype
-    images = vae.decode(x.to(vdtype) / scale).sample
+    images = vae.decode(x.to(vdtype) / scale + shift).sample
     return ((images.float() + 1) / 2).clamp(0, 1)
 
 
@@ -182,7 +189,16 @@ def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 
 
 def save_image_grid(images: torch.Tensor, path: str, nrow: Optional[int] = None, padding: int = 2,
                     value_range: Optional[Tuple[float, float]] = None) -> str:
-    """Write ``images`` (B, C, H, W) as one PNG grid; returns the path."""
+    """Write ``images`` (B, C, H, W) as one PNG grid (to a temporary file, then renamed); returns the path."""
     from PIL import Image
-    Image.fromarray(image_grid(images, nrow, padding, value_range).numpy()).save(path, format="PNG")
+    grid = Image.fromarray(image_grid(images, nrow, padding, value_range).numpy())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.partial-{os.getpid()}"
+    try:
+        grid.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return path
