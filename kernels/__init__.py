@@ -133,7 +133,7 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
 
 
 __all__ = ["BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",
-           "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "vit3_variant_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
+           "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
            "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
            "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
            "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "ttt_linear_bidir_reference",
