@@ -117,7 +117,9 @@ class ViT3TTT(TTTMixer):
                                      self.inner_update == "last", -1.0 if self.gradient_ascent else 1.0,
                                      self.share_qk, self.inner_steps, backend=self.backend)
         else:
-            y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size,
+            w2 = self.w2
+            assert w2 is not None  # only the linear inner model has none, and it is a variant
+            y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, w2, self.w3, feat_size,
                              self.num_heads, self.scale, self.normalize_grad, cos, sin, backend=self.backend)
         return self.proj_drop(self.proj(y))
 
