@@ -12,6 +12,7 @@ from .key_norm import key_norm_op, key_norm_reference, key_norm_torch
 from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_naive, ttt_linear_bidir_op, ttt_linear_bidir_reference,
                          ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_reference,
                          ttt_linear_torch)
+from .vit3_variant import variant_qkv_naive, variant_qkv_torch, variant_qkv_triton
 from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_op, qkv_ttt_torch,
                        swiglu_ttt_op, swiglu_ttt_reference, swiglu_ttt_torch)
 
@@ -20,6 +21,7 @@ from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qk
 register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op, swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op, dwconv_ttt_reference)
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op, qkv_ttt_naive)
+register_op("vit3_variant_qkv_ttt", variant_qkv_torch, variant_qkv_triton, variant_qkv_naive)
 register_op("dit5_mlp_ttt", mlp_ttt_torch, mlp_ttt_op, mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference)
 register_op("key_instance_norm", key_norm_torch, key_norm_op, key_norm_reference)
@@ -90,6 +92,19 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
     return _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)(x, weight, bias, w1, w2, w3, feat_size, heads, scale,
                                                      normalize_grad, cos, sin)
+
+
+def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                         w2: Optional[torch.Tensor], w3: torch.Tensor, feat_size: Tuple[int, int], heads: int,
+                         scale: float, normalize_grad: bool = True, cos: Optional[torch.Tensor] = None,
+                         sin: Optional[torch.Tensor] = None, last_only: bool = False, lr: float = 1.0,
+                         share_qk: bool = False, steps: int = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 mixer core with the inner-loop variants of ``vit3_variant.naive`` (``w2=None``: one linear layer)."""
+    if torch.jit.is_scripting():
+        return variant_qkv_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
+                                 last_only, lr, share_qk, steps)
+    return _op("vit3_variant_qkv_ttt", x, backend, x.shape[-1] // heads)(
+        x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
 
 
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,

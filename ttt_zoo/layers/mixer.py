@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from timm.layers import register_notrace_module
 
-__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers", "family_mixer_kwargs"]
+__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers", "family_mixer_kwargs", "set_inner_steps"]
 
 _MIXERS: Dict[str, Callable[..., "TTTMixer"]] = {}
 
@@ -78,3 +78,15 @@ def family_mixer_kwargs(mixer: str, family_mixer: str, family_defaults: Dict[str
     kwargs = dict(family_defaults) if mixer == family_mixer else {}
     kwargs.update(mixer_kwargs or {})
     return kwargs
+
+
+def set_inner_steps(model: nn.Module, steps: int) -> None:
+    """k inner steps at inference (Figure 1 of "TTT with KV Binding Is Secretly Linear Attention") on every mixer
+    of ``model``; each mixer's ``set_inner_steps`` checks the value.  Raises if a mixer has no such option."""
+    mixers = [m for m in model.modules() if isinstance(m, TTTMixer)]
+    if not mixers:
+        raise ValueError(f"{type(model).__name__} has no TTT mixer to set inner steps on")
+    for m in mixers:
+        if not hasattr(m, "set_inner_steps"):
+            raise ValueError(f"the {type(m).__name__} mixer has no inner_steps option")
+        m.set_inner_steps(steps)

@@ -1,19 +1,22 @@
 """ViT3 TTT mixer: a simplified-SwiGLU inner learner over the heads plus one 3x3 depthwise-conv head."""
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 from timm.layers import register_notrace_function, trunc_normal_
 
-from ttt_zoo.kernels import vit3_qkv_ttt
+from ttt_zoo.kernels import vit3_qkv_ttt, vit3_variant_qkv_ttt
 from .mixer import TTTMixer, register_mixer
 from .rope import rope_2d_tables
 
-__all__ = ["ViT3TTT"]
+__all__ = ["ViT3TTT", "variant_state_dict"]
+
+INNER_UPDATES = ("all", "last")
+INNER_MODELS = ("swiglu", "linear")
 
 # the ops and RoPE tables are leaves for torch.fx (they branch on devices and shapes)
-for _fn in (vit3_qkv_ttt, rope_2d_tables):
+for _fn in (vit3_qkv_ttt, vit3_variant_qkv_ttt, rope_2d_tables):
     register_notrace_function(_fn)
 
 
@@ -32,30 +35,73 @@ class ViT3TTT(TTTMixer):
         rope: apply H-ViT3's 2-D RoPE to the SwiGLU-branch q and k (computed for the runtime map size).
         backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
             ``ttt_zoo.kernels.backend``; ``None`` = the process default, ``TTT_ZOO_BACKEND`` or auto).
+
+    Inner-loop variants of Liu et al., "Test-Time Training with KV Binding Is Secretly Linear Attention" (the
+    defaults are ViT3 itself; any other value runs the ``vit3_variant_qkv_ttt`` op):
+        inner_update: ``'all'`` or ``'last'`` (Table 2, Variant 1): only w1 (the last layer) steps; the gate
+            silu(x w2) keeps w2 (no gate gradient, no second step).  A static kernel: o = silu(q w2) * (q S).
+        inner_model: ``'swiglu'`` or ``'linear'`` (Table 2, Variant 3): one linear inner layer f(x) = x w1 (no
+            gate, no ``w2`` parameter): o = q S, S = w1 - N(c k^T v), plain linear attention (two GEMMs per head).
+        normalize_grad=False is Table 2's Variant 6 for ViTTT (its footnote: no gradient orthogonalisation, so the
+            normalisation is ablated); here it switches off both branches' normalisation (the authors' code keeps
+            it in the conv branch).
+        gradient_ascent: the inner steps go up the gradient (Table 1, "Gradient Ascent"), in both branches.
+        share_qk: queries replaced by keys (Table 1, "Replace Q with K"), in both branches; ``qkv`` then has no
+            query rows (C -> 2C + 2d): a baseline checkpoint needs :func:`variant_state_dict`.
+        inner_steps: k inner steps on (k, v) (Figure 1; settable later with :meth:`set_inner_steps`).  With a
+            loss linear in the stepped weights (``'last'``, ``'linear'``, the conv branch) the gradient does not
+            move, so k steps are one step of k N(G); the full SwiGLU loops (reference path, autograd).
     """
     inner_param_names = ("w1", "w2", "w3")
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, scale: float = 1.0 / 3.0,
                  normalize_grad: bool = True, rope: bool = False, rope_base: float = 10000.0,
-                 proj_drop: float = 0.0, backend: Optional[str] = None, **kwargs):
+                 proj_drop: float = 0.0, backend: Optional[str] = None, inner_update: str = "all",
+                 inner_model: str = "swiglu", gradient_ascent: bool = False, share_qk: bool = False,
+                 inner_steps: int = 1, **kwargs):
         super().__init__()
         d = self._init_heads(dim, num_heads)
+        if inner_update not in INNER_UPDATES:
+            raise ValueError(f"inner_update must be one of {INNER_UPDATES} ('last': Table 2's Variant 1), got "
+                             f"{inner_update!r}")
+        if inner_model not in INNER_MODELS:
+            raise ValueError(f"inner_model must be one of {INNER_MODELS} ('linear': Table 2's Variant 3), got "
+                             f"{inner_model!r}")
         self.scale = scale
         self.normalize_grad = normalize_grad
         self.use_rope = rope
         self.rope_base = rope_base
         self.backend: Optional[str] = backend
+        self.inner_update = inner_update
+        self.inner_model = inner_model
+        self.gradient_ascent = bool(gradient_ascent)
+        self.share_qk = bool(share_qk)
+        self.inner_steps = 1
+        self.set_inner_steps(inner_steps)
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
-        self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
+        # the single linear inner layer has no gate: no w2 (an unused parameter would break DDP)
+        self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d)) if inner_model == "swiglu" else None
         self.w3 = nn.Parameter(torch.empty(d, 1, 3, 3))
-        self.qkv = nn.Linear(dim, 3 * dim + 3 * d, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, (2 if share_qk else 3) * (dim + d), bias=qkv_bias)
         self.proj = nn.Linear(dim + d, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_inner_parameters()
 
+    def set_inner_steps(self, steps: int) -> None:
+        """Number of inner steps on (k, v) (Figure 1 of the paper varies it at inference)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"inner_steps must be an integer >= 1, got {steps!r}")
+        self.inner_steps = steps
+
+    @property
+    def is_variant(self) -> bool:
+        """Any inner-loop option away from ViT3's own (runs the variant op)."""
+        return (self.inner_update != "all" or self.inner_model != "swiglu" or self.gradient_ascent or self.share_qk
+                or self.inner_steps != 1)
+
     def reset_inner_parameters(self) -> None:
         for w in (self.w1, self.w2, self.w3):
-            if w.device.type != "meta":
+            if w is not None and w.device.type != "meta":
                 trunc_normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
@@ -65,9 +111,42 @@ class ViT3TTT(TTTMixer):
             cos, sin = rope_2d_tables(feat_size, self.dim, self.rope_base, device=x.device)
         # qkv projection + RoPE + both inner steps in one op, whose backward recomputes the projection output
         # instead of storing it (the naive path, backend='torch_naive' and TorchScript, stores everything)
-        y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size, self.num_heads,
-                         self.scale, self.normalize_grad, cos, sin, backend=self.backend)
+        if self.is_variant:
+            y = vit3_variant_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, self.w2, self.w3, feat_size,
+                                     self.num_heads, self.scale, self.normalize_grad, cos, sin,
+                                     self.inner_update == "last", -1.0 if self.gradient_ascent else 1.0,
+                                     self.share_qk, self.inner_steps, backend=self.backend)
+        else:
+            w2 = self.w2
+            assert w2 is not None  # only the linear inner model has none, and it is a variant
+            y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, w2, self.w3, feat_size,
+                             self.num_heads, self.scale, self.normalize_grad, cos, sin, backend=self.backend)
         return self.proj_drop(self.proj(y))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"
+        r = f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"
+        if self.is_variant or not self.normalize_grad:
+            r += (f", inner_update={self.inner_update}, inner_model={self.inner_model}, normalize_grad="
+                  f"{self.normalize_grad}, gradient_ascent={self.gradient_ascent}, share_qk={self.share_qk}, "
+                  f"inner_steps={self.inner_steps}")
+        return r
+
+
+def variant_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """A ViT3 / H-ViT3 / DiT3 checkpoint of the baseline adapted to a variant ``model`` (e.g. to fine-tune V3 or
+    Q := K from ViT3 weights): the query rows of every ``qkv`` are dropped where the mixer shares q and k, and ``w2``
+    where the inner model is linear.  Other keys are returned unchanged."""
+    out = dict(state_dict)
+    for name, m in model.named_modules():
+        if not isinstance(m, ViT3TTT):
+            continue
+        p = f"{name}." if name else ""
+        if m.w2 is None:
+            out.pop(p + "w2", None)
+        if m.share_qk:
+            c, d = m.dim, m.head_dim
+            for key in (p + "qkv.weight", p + "qkv.bias"):
+                t = out.get(key)
+                if t is not None and t.shape[0] == 3 * (c + d):  # [q1, k1, v1, q2, k2, v2] -> [k1, v1, k2, v2]
+                    out[key] = torch.cat([t[c:3 * c], t[3 * c + d:]], dim=0)
+    return out

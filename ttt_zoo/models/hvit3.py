@@ -12,10 +12,11 @@ from torch import nn
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
+from ttt_zoo.layers.mixer import set_inner_steps
 from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
                       reset_inner_parameters, unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
-from .vit3 import TSINGHUA_URL, VIT3_PAPER
+from .vit3 import TSINGHUA_URL, VARIANTS, VIT3_PAPER, variant_kwargs
 
 __all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
 
@@ -139,6 +140,12 @@ class HViT3(HierarchicalTTT):
         # official: BatchNorm1d over (B, C, N), same keys and math
         self.init_norm_head(nn.BatchNorm2d(self.num_features), drop_rate)
 
+    @torch.jit.ignore
+    def set_inner_steps(self, steps: int) -> None:
+        """k inner steps on (k, v) in every mixer (Figure 1 of Liu et al., "TTT with KV Binding Is Secretly Linear
+        Attention", varies it at inference)."""
+        set_inner_steps(self, steps)
+
     def _stem(self, x: torch.Tensor) -> torch.Tensor:
         check_image(x, self.in_chans, 1, 1, "HViT3")
         return self.pos_drop(self.patch_embed(x))
@@ -179,6 +186,7 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
     "hvit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("f0c7c73ceabe49b7b161")),
     "hvit3_small.in1k": _cfg(url=TSINGHUA_URL.format("3eeab8621a7f43929a87")),
     "hvit3_base.in1k": _cfg(url=TSINGHUA_URL.format("1d0d7fb840254275b29d")),
+    **{f"hvit3_tiny_{v}": _cfg() for v in VARIANTS},
 }))
 
 
@@ -198,6 +206,26 @@ def hvit3_small(pretrained: bool = False, **kwargs) -> HViT3:
 def hvit3_base(pretrained: bool = False, **kwargs) -> HViT3:
     """H-ViT3-B: 94.4M params, 16.7 GFLOPs, 85.5% top-1 (paper, MESA + EMA)."""
     return _create_hvit3("hvit3_base", pretrained, **dict(HVIT3_SIZES["base"], **kwargs))
+
+
+# Table 2 variants of Liu et al. (see ``vit3.VARIANTS``); the tiny size only, to keep timm's suite cheap: other
+# sizes are ``hvit3_small(mixer_kwargs=VARIANTS['v1'])``.
+@register_model
+def hvit3_tiny_v1(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-T, Table 2 "Variant 1" (Liu et al.): only the last inner layer w1 updates; the gate w2 is static."""
+    return _create_hvit3("hvit3_tiny_v1", pretrained, **dict(HVIT3_SIZES["tiny"], **variant_kwargs("v1", kwargs)))
+
+
+@register_model
+def hvit3_tiny_v3(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-T, Table 2 "Variant 3": V1 with a single linear inner layer (RoPE'd q, k; no w2)."""
+    return _create_hvit3("hvit3_tiny_v3", pretrained, **dict(HVIT3_SIZES["tiny"], **variant_kwargs("v3", kwargs)))
+
+
+@register_model
+def hvit3_tiny_v6(pretrained: bool = False, **kwargs) -> HViT3:
+    """H-ViT3-T, Table 2 "Variant 6": V3 without gradient normalisation (plain linear attention)."""
+    return _create_hvit3("hvit3_tiny_v6", pretrained, **dict(HVIT3_SIZES["tiny"], **variant_kwargs("v6", kwargs)))
 
 
 class HViT3Backbone(nn.Module):

@@ -10,10 +10,28 @@ from typing import Any, Dict
 import torch
 from timm.models import generate_default_cfgs, register_model
 
+from ttt_zoo.layers.mixer import set_inner_steps
 from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict, with_hub_ids
 from ._plain import PlainTTTViT
 
-__all__ = ["ViT3"]
+__all__ = ["ViT3", "VARIANTS"]
+
+#: the ViTTT ablation trajectory of Liu et al., "Test-Time Training with KV Binding Is Secretly Linear Attention",
+#: Table 2 (cumulative; top-1 of ViTTT-B on ImageNet in the paper: baseline 79.34%).  Variants 2, 4 and 5 do not
+#: apply to ViTTT (no weight normalisation, no per-token learning rate, no momentum: the table's daggers).  Any of
+#: these also takes the Table 1 options (``gradient_ascent``, ``share_qk``) through ``mixer_kwargs``.
+VARIANTS = {
+    "v1": dict(inner_update="last"),                                                   # row "Variant 1": 79.63%
+    "v3": dict(inner_update="last", inner_model="linear"),                              # row "Variant 3": 79.39%
+    "v6": dict(inner_update="last", inner_model="linear", normalize_grad=False),        # row "Variant 6": 79.54%
+}
+
+
+def variant_kwargs(variant: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` with the Table-2 variant's mixer options under ``mixer_kwargs`` (the caller's win)."""
+    if kwargs.get("mixer", "vit3") != "vit3":
+        raise ValueError(f"the {variant} variants are options of the 'vit3' mixer; got mixer={kwargs['mixer']!r}")
+    return dict(kwargs, mixer_kwargs=dict(VARIANTS[variant], **(kwargs.get("mixer_kwargs") or {})))
 
 
 class ViT3(PlainTTTViT):
@@ -22,6 +40,12 @@ class ViT3(PlainTTTViT):
     def __init__(self, num_heads: int = 6, mixer: str = "vit3", **kwargs):
         """Args: those of :class:`PlainTTTViT` (CPE on, no position embedding)."""
         super().__init__(num_heads=num_heads, mixer=mixer, cpe=True, pos_embed=False, **kwargs)
+
+    @torch.jit.ignore
+    def set_inner_steps(self, steps: int) -> None:
+        """k inner steps on (k, v) in every mixer (Figure 1 of Liu et al., "TTT with KV Binding Is Secretly Linear
+        Attention", varies it at inference)."""
+        set_inner_steps(self, steps)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: ViT3) -> Dict[str, torch.Tensor]:
@@ -51,6 +75,7 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
     "vit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("e12d1bd1c20c4e06a2da")),
     "vit3_small.in1k": _cfg(url=TSINGHUA_URL.format("4ab59ca54b474dff9b70")),
     "vit3_base.in1k": _cfg(url=TSINGHUA_URL.format("c9e9bb09f85d449ab8cf")),
+    **{f"vit3_{size}_{v}": _cfg() for size in ("tiny", "small", "base") for v in VARIANTS},
 }))
 
 
@@ -73,3 +98,67 @@ def vit3_base(pretrained: bool = False, **kwargs) -> ViT3:
     """ViT3-B: 90.1M params, 18.0 GFLOPs, 82.6% top-1 (paper)."""
     args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
     return _create_vit3("vit3_base", pretrained, **dict(args, **kwargs))
+
+
+# ---------------------------------------------------------------------------------- Table 2 (Liu et al.) variants
+_SIZES = {"tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=6),
+          "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+          "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)}
+
+
+def _variant(size: str, v: str, pretrained: bool, kwargs: Dict[str, Any]) -> ViT3:
+    return _create_vit3(f"vit3_{size}_{v}", pretrained, **dict(_SIZES[size], **variant_kwargs(v, kwargs)))
+
+
+@register_model
+def vit3_tiny_v1(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-T, Table 2 "Variant 1" (Liu et al.): only the last inner layer w1 updates; the gate w2 is static."""
+    return _variant("tiny", "v1", pretrained, kwargs)
+
+
+@register_model
+def vit3_tiny_v3(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-T, Table 2 "Variant 3": V1 with a single linear inner layer (no w2): o = q (w1 - N(c k^T v))."""
+    return _variant("tiny", "v3", pretrained, kwargs)
+
+
+@register_model
+def vit3_tiny_v6(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-T, Table 2 "Variant 6": V3 without gradient normalisation, plain linear attention o = q (w1 - c k^T v)."""
+    return _variant("tiny", "v6", pretrained, kwargs)
+
+
+@register_model
+def vit3_small_v1(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-S, Table 2 "Variant 1": only the last inner layer w1 updates."""
+    return _variant("small", "v1", pretrained, kwargs)
+
+
+@register_model
+def vit3_small_v3(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-S, Table 2 "Variant 3": a single linear inner layer."""
+    return _variant("small", "v3", pretrained, kwargs)
+
+
+@register_model
+def vit3_small_v6(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-S, Table 2 "Variant 6": a single linear inner layer, no gradient normalisation."""
+    return _variant("small", "v6", pretrained, kwargs)
+
+
+@register_model
+def vit3_base_v1(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-B, Table 2 "Variant 1": only the last inner layer w1 updates (79.63% vs 79.34% top-1 in the paper)."""
+    return _variant("base", "v1", pretrained, kwargs)
+
+
+@register_model
+def vit3_base_v3(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-B, Table 2 "Variant 3": a single linear inner layer (79.39% top-1 in the paper)."""
+    return _variant("base", "v3", pretrained, kwargs)
+
+
+@register_model
+def vit3_base_v6(pretrained: bool = False, **kwargs) -> ViT3:
+    """ViT3-B, Table 2 "Variant 6": a single linear inner layer, no gradient normalisation (79.54% in the paper)."""
+    return _variant("base", "v6", pretrained, kwargs)

@@ -1,0 +1,107 @@
+"""Reference of the ViT3 inner-loop variants of Liu et al., "Test-Time Training with KV Binding Is Secretly Linear
+Attention" (Tables 1-2): plain PyTorch under autograd, one closed-form step per inner step.
+
+Per (batch, head), c = -scale / N, inner loss L(W) = c * sum_n <f(k_n), v_n> (the ViT3 dot-product loss):
+  swiglu, update all   f(x) = (x W1) * silu(x W2); both W1 and W2 step (the ViT3 baseline)
+  swiglu, update last  the same f, only W1 (the last layer) steps; the gate W2 stays         (Table 2, Variant 1)
+  linear               f(x) = x W1, one layer: dL/dW1 = c k^T v, two GEMMs per head           (Table 2, Variant 3)
+Each step: W <- W - lr * N(dL/dW), N(g) = g / (||g[:, j]|| + 1) per column when ``normalize_grad`` (else identity,
+Variant 6); ``lr`` = -1 is gradient ascent (Table 1).  The 3x3 depthwise-conv branch (always a single linear
+layer) takes the same steps.  ``share_qk`` (Table 1, "replace Q with K") is the caller's: it passes k as q.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..utils import compute_dtype
+from ..vit3_ttt.naive import _rope
+
+__all__ = ["swiglu_variant_reference", "dwconv_variant_reference", "variant_qkv_split", "variant_qkv_naive"]
+
+
+def _normalize(g: torch.Tensor, dim: List[int]) -> torch.Tensor:
+    return g / (torch.linalg.vector_norm(g, 2.0, dim, True) + 1.0)
+
+
+def swiglu_variant_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor,
+                             w2: Optional[torch.Tensor], scale: float, normalize_grad: bool = True,
+                             last_only: bool = False, lr: float = 1.0, steps: int = 1) -> torch.Tensor:
+    """q, k, v (B, heads, N, d); w1, w2 (1 or B, heads, d, d); ``w2=None``: the single linear inner layer."""
+    out_dtype = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v, w1 = q.to(dt), k.to(dt), v.to(dt), w1.to(dt)
+    c = -scale / k.shape[-2]
+    kt = k.transpose(-2, -1)
+    if w2 is None:
+        for _ in range(steps):
+            g1 = kt @ (v * c)
+            w1 = w1 - lr * (_normalize(g1, [-2]) if normalize_grad else g1)
+        return (q @ w1).to(out_dtype)
+    wg = w2.to(dt)
+    for _ in range(steps):
+        z1, z2 = k @ w1, k @ wg
+        sig = torch.sigmoid(z2)
+        g1 = kt @ (v * c * z2 * sig)
+        if not last_only:
+            g2 = kt @ (v * c * z1 * sig * (1.0 + z2 * (1.0 - sig)))
+            wg = wg - lr * (_normalize(g2, [-2]) if normalize_grad else g2)
+        w1 = w1 - lr * (_normalize(g1, [-2]) if normalize_grad else g1)
+    return ((q @ w1) * F.silu(q @ wg)).to(out_dtype)
+
+
+def dwconv_variant_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor, scale: float,
+                             normalize_grad: bool = True, lr: float = 1.0, steps: int = 1) -> torch.Tensor:
+    """q, k, v (B, d, H, W); w3 (d, 1, 3, 3): ``steps`` steps of the 3x3 depthwise-conv inner learner."""
+    out_dtype = q.dtype
+    dt = compute_dtype(q.dtype)
+    q, k, v, w3 = q.to(dt), k.to(dt), v.to(dt), w3.to(dt)
+    b, d, h, w = k.shape[0], k.shape[1], k.shape[2], k.shape[3]
+    if b * d == 0:
+        return (q * w3.sum()).to(out_dtype)
+    e = v * (-scale / (h * w))
+    kpad = F.pad(k, [1, 1, 1, 1]).reshape(1, b * d, h + 2, w + 2)
+    g = F.conv2d(kpad, e.reshape(b * d, 1, h, w), groups=b * d).reshape(b, d, 3, 3)  # independent of w3
+    wn = w3.reshape(1, d, 3, 3)
+    for _ in range(steps):
+        wn = wn - lr * (_normalize(g, [-2, -1]) if normalize_grad else g)
+    out = F.conv2d(q.reshape(1, b * d, h, w), wn.expand(b, d, 3, 3).reshape(b * d, 1, 3, 3), padding=1,
+                   groups=b * d)
+    return out.reshape(b, d, h, w).to(out_dtype)
+
+
+def variant_qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], feat_size: Tuple[int, int],
+                      heads: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], share_qk: bool
+                      ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Projection -> SwiGLU-branch (q, k, v) (B, heads, N, d) and conv-branch (q, k, v) (B, d, H, W).
+
+    ``share_qk``: the projection has no query rows (``[k1, v1, k2, v2]``, 2C + 2d outputs) and q is k."""
+    b, n, c = x.shape[0], x.shape[1], x.shape[2]
+    h, w = feat_size[0], feat_size[1]
+    d = c // heads
+    y = F.linear(x, weight, bias)
+    if share_qk:
+        parts = torch.split(y, [c, c, d, d], dim=-1)
+        q1, k1, v1, q2, k2, v2 = parts[0], parts[0], parts[1], parts[2], parts[2], parts[3]
+    else:
+        parts = torch.split(y, [c, c, c, d, d, d], dim=-1)
+        q1, k1, v1, q2, k2, v2 = parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]
+    if cos is not None and sin is not None:
+        k1 = _rope(k1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+        q1 = k1 if share_qk else _rope(q1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+    t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
+    t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
+    return t1, t2
+
+
+def variant_qkv_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                      w2: Optional[torch.Tensor], w3: torch.Tensor, feat_size: Tuple[int, int], heads: int,
+                      scale: float, normalize_grad: bool = True, cos: Optional[torch.Tensor] = None,
+                      sin: Optional[torch.Tensor] = None, last_only: bool = False, lr: float = 1.0,
+                      share_qk: bool = False, steps: int = 1) -> torch.Tensor:
+    """The variant mixer core under plain autograd (also the TorchScript path): (B, N, C) -> (B, N, C + d)."""
+    b, n, c = x.shape[0], x.shape[1], x.shape[2]
+    t1, t2 = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+    x1 = swiglu_variant_reference(t1[0], t1[1], t1[2], w1, w2, scale, normalize_grad, last_only, lr, steps)
+    x2 = dwconv_variant_reference(t2[0], t2[1], t2[2], w3, scale, normalize_grad, lr, steps)
+    return torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)
