@@ -63,19 +63,10 @@ def linearize_sd3(model: nn.Module, ttt_dual_layers: Optional[Sequence[int]] = N
 
 def sd3_param_groups(model: nn.Module, new_param_names: Optional[Iterable[str]] = None,
                      lr_scale: float = SD3_LR_MULTIPLIER, weight_decay: float = 1e-4) -> List[Dict[str, Any]]:
-    """Optimizer groups with ``lr_scale`` (the trainer multiplies its lr; timm's convention): the new TTT
-    parameters at ``lr_scale``, the inherited ones at 1.  Biases / 1-D tensors / norms get no weight decay,
-    frozen parameters are left out, empty groups are omitted."""
-    names = set(model.new_parameter_names() if new_param_names is None else new_param_names)
-    named = dict(model.named_parameters())
-    unknown = sorted(names - set(named))
-    if unknown:
-        raise KeyError(f"not parameters of the model: {unknown[:4]} (pass the names linearize() returned).")
-    groups: Dict[Tuple[bool, bool], List[nn.Parameter]] = {}
-    for n, p in named.items():
-        if p.requires_grad:
-            decay = p.ndim > 1 and not n.endswith(".bias") and ".qk_" not in n
-            groups.setdefault((n in names, decay), []).append(p)
-    return [dict(params=ps, lr_scale=lr_scale if new else 1.0, weight_decay=weight_decay if decay else 0.0,
-                 name=("new" if new else "inherited") + ("" if decay else "_no_decay"))
-            for (new, decay), ps in sorted(groups.items())]
+    """Optimizer groups (:func:`ttt_zoo.linearize.param_groups`): the new TTT parameters carry
+    ``lr_scale`` (relative to the trainer's lr), the inherited ones 1.  Biases, 1-D tensors and the per-channel
+    ``qk_scale`` / ``qk_offset`` get no weight decay; frozen parameters are left out."""
+    from ttt_zoo.linearize import param_groups
+    names = list(model.new_parameter_names() if new_param_names is None else new_param_names)
+    affine = [n for n, _ in model.named_parameters() if n.endswith((".ttt.qk_scale", ".ttt.qk_offset"))]
+    return param_groups(model, names, multiplier=lr_scale, weight_decay=weight_decay, no_weight_decay=affine)

@@ -18,6 +18,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from diffusers.configuration_utils import register_to_config
+# DiffusionPipeline.from_pretrained imports the module named in model_index.json (this one) and finds the loading
+# method by looking up its base classes *in this module's namespace*: ModelMixin must be importable from here.
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from .attention import KEY_NORM_SPANS, RMS_QK_NORM_MODES, SD3TTTAttention, SD3TTTAttnProcessor, TTTProcessorError
