@@ -322,3 +322,38 @@ def test_processor_guards():
     model.set_attn_processor(keep)  # softmax layers may change, TTT layers keep theirs
     assert all(isinstance(m, SD3TTTAttention) for _, m in model.ttt_modules())
     assert sum(1 for _ in model.ttt_modules()) == 8
+
+
+# ----- Hub layout and the conversion tool -----------------------------------------------------------------------------
+
+def test_convert_tool_on_tiny_saved_pipeline(tmp_path):
+    from diffusers import DiffusionPipeline
+    from ttt_zoo.hub.cards import REQUIRED_CARD_KEYS, parse_card
+    from ttt_zoo.sd3.hub import main
+    from ttt_zoo.sd3.tiny import tiny_sd3_pipeline
+    src = tiny_sd3_pipeline()
+    src.save_pretrained(tmp_path / "sd3", safe_serialization=True)
+    assert main([str(tmp_path / "sd3"), str(tmp_path / "out"), "--joint-layers", "4,5",
+                 "--base-name", "stabilityai/stable-diffusion-3.5-medium"]) == 0
+    index = json.loads((tmp_path / "out" / "model_index.json").read_text())
+    assert index["transformer"] == ["ttt_zoo.sd3.transformer", "SD3T5Transformer2DModel"]
+    assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    meta, body = parse_card((tmp_path / "out" / "README.md").read_text())
+    assert all(k in meta for k in REQUIRED_CARD_KEYS) and meta["library_name"] == "diffusers"
+    assert "Not fine-tuned" in body and "[4, 5]" in body and "Table 7 of arXiv:2605.02772" in body
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "out")
+    assert pipe.transformer.config.ttt_joint_layers == [4, 5]
+    sd = pipe.transformer.state_dict()
+    for k, v in src.transformer.state_dict().items():  # every pretrained tensor inherited unchanged
+        assert torch.equal(sd[k], v), k
+    for name in ("vae", "text_encoder_3"):
+        a, b = getattr(src, name).state_dict(), getattr(pipe, name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # an existing output folder is kept unless --force; a non-SD3 or already converted folder is refused
+    assert main([str(tmp_path / "sd3"), str(tmp_path / "out")]) == 2
+    assert (tmp_path / "out" / "transformer" / WEIGHTS).is_file()
+    assert main([str(tmp_path / "out"), str(tmp_path / "out2")]) == 2
+    assert main([str(tmp_path / "out" / "transformer"), str(tmp_path / "out3")]) == 2
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+    assert main([str(tmp_path / "sd3" / "transformer"), str(tmp_path / "t"), "--dual-layers", "0"]) == 0
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["ttt_dual_layers"] == [0]

@@ -12,7 +12,7 @@ the joint ``attn`` of the last 5 blocks.  Options the paper does not state (defa
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -220,7 +220,14 @@ class SD3T5Transformer2DModel(SD3Transformer2DModel):
             raise SD3LayoutError(f"{pretrained_model_name_or_path} holds a {source!r}, not an SD3 transformer "
                                  f"({SOFTMAX_CLASS} or {TTT_CLASS}). For a pipeline folder pass subfolder='transformer'.")
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
+        log = logging.getLogger("diffusers.models.modeling_utils")
+        level = log.level
+        if source == SOFTMAX_CLASS:  # the new TTT tensors are missing by design: no "newly initialized" warning
+            log.setLevel(logging.ERROR)
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, output_loading_info=True, **kwargs)
+        finally:
+            log.setLevel(level)
         new = set(model.new_parameter_names())
         missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
         allowed_missing = new if source == SOFTMAX_CLASS else set()
