@@ -27,11 +27,20 @@ def tiny_transformer_config(**overrides) -> Dict[str, Any]:
 
 
 def _clip_tokenizer():
+    """CLIP BPE over characters, with merges that spell each of ``WORDS`` as one token."""
     from transformers import CLIPTokenizer
-    specials = ["<|startoftext|>", "<|endoftext|>"]
-    vocab = {w: i for i, w in enumerate(specials + [w + "</w>" for w in WORDS] + list("abcdefghijklmnopqrstuvwxyz")
-                                           + [c + "</w>" for c in "abcdefghijklmnopqrstuvwxyz"])}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+    chars = "abcdefghijklmnopqrstuvwxyz"
+    vocab = ["<|startoftext|>", "<|endoftext|>"] + list(chars) + [c + "</w>" for c in chars]
+    merges = []
+    for w in WORDS:
+        syms = list(w[:-1]) + [w[-1] + "</w>"]
+        while len(syms) > 1:
+            merges.append((syms[0], syms[1]))
+            syms = [syms[0] + syms[1]] + syms[2:]
+            vocab.append(syms[0])
+    vocab = list(dict.fromkeys(vocab))
+    merges = list(dict.fromkeys(merges))
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges, model_max_length=16)
 
 
 def _t5_tokenizer():

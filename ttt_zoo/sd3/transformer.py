@@ -146,6 +146,10 @@ class SD3T5Transformer2DModel(SD3Transformer2DModel):
                 done += [f"{name}.ttt.{p}" for p, _ in m.ttt.named_parameters()]
         return done
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's spelling (the ttt-zoo trainer's ``--grad-checkpointing``) of diffusers' gradient checkpointing."""
+        (self.enable_gradient_checkpointing if enable else self.disable_gradient_checkpointing)()
+
     # ----- guards -------------------------------------------------------------------------------------------------
     def set_attn_processor(self, processor) -> None:
         names = [n + ".processor" for n, _ in self.ttt_modules()]
