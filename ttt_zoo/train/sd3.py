@@ -236,9 +236,11 @@ class SD3Task(Task):
         return torch.stack([table[c][0] for c in captions]), torch.stack([table[c][1] for c in captions])
 
     @torch.no_grad()
-    def _encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+    def _encode_images(self, pixels: torch.Tensor, sample: bool = True) -> torch.Tensor:
+        """VAE latents, scaled as SD3 expects; ``sample=False``: the posterior mean (evaluation is deterministic)."""
         cfg = self.vae.config
-        lat = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.sample()
+        dist = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
+        lat = dist.sample() if sample else dist.mode()
         return (lat - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 
     def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
@@ -256,7 +258,7 @@ class SD3Task(Task):
         if a.cache_latents:
             for split, ds in (("train", train_ds), ("eval", eval_ds)):
                 for i in range(len(ds)):
-                    self._latents[(split, i)] = self._encode_images(ds[i][0][None])[0]
+                    self._latents[(split, i)] = self._encode_images(ds[i][0][None], sample=split == "train")[0]
         sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True,
                                      seed=a.seed) if d.world_size > 1 else None
         train = DataLoader(train_ds, batch_size=a.batch_size, shuffle=sampler is None, sampler=sampler,
@@ -276,7 +278,7 @@ class SD3Task(Task):
         if self.args.cache_latents:
             latents = torch.stack([self._latents[(split, i)] for i in idx])
         else:
-            latents = self._encode_images(pixels)
+            latents = self._encode_images(pixels, sample=split == "train")
         caps = [self.captions[split][i] for i in idx]
         if split == "train" and self.args.caption_dropout > 0:
             drop = torch.rand(len(caps), generator=generator) < self.args.caption_dropout
