@@ -63,7 +63,8 @@ def test_linearize_inherits_every_tensor_unchanged():
         assert torch.equal(sd[k], v) and sd[k].dtype == v.dtype, k
     assert sorted(set(sd) - set(before)) == sorted(new)
     assert all(".ttt." in n for n in new)
-    # paper's layout at tiny size: attn2 of the 3 dual blocks + joint attn of the last 5 -> 8 layers x 8 tensors (w1, w2, qk_scale, qk_offset, 2 convs)
+    # paper's layout at tiny size: attn2 of the 3 dual blocks + joint attn of the last 5
+    # -> 8 layers x 8 tensors (w1, w2, qk_scale, qk_offset, 2 convs with bias)
     assert model.config.ttt_dual_layers == [0, 1, 2] and model.config.ttt_joint_layers == [1, 2, 3, 4, 5]
     assert len(new) == 8 * 8
     assert {n.split(".ttt.")[0] for n in new} == {f"transformer_blocks.{i}.attn2" for i in (0, 1, 2)} | {
@@ -277,8 +278,9 @@ def test_errors_not_sd3_and_bad_layers(tmp_path):
     with pytest.raises(ValueError, match="ttt_key_norm_span"):
         linearize_sd3(_base(), ttt_key_norm_span="text")
     from diffusers import UNet2DModel
-    UNet2DModel(sample_size=8, block_out_channels=(4, 4), norm_num_groups=2, layers_per_block=1,
-                down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2).save_pretrained(tmp_path / "u")
+    unet = UNet2DModel(sample_size=8, block_out_channels=(4, 4), norm_num_groups=2, layers_per_block=1,
+                       down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2)
+    unet.save_pretrained(tmp_path / "u")
     with pytest.raises(SD3LayoutError, match="not an SD3 transformer"):
         SD3T5Transformer2DModel.from_pretrained(tmp_path / "u")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -222,7 +222,8 @@ class SD3T5Transformer2DModel(SD3Transformer2DModel):
         source = config.get("_class_name")
         if source not in (SOFTMAX_CLASS, TTT_CLASS):
             raise SD3LayoutError(f"{pretrained_model_name_or_path} holds a {source!r}, not an SD3 transformer "
-                                 f"({SOFTMAX_CLASS} or {TTT_CLASS}). For a pipeline folder pass subfolder='transformer'.")
+                                 f"({SOFTMAX_CLASS} or {TTT_CLASS}). For a pipeline folder pass "
+                                 f"subfolder='transformer'.")
         want_info = kwargs.pop("output_loading_info", False)
         log = logging.getLogger("diffusers.models.modeling_utils")
         level = log.level

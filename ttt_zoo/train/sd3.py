@@ -4,7 +4,8 @@ The paper's recipe (arXiv 2605.02772 Table 9): AdamW, lr 1e-5, weight decay 1e-4
 lr; the loss is SD3's rectified-flow loss with diffusers' ``compute_density_for_timestep_sampling`` (timestep
 density) and ``compute_loss_weighting_for_sd3`` (loss weights):
 
-    sigma ~ density;  x_t = (1 - sigma) x_0 + sigma * noise;  loss = mean(w(sigma) * (v_theta(x_t, t, c) - (noise - x_0))^2)
+    sigma ~ density;  x_t = (1 - sigma) x_0 + sigma * noise;
+    loss = mean(w(sigma) * (v_theta(x_t, t, c) - (noise - x_0))^2)
 
 Optional: ``--distill-weight L`` adds ``L * mean(w * (v_theta - v_teacher)^2)`` with the softmax source as teacher
 (the paper uses none); EMA (``--model-ema``), gradient checkpointing (``--grad-checkpointing``).
