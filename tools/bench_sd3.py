@@ -55,16 +55,17 @@ def set_grid(module: torch.nn.Module, hw) -> None:
 def bench(args) -> List[Dict]:
     from diffusers import SD3Transformer2DModel
     from ttt_zoo.bench.measure import measure_steps
-    from ttt_zoo.sd3 import linearize_sd3
+    from ttt_zoo.sd3 import SD3T5Transformer2DModel
     cfg = dict(TINY if args.tiny else MEDIUM)
     depth = args.depth or cfg["num_layers"]
     dual, joint = layout(depth)
     cfg.update(num_layers=depth, dual_attention_layers=dual)
     torch.manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad():  # SD3.5-T5 with the softmax model's weights, copied in place (no third copy in memory)
         softmax = SD3Transformer2DModel(**cfg).eval()
-        ttt, _ = linearize_sd3(softmax, ttt_joint_layers=joint)
-    ttt.eval()
+        ttt = SD3T5Transformer2DModel(**cfg, ttt_joint_layers=joint).eval()
+        missing, unexpected = ttt.load_state_dict(softmax.state_dict(), strict=False)
+        assert not unexpected and sorted(missing) == sorted(ttt.new_parameter_names())
     width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     p = cfg["patch_size"]
     rows = []
