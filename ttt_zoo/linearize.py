@@ -8,7 +8,8 @@ learning rate (20x for classification, 2x for diffusion; see :func:`param_groups
 timm ``VisionTransformer`` / DeiT (with or without class token) -> :class:`ttt_zoo.models.T5`: the class (and
 distillation) token and ``head_dist`` are dropped, the head mean-pools as in the paper, and the class-token entry
 of ``pos_embed`` is removed (then resampled if another ``img_size`` is asked for).
-A softmax DiT -> DiT5 through ``ttt_zoo.models.dit5.linearize_dit`` (imported lazily).
+A softmax DiT -> DiT5 through ``ttt_zoo.models.dit5.linearize_dit``, a diffusers SD3 transformer -> SD3.5-T5
+through ``ttt_zoo.sd3.convert.linearize_sd3`` (both imported lazily).
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ def linearize(model: nn.Module, **kwargs) -> Tuple[nn.Module, List[str]]:
                 f"{type(model).__name__} looks like a DiT, but DiT5 conversion (ttt_zoo.models.dit5.linearize_dit) "
                 f"is not available in this installation.") from e
         return dit5.linearize_dit(model, **kwargs)
+    if any(c.__name__ == "SD3Transformer2DModel" for c in type(model).__mro__):  # diffusers SD3 / SD3.5 -> SD3.5-T5
+        from ttt_zoo.sd3.convert import linearize_sd3
+        return linearize_sd3(model, **kwargs)
     from timm.models.vision_transformer import VisionTransformer
     if isinstance(model, VisionTransformer):
         return linearize_vit(model, **kwargs)
-    raise TypeError(f"linearize() converts timm VisionTransformer / DeiT models (to T5) and softmax DiT models "
-                    f"(to DiT5); got {type(model).__name__}.")
+    raise TypeError(f"linearize() converts timm VisionTransformer / DeiT models (to T5), softmax DiT models "
+                    f"(to DiT5) and diffusers SD3Transformer2DModel (to SD3.5-T5); got {type(model).__name__}.")
 
 
 def _check_supported_vit(model: nn.Module) -> None:
