@@ -21,6 +21,7 @@ and a leaf v.  ``via='form'`` takes it through the linear-attention form (``mixe
 which is exact and differentiable, so both give the same map.
 """
 
+import copy
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -181,8 +182,8 @@ def capture_mixer_inputs(model: torch.nn.Module, fn, mixers: Sequence[TTTMixer]
 
 
 def image_attention_maps(model: torch.nn.Module, image: Tensor, query_pixel: Tuple[float, float],
-                         layers: Optional[Sequence[int]] = None, kind: str = "implicit", via: str = "mixer"
-                         ) -> List[Dict]:
+                         layers: Optional[Sequence[int]] = None, kind: str = "implicit", via: str = "mixer",
+                         dtype: torch.dtype = torch.float64) -> List[Dict]:
     """Per chosen mixer layer, the map of the token under ``query_pixel`` (row, col in ``image``'s pixels).
 
     Args:
@@ -190,6 +191,7 @@ def image_attention_maps(model: torch.nn.Module, image: Tensor, query_pixel: Tup
         image: (1, 3, H, W) preprocessed image.
         layers: mixer indices in forward order (negative from the end); default first, middle and last.
         kind: ``'implicit'`` (dO_i/dV_j) or ``'explicit'`` (the linear-attention map).
+        dtype: the maps are taken on a copy of each chosen mixer in this dtype (the model runs in its own).
     Returns a list of dicts: ``layer`` (index), ``name``, ``feat_size``, ``query`` (row, col on the map) and
     ``map`` (heads, H_l, W_l).
     """
@@ -214,6 +216,7 @@ def image_attention_maps(model: torch.nn.Module, image: Tensor, query_pixel: Tup
         if got is None:
             raise RuntimeError(f"mixer {name} was not called by forward_features")
         xin, fs = got
+        mixer, xin = copy.deepcopy(mixer).to(dtype), xin.to(dtype)
         qy, qx = min(int(y * fs[0] / h), fs[0] - 1), min(int(x * fs[1] / w), fs[1] - 1)
         if kind == "implicit":
             a = implicit_attention_map(mixer, xin, fs, [(qy, qx)], via=via)

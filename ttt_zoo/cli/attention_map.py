@@ -68,6 +68,14 @@ def run(args) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("error: attention-map draws with matplotlib, which is not installed (pip install matplotlib)")
+    from PIL import Image
+    if not os.path.isfile(args.image):
+        raise SystemExit(f"error: --image {args.image!r} does not exist; give the path of a .jpg / .png file")
+    with Image.open(args.image) as im:
+        orig = (im.height, im.width)
+    y0, x0 = args.query_pixel
+    if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
+        raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
     if args.checkpoint:
         from ttt_zoo.hub.folder import build_from_checkpoint
         model, _ = build_from_checkpoint(args.model, args.checkpoint)
@@ -75,15 +83,12 @@ def run(args) -> int:
     else:
         model = ttt_zoo.create_model(args.model, pretrained=False)
         note = "random init (no checkpoint given)"
-    model = model.eval().double()  # float64: the map is a gradient, keep it clean of rounding
+    model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
     cfg = timm.data.resolve_data_config({}, model=model)
     size = args.img_size or tuple(cfg["input_size"][1:])
-    x, rgb, orig = load_image(args.image, size, cfg["mean"], cfg["std"])
-    y0, x0 = args.query_pixel
-    if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
-        raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
+    x, rgb, _ = load_image(args.image, size, cfg["mean"], cfg["std"])
     qp = (y0 * size[0] / orig[0], x0 * size[1] / orig[1])  # in the resized image
-    maps = image_attention_maps(model, x.double(), qp, args.layer, args.map, args.via)
+    maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via)
     what = "implicit dO_i/dV_j" if args.map == "implicit" else "explicit linear-attention map"
     plot_maps(rgb, qp, maps, args.out, f"{args.model}: {what}, mean |A| over heads; {note}")
     print(f"wrote {args.out}: {len(maps)} layer(s) "
