@@ -2,10 +2,14 @@
 linear-attention map q_hat_i . k_hat_j of the forms in :mod:`ttt_zoo.analysis.linear_attention`.
 
 Both are per head, shape (B, Q, heads, N) for Q query tokens.  The implicit score reduces the (d x d) Jacobian of a
-head to one number, ``A_h(i, j) = 1^T (dO_i/dV_j) 1 / d`` (the response of the head's mean output at token i to a
-uniform shift of token j's value): for softmax attention ``dO_i/dV_j = a_ij I`` and this is ``a_ij``.  One VJP per
-query (cotangent 1 on o_i, all channels, all samples) gives every j and every head at once; the forward graph is
-built once and reused for all queries.
+head to one number, its mean diagonal ``A_h(i, j) = tr(dO_i/dV_j) / d``: for softmax attention ``dO_i/dV_j = a_ij I``
+and this is ``a_ij``; for a linear attention with per-channel gates it is the mean of the gated ``q_hat_i . k_hat_j``.
+The forward graph is built once and reused for all queries.  ``reduce='trace'`` takes d VJPs per query (cotangent
+one-hot at channel c of every head at once; exact); ``reduce='probe'`` a single VJP per query with a Rademacher
+cotangent u, ``u^T J u / d``: exact wherever the Jacobian is diagonal per head (softmax, linear attention with v-free
+kernels, every case the explicit map is exact), an unbiased estimate of the trace elsewhere.  (The cheaper
+``1^T J 1 / d``, one all-ones VJP, is blind to LayerNorm: a LayerNorm output sums to a constant and a LayerNorm gradient
+ignores a uniform shift of its target, so Vision-TTT's map would be zero to rounding.)
 
 What V and O are (the token-mixing core, before the output projection and the output-side per-token transforms):
 
@@ -119,16 +123,20 @@ def _form_core(mixer, x: Tensor, fs: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
 
 
 def implicit_attention_map(mixer: TTTMixer, x: Tensor, feat_size: Tuple[int, int], queries: Sequence[Query],
-                           via: str = "mixer") -> Tensor:
-    """``A_h(i, j) = 1^T (dO_i / dV_j) 1 / d`` per head for each query token i: (B, Q, heads, N).
+                           via: str = "mixer", reduce: str = "trace", seed: int = 0) -> Tensor:
+    """``A_h(i, j) = tr(dO_i / dV_j) / d`` per head for each query token i: (B, Q, heads, N).
 
     Args:
         mixer: a mixer (eval mode); x: its input tokens (B, N, C); feat_size: (H, W).
         queries: token indices or (row, col) positions on the feature map.
         via: ``'mixer'`` (the mixer's own code, v and o through hooks) or ``'form'`` (the linear-attention form).
+        reduce: ``'trace'`` (d VJPs per query, exact) or ``'probe'`` (one VJP per query, Rademacher probe drawn
+            from ``seed``; exact where the per-head Jacobian is diagonal).
     """
     fs = (int(feat_size[0]), int(feat_size[1]))
     idx = [query_index(q, fs) for q in queries]
+    if reduce not in ("trace", "probe"):
+        raise ValueError(f"reduce must be 'trace' or 'probe', got {reduce!r}")
     if via == "form":
         v, o = _form_core(mixer, x, fs)
     elif via == "mixer":
@@ -136,10 +144,20 @@ def implicit_attention_map(mixer: TTTMixer, x: Tensor, feat_size: Tuple[int, int
     else:
         raise ValueError(f"via must be 'mixer' or 'form', got {via!r}")
     d = _head_dim(mixer)
+    b, n, cv = v.shape
+    if reduce == "probe":
+        gen = torch.Generator().manual_seed(seed)
+        probes = [torch.randint(0, 2, (b, cv), generator=gen).to(o) * 2 - 1]
+    else:
+        probes = [torch.zeros(b, cv, dtype=o.dtype).index_fill_(1, torch.arange(c, cv, d), 1.0) for c in range(d)]
     maps: List[Tensor] = []
     for k, i in enumerate(idx):
-        g, = torch.autograd.grad(o[:, i].sum(), v, retain_graph=k < len(idx) - 1)
-        maps.append(g.reshape(g.shape[0], g.shape[1], -1, d).sum(-1).transpose(1, 2) / d)
+        acc = v.new_zeros(b, n, cv // d)
+        for p, u in enumerate(probes):
+            last = k == len(idx) - 1 and p == len(probes) - 1
+            g, = torch.autograd.grad(o[:, i], v, grad_outputs=u.to(o.device), retain_graph=not last)
+            acc = acc + (g * u[:, None, :]).reshape(b, n, -1, d).sum(-1)
+        maps.append(acc.transpose(1, 2) / d)
     return torch.stack(maps, 1).detach()
 
 
@@ -183,7 +201,7 @@ def capture_mixer_inputs(model: torch.nn.Module, fn, mixers: Sequence[TTTMixer]
 
 def image_attention_maps(model: torch.nn.Module, image: Tensor, query_pixel: Tuple[float, float],
                          layers: Optional[Sequence[int]] = None, kind: str = "implicit", via: str = "mixer",
-                         dtype: torch.dtype = torch.float64) -> List[Dict]:
+                         dtype: torch.dtype = torch.float64, reduce: str = "trace") -> List[Dict]:
     """Per chosen mixer layer, the map of the token under ``query_pixel`` (row, col in ``image``'s pixels).
 
     Args:
@@ -219,7 +237,7 @@ def image_attention_maps(model: torch.nn.Module, image: Tensor, query_pixel: Tup
         mixer, xin = copy.deepcopy(mixer).to(dtype), xin.to(dtype)
         qy, qx = min(int(y * fs[0] / h), fs[0] - 1), min(int(x * fs[1] / w), fs[1] - 1)
         if kind == "implicit":
-            a = implicit_attention_map(mixer, xin, fs, [(qy, qx)], via=via)
+            a = implicit_attention_map(mixer, xin, fs, [(qy, qx)], via=via, reduce=reduce)
         else:
             a = explicit_attention_map(mixer, xin, fs, [(qy, qx)])
         out.append(dict(layer=L % n, name=name, feat_size=fs, query=(qy, qx), map=a[0, 0].reshape(-1, *fs)))

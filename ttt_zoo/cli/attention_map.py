@@ -88,8 +88,8 @@ def run(args) -> int:
     size = args.img_size or tuple(cfg["input_size"][1:])
     x, rgb, _ = load_image(args.image, size, cfg["mean"], cfg["std"])
     qp = (y0 * size[0] / orig[0], x0 * size[1] / orig[1])  # in the resized image
-    maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via)
-    what = "implicit dO_i/dV_j" if args.map == "implicit" else "explicit linear-attention map"
+    maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via, reduce=args.reduce)
+    what = "implicit tr(dO_i/dV_j)/d" if args.map == "implicit" else "explicit linear-attention map"
     plot_maps(rgb, qp, maps, args.out, f"{args.model}: {what}, mean |A| over heads; {note}")
     print(f"wrote {args.out}: {len(maps)} layer(s) "
           + ", ".join(f"{m['layer']} (query token {m['query']} of {m['feat_size']})" for m in maps))
@@ -114,5 +114,8 @@ def add_parser(sub) -> None:
                    help="implicit dO_i/dV_j (any mixer) or the explicit linear-attention map q_hat_i . k_hat_j")
     p.add_argument("--via", choices=("mixer", "form"), default="mixer",
                    help="implicit map through the mixer's own code (hooks) or its linear-attention form")
+    p.add_argument("--reduce", choices=("trace", "probe"), default="trace",
+                   help="implicit score per head: mean diagonal of dO_i/dV_j (d VJPs, exact) or its one-VJP "
+                        "Rademacher probe (exact where the Jacobian is diagonal)")
     p.add_argument("--out", required=True, help="output PNG")
     p.set_defaults(func=run)
