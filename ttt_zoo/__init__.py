@@ -20,6 +20,7 @@ from . import kernels  # noqa: F401,E402  (ttt_zoo.kernels, shipped from the top
 from . import layers, models  # noqa: F401,E402
 from .models import *  # noqa: F401,F403,E402
 from .linearize import linearize, param_groups  # noqa: E402  (ttt_zoo.linearize is the function)
+from .analysis import linear_attention  # noqa: E402  (the function; forms and maps in ttt_zoo.analysis)
 
 
 
@@ -78,5 +79,5 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
 
 
 __all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "list_zoo_families", "is_diffusion_model",
-           "linearize", "param_groups",
+           "linearize", "param_groups", "linear_attention",
            "__version__"]

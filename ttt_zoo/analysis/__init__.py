@@ -1,1 +1,8 @@
 """Linear-attention forms of the TTT mixers and attention maps ("TTT with KV binding is secretly linear attention")."""
+from .linear_attention import (KernelForm, PatchForm, ScanForm, SwiGLUForm, T5Form, ViT3Form, VisionTTTForm,
+                               form_from_inputs, linear_attention, mixer_inputs)
+from .attention_map import explicit_attention_map, image_attention_maps, implicit_attention_map
+
+__all__ = ["linear_attention", "mixer_inputs", "form_from_inputs", "SwiGLUForm", "PatchForm", "KernelForm",
+           "ScanForm", "ViT3Form", "T5Form", "VisionTTTForm", "implicit_attention_map", "explicit_attention_map",
+           "image_attention_maps"]

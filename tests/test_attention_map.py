@@ -1,0 +1,156 @@
+"""Attention maps: the implicit score dO_i/dV_j (T5 paper Eq. 13) through the mixer's own code equals the one
+through its linear-attention form; it equals the explicit map q_hat_i . k_hat_j (with gates) exactly where the
+form's q_hat, k_hat, gates and normaliser do not depend on v, and differs where they do; softmax attention gives
+its attention weights; the ``ttt-zoo attention-map`` command writes the PNG."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttt_zoo.analysis import explicit_attention_map, implicit_attention_map
+from ttt_zoo.layers import DiT5MixedAttention, SoftmaxAttention, T5TTT, TTTLinearMixer, ViT3TTT
+
+from test_linear_attention import FS, MIXERS, _random, _x
+
+TOL = 1e-10
+QUERIES = [0, 17, (5, 6)]
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_implicit_map_mixer_equals_form(name):
+    """Two independent routes to dO_i/dV_j: hooks in the mixer's own forward (ViT3: its inner-step ops on an
+    explicit v) and the linear-attention form (one-VJP probes: every VJP must agree; the trace is their sum)."""
+    m, x = _random(name), _x()
+    a = implicit_attention_map(m, x, FS, QUERIES, via="mixer", reduce="probe")
+    b = implicit_attention_map(m, x, FS, QUERIES, via="form", reduce="probe")
+    assert a.shape == (2, len(QUERIES), m.num_heads + isinstance(m, ViT3TTT), FS[0] * FS[1])
+    assert _rel(a, b) <= TOL
+    if name in ("vit3", "t5_plus", "visionttt"):
+        a = implicit_attention_map(m, x, FS, [17], via="mixer")
+        assert _rel(a, implicit_attention_map(m, x, FS, [17], via="form")) <= TOL
+
+
+def _zeroed(name, param):
+    m = _random(name)
+    with torch.no_grad():
+        getattr(m, param).zero_()
+    return m
+
+
+# Where the explicit map is the whole Jacobian: the step of every non-last inner layer vanishes identically
+# (its gradient carries a factor of the zeroed weight), no gradient normalisation, and for Vision-TTT a single
+# mini-batch without the inner LayerNorm (then z_bar is linear in v with weights tau_i lr_j q_i . k_j).
+EXACT = {
+    "vit3, no normalize_grad, w1 = 0 (static gate; conv head too)": lambda: _zeroed("vit3_no_norm", "w1"),
+    "vit3 rope, no normalize_grad, w1 = 0": lambda: _zeroed("vit3_rope_no_norm", "w1"),
+    "t5, w3 = 0": lambda: _zeroed("t5", "w3"),
+    "t5+, w3 = 0 (with the NA half)": lambda: _zeroed("t5_plus", "w3"),
+    "dit5, w2 = 0 (with the NA half)": lambda: _zeroed("dit5", "w2"),
+    "visionttt, one mini-batch, no inner LN": lambda: _random_visionttt_one_batch(),
+}
+
+
+def _random_visionttt_one_batch():
+    torch.manual_seed(0)
+    m = TTTLinearMixer(32, head_dim=8, mini_batch=FS[0] * FS[1], inner_ln_residual=False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m.double().eval()
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_explicit_equals_implicit_where_exact(case):
+    m, x = EXACT[case](), _x()
+    imp = implicit_attention_map(m, x, FS, QUERIES[1:])
+    exp = explicit_attention_map(m, x, FS, QUERIES[1:])
+    assert _rel(exp, imp) <= TOL, f"{case}: {_rel(exp, imp):.2e}"
+    # the Jacobian is diagonal per head here, so the one-VJP probe is exact too
+    assert _rel(implicit_attention_map(m, x, FS, QUERIES[1:], reduce="probe", seed=3), imp) <= TOL
+    # negative control: another query's explicit map is not this one's implicit map
+    assert _rel(explicit_attention_map(m, x, FS, [18, (5, 5)]), imp) > 1e-3
+
+
+# Where the explicit map is only part of the Jacobian (the dynamic gate W2' / W1', W2' / the normaliser / the
+# inner LayerNorm and the delta-rule chain across mini-batches all depend on v): the maps must differ.
+INEXACT = ["vit3", "vit3_no_norm", "t5", "dit5", "visionttt"]
+
+
+@pytest.mark.parametrize("name", INEXACT)
+def test_explicit_differs_where_v_moves_the_kernel(name):
+    m, x = _random(name), _x()
+    imp = implicit_attention_map(m, x, FS, [17])
+    exp = explicit_attention_map(m, x, FS, [17])
+    assert _rel(exp, imp) > 1e-3
+    probe = implicit_attention_map(m, x, FS, [17], reduce="probe")
+    if name.startswith("vit3"):
+        # ViT3's Jacobian is diagonal per channel (column c of W1's and W2's steps and of the normaliser sees only
+        # value channel c): the probe is exact; the explicit map misses the diagonal's gate/normaliser terms
+        assert _rel(probe, imp) <= TOL
+    else:  # T5's w3, DiT5's w2 and Vision-TTT's LayerNorms mix channels: the probe only estimates the trace
+        assert _rel(probe, imp) > 1e-6
+
+
+def test_softmax_implicit_map_is_the_attention_matrix():
+    torch.manual_seed(0)
+    m = SoftmaxAttention(32, 4).double().eval()
+    x = _x()
+    imp = implicit_attention_map(m, x, FS, QUERIES)
+    assert _rel(implicit_attention_map(m, x, FS, QUERIES, reduce="probe"), imp) <= TOL
+    q, k, _ = m.qkv(x).reshape(2, -1, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    attn = ((q @ k.transpose(-2, -1)) * 8 ** -0.5).softmax(-1).detach()  # (B, heads, N, N)
+    idx = [0, 17, 5 * FS[1] + 6]
+    assert _rel(imp, attn[:, :, idx].transpose(1, 2)) <= TOL
+
+
+def test_bad_queries_and_via():
+    m, x = _random("t5"), _x()
+    with pytest.raises(ValueError, match="outside the 6 x 7 feature map"):
+        implicit_attention_map(m, x, FS, [(6, 0)])
+    with pytest.raises(ValueError, match="via must be"):
+        implicit_attention_map(m, x, FS, [0], via="autograd")
+    with pytest.raises(ValueError, match="reduce must be"):
+        implicit_attention_map(m, x, FS, [0], reduce="sum")
+
+
+def test_visionttt_map_is_not_blind_to_layernorm():
+    """Vision-TTT's o = Z passes through LayerNorms (inner LN residual): an all-ones probe would give 0 to rounding;
+    the trace does not, and the query's own token dominates at init (the residual path)."""
+    m, x = _random("visionttt", std=0.02), _x()
+    imp = implicit_attention_map(m, x, FS, [17])
+    assert imp.abs().max() > 1e-3
+    assert int(imp[0, 0].abs().sum(0).argmax()) == 17
+
+
+def test_cli_writes_png(tmp_path):
+    from PIL import Image
+    from ttt_zoo.cli import main
+    from ttt_zoo.cli.demo import ASSET_IMAGE
+    out = tmp_path / "map.png"
+    assert main(["attention-map", "--model", "vit3_tiny", "--image", ASSET_IMAGE, "--query-pixel", "150", "200",
+                 "--layer", "0", "-1", "--img-size", "96", "--out", str(out)]) == 0
+    with Image.open(out) as im:
+        assert im.format == "PNG" and im.width > im.height > 100
+    with pytest.raises(SystemExit, match="outside the"):
+        main(["attention-map", "--model", "vit3_tiny", "--query-pixel", "5000", "0", "--out", str(tmp_path / "b.png")])
+    assert not os.path.exists(tmp_path / "b.png")
+
+
+def test_image_maps_layers_and_errors():
+    from ttt_zoo.analysis import image_attention_maps
+    from ttt_zoo.models import T5
+    torch.manual_seed(0)
+    model = T5(img_size=32, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10).eval()
+    img = torch.randn(1, 3, 32, 32)
+    maps = image_attention_maps(model, img, (31, 0), layers=[0, -1])
+    assert [m["layer"] for m in maps] == [0, 2] and maps[0]["query"] == (7, 0)
+    assert maps[0]["map"].shape == (2, 8, 8) and maps[0]["map"].dtype == torch.float64
+    with pytest.raises(ValueError, match="out of range: the model has 3 mixers"):
+        image_attention_maps(model, img, (0, 0), layers=[3])
+    with pytest.raises(ValueError, match="outside the 32 x 32 image"):
+        image_attention_maps(model, img, (32, 0))

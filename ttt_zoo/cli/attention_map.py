@@ -1,0 +1,121 @@
+"""``ttt-zoo attention-map``: the implicit attention score dO_i/dV_j (T5 paper Eq. 13, Figure 4) of one query
+pixel, per chosen mixer layer, as a heat-map overlay on the image.
+
+    ttt-zoo attention-map --model vit3_tiny --image ttt_zoo/assets/chelsea.jpg --query-pixel 150 200 --out map.png
+    ttt-zoo attention-map --model t5_tiny --query-pixel 150 200 --layer 0 5 11 --map explicit --out map.png
+"""
+
+import os
+
+__all__ = ["add_parser", "run", "load_image", "plot_maps"]
+
+
+def load_image(path: str, size, mean, std):
+    """(1, 3, h, w) normalised tensor of the whole image resized to ``size`` (no crop, so pixel positions map
+    linearly), plus the resized RGB image as a float array in [0, 1] and the original (H, W)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"image {path!r} does not exist; give the path of a .jpg / .png file")
+    img = Image.open(path).convert("RGB")
+    orig = (img.height, img.width)
+    rgb = np.asarray(img.resize((size[1], size[0]), Image.BICUBIC), dtype=np.float32) / 255.0
+    x = (torch.from_numpy(rgb).permute(2, 0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    return x.unsqueeze(0), rgb, orig
+
+
+def plot_maps(rgb, query_pixel, maps, path: str, title: str) -> None:
+    """The image with the query marked, then one overlay per layer (mean |A| over heads, upsampled)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch.nn.functional as F
+    from ttt_zoo.bench.measure import atomic_write
+    h, w = rgb.shape[:2]
+    y, x = query_pixel
+    fig, axes = plt.subplots(1, len(maps) + 1, figsize=(3.2 * (len(maps) + 1), 3.6))
+    axes[0].imshow(rgb)
+    axes[0].set_title("image + query")
+    for ax in axes:
+        ax.axis("off")
+    for ax, m in zip(axes[1:], maps):
+        heat = m["map"].abs().mean(0)[None, None].float()
+        heat = F.interpolate(heat, size=(h, w), mode="bilinear", align_corners=False)[0, 0]
+        heat = heat / heat.max().clamp_min(1e-30)
+        ax.imshow(rgb)
+        ax.imshow(heat.numpy(), cmap="jet", alpha=0.55, vmin=0, vmax=1)
+        ax.set_title(f"layer {m['layer']} ({m['feat_size'][0]}x{m['feat_size'][1]})", fontsize=9)
+    for ax in axes:
+        ax.plot([x], [y], marker="x", color="white", markersize=10, mew=2.5)
+        ax.plot([x], [y], marker="x", color="black", markersize=7, mew=1.2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    import timm
+    import torch
+    import ttt_zoo
+    from ttt_zoo.analysis import image_attention_maps
+    if args.model.split(".")[0] in ttt_zoo.list_zoo_models(include_diffusion=True) \
+            and ttt_zoo.is_diffusion_model(args.model):
+        raise SystemExit(f"error: {args.model} is a diffusion model (forward(x, t, y)); attention-map takes an image "
+                         f"model, e.g. vit3_tiny, t5_tiny, visionttt_tiny")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: attention-map draws with matplotlib, which is not installed (pip install matplotlib)")
+    from PIL import Image
+    if not os.path.isfile(args.image):
+        raise SystemExit(f"error: --image {args.image!r} does not exist; give the path of a .jpg / .png file")
+    with Image.open(args.image) as im:
+        orig = (im.height, im.width)
+    y0, x0 = args.query_pixel
+    if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
+        raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
+    if args.checkpoint:
+        from ttt_zoo.hub.folder import build_from_checkpoint
+        model, _ = build_from_checkpoint(args.model, args.checkpoint)
+        note = f"weights: {os.path.basename(args.checkpoint)}"
+    else:
+        model = ttt_zoo.create_model(args.model, pretrained=False)
+        note = "random init (no checkpoint given)"
+    model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
+    cfg = timm.data.resolve_data_config({}, model=model)
+    size = args.img_size or tuple(cfg["input_size"][1:])
+    x, rgb, _ = load_image(args.image, size, cfg["mean"], cfg["std"])
+    qp = (y0 * size[0] / orig[0], x0 * size[1] / orig[1])  # in the resized image
+    maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via, reduce=args.reduce)
+    what = "implicit tr(dO_i/dV_j)/d" if args.map == "implicit" else "explicit linear-attention map"
+    plot_maps(rgb, qp, maps, args.out, f"{args.model}: {what}, mean |A| over heads; {note}")
+    print(f"wrote {args.out}: {len(maps)} layer(s) "
+          + ", ".join(f"{m['layer']} (query token {m['query']} of {m['feat_size']})" for m in maps))
+    return 0
+
+
+def add_parser(sub) -> None:
+    from .bench import parse_img_size
+    from .demo import ASSET_IMAGE
+    p = sub.add_parser("attention-map", help="implicit attention map dO_i/dV_j of one query pixel (PNG overlay)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="an image model (see `ttt-zoo list`)")
+    p.add_argument("--image", default=ASSET_IMAGE, help="image file (default: the bundled photo)")
+    p.add_argument("--query-pixel", type=int, nargs=2, required=True, metavar=("Y", "X"),
+                   help="query pixel, row and column in the image's own pixels")
+    p.add_argument("--layer", type=int, nargs="+", default=None,
+                   help="mixer layers in forward order (negative from the end); default first, middle, last")
+    p.add_argument("--checkpoint", default=None, help="weights file (.pth / .safetensors, official or ours)")
+    p.add_argument("--img-size", type=parse_img_size, default=None,
+                   help="model input size, 224 or HxW (default: the model's)")
+    p.add_argument("--map", choices=("implicit", "explicit"), default="implicit",
+                   help="implicit dO_i/dV_j (any mixer) or the explicit linear-attention map q_hat_i . k_hat_j")
+    p.add_argument("--via", choices=("mixer", "form"), default="mixer",
+                   help="implicit map through the mixer's own code (hooks) or its linear-attention form")
+    p.add_argument("--reduce", choices=("trace", "probe"), default="trace",
+                   help="implicit score per head: mean diagonal of dO_i/dV_j (d VJPs, exact) or its one-VJP "
+                        "Rademacher probe (exact where the Jacobian is diagonal)")
+    p.add_argument("--out", required=True, help="output PNG")
+    p.set_defaults(func=run)
