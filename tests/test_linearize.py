@@ -120,8 +120,10 @@ def test_param_groups_multiplier_and_decay():
     model, new = ttt_zoo.linearize(_vit())
     groups = param_groups(model, new, lr=1e-3, weight_decay=0.05)
     by_name = {g["name"]: g for g in groups}
-    assert by_name["new"]["lr"] == pytest.approx(2e-2) and by_name["new_no_decay"]["lr"] == pytest.approx(2e-2)
-    assert by_name["inherited"]["lr"] == pytest.approx(1e-3)
+    assert set(by_name) == {"decay", "no_decay", "new_decay", "new_no_decay"}
+    assert by_name["new_decay"]["lr_scale"] == 20.0 and by_name["new_no_decay"]["lr_scale"] == 20.0
+    assert by_name["decay"]["lr_scale"] == 1.0 and by_name["no_decay"]["lr_scale"] == 1.0
+    assert all(g["lr"] == 1e-3 for g in groups)  # base lr; the scale is relative
     ids = {id(p): g["name"] for g in groups for p in g["params"]}
     assert len(ids) == sum(len(g["params"]) for g in groups)  # no parameter twice
     named = dict(model.named_parameters())
@@ -130,10 +132,47 @@ def test_param_groups_multiplier_and_decay():
         group = ids[id(p)]
         assert group.startswith("new") == (n in new), n
         assert group.endswith("no_decay") == (p.ndim <= 1 or n == "pos_embed"), n
-    assert by_name["inherited_no_decay"]["weight_decay"] == 0.0 and by_name["new"]["weight_decay"] == 0.05
+    assert by_name["no_decay"]["weight_decay"] == 0.0 and by_name["new_decay"]["weight_decay"] == 0.05
     torch.optim.AdamW(groups).step()  # valid optimizer groups
     dit = _FakeDiT()
     dit_groups = {g["name"]: g for g in param_groups(dit, ["x_embedder.weight"], lr=1.0)}
-    assert dit_groups["new"]["lr"] == pytest.approx(2.0) and dit_groups["inherited"]["lr"] == pytest.approx(1.0)
+    assert dit_groups["new_decay"]["lr_scale"] == 2.0 and dit_groups["decay"]["lr_scale"] == 1.0
     with pytest.raises(KeyError, match="not in the model"):
         param_groups(model, ["blocks.9.attn.w1"], lr=1.0)
+
+
+def test_param_groups_layer_decay_times_multiplier():
+    """With layer decay, each new parameter's scale is its layer's timm scale times the multiplier."""
+    from timm.optim import param_groups_layer_decay
+    model, new = ttt_zoo.linearize(_vit(depth=3))
+    ref = param_groups_layer_decay(model, weight_decay=0.05, no_weight_decay_list=model.no_weight_decay(),
+                                   layer_decay=0.5)
+    ref_scale = {id(p): g["lr_scale"] for g in ref for p in g["params"]}
+    assert len(set(ref_scale.values())) > 2  # the layers really differ
+    groups = param_groups(model, new, multiplier=10.0, weight_decay=0.05, layer_decay=0.5)
+    named = dict(model.named_parameters())
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    assert set(scale) == {id(p) for p in named.values()}
+    for n, p in named.items():
+        assert scale[id(p)] == pytest.approx(ref_scale[id(p)] * (10.0 if n in new else 1.0)), n
+
+
+@pytest.mark.parametrize("sched", ["cosine", "step"])
+def test_param_groups_ratio_survives_timm_scheduler(sched):
+    """timm's schedulers multiply lr_scale in, so warmup start, the middle and the min_lr floor keep 20x."""
+    from timm.scheduler import create_scheduler_v2
+    model, new = ttt_zoo.linearize(_vit())
+    opt = torch.optim.SGD(param_groups(model, new, lr=1e-3, weight_decay=0.05), lr=1e-3)
+    sch, epochs = create_scheduler_v2(opt, sched=sched, num_epochs=10, decay_epochs=3, warmup_epochs=2,
+                                      warmup_lr=1e-6, min_lr=1e-5, updates_per_epoch=5, step_on_epochs=False)
+    seen = []
+    for t in (0, 5, 25, 49, 10 ** 4):  # warmup start, warmup, middle, end, far past the end (min_lr floor)
+        sch.step_update(t)
+        lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+        assert lrs["new_decay"] == pytest.approx(20 * lrs["decay"], rel=1e-12)
+        assert lrs["new_no_decay"] == pytest.approx(20 * lrs["no_decay"], rel=1e-12)
+        seen.append(lrs["decay"])
+    assert seen[0] == pytest.approx(1e-6)  # warmup_lr floor, scaled for the new group
+    if sched == "cosine":
+        assert seen[-1] == pytest.approx(1e-5)  # min_lr floor, scaled for the new group
+    assert len(set(seen)) >= 3

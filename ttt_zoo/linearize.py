@@ -155,14 +155,24 @@ def linearize_vit(model: nn.Module, na_kernel: int = 0,
     return target, new_names
 
 
-def param_groups(model: nn.Module, new_param_names: Iterable[str], lr: float, multiplier: Optional[float] = None,
-                 weight_decay: float = 0.05, no_weight_decay: Sequence[str] = ()) -> List[Dict[str, Any]]:
-    """Optimizer parameter groups: the newly initialised parameters get ``lr * multiplier``.
+def param_groups(model: nn.Module, new_param_names: Iterable[str], lr: Optional[float] = None,
+                 multiplier: Optional[float] = None, weight_decay: float = 0.05, no_weight_decay: Sequence[str] = (),
+                 layer_decay: Optional[float] = None, layer_decay_min_scale: float = 0.0) -> List[Dict[str, Any]]:
+    """Optimizer parameter groups in which the newly initialised parameters carry ``lr_scale = multiplier``.
 
-    ``multiplier`` defaults to the paper's 20x for classification and 2x for diffusion (DiT) models.
-    Biases, 1-D tensors and names in ``model.no_weight_decay()`` / ``no_weight_decay`` get no weight decay.
-    Frozen parameters (``requires_grad=False``) are left out.  Empty groups are omitted.
+    The groups are timm's: decay / no-decay (``param_groups_weight_decay``: 1-D tensors, biases and names in
+    ``model.no_weight_decay()`` / ``no_weight_decay`` get none) or, with ``layer_decay``, timm's layer-decay groups
+    (``param_groups_layer_decay`` through ``model.group_matcher()``); each is split into inherited and new
+    parameters, and the new ones' ``lr_scale`` is multiplied by ``multiplier``.  ``multiplier`` defaults to the
+    paper's 20x for classification and 2x for diffusion (DiT) models.
+
+    ``lr_scale`` is a relative factor: timm's schedulers set each group's lr to ``schedule(t) * lr_scale`` at every
+    step, so warmup, ``warmup_lr`` and ``min_lr`` all keep the ratio (an absolute ``lr`` per group would be floored
+    by ``min_lr`` / ``warmup_lr``).  ``lr`` (optional) is stored as every group's base lr.  Without a timm scheduler
+    apply the scale yourself: ``g["lr"] = lr * g.get("lr_scale", 1.0)``.
+    Frozen parameters (``requires_grad=False``) are left out; empty groups are omitted.
     """
+    from timm.optim import param_groups_layer_decay, param_groups_weight_decay
     if multiplier is None:
         multiplier = DIFFUSION_LR_MULTIPLIER if _is_dit(model) else CLASSIFICATION_LR_MULTIPLIER
     named = dict(model.named_parameters())
@@ -170,19 +180,24 @@ def param_groups(model: nn.Module, new_param_names: Iterable[str], lr: float, mu
     unknown = sorted(new - set(named))
     if unknown:
         raise KeyError(f"new_param_names not in the model: {unknown[:6]} (pass the names returned by linearize()).")
-    skip = set(no_weight_decay)
-    if hasattr(model, "no_weight_decay"):
-        skip |= set(model.no_weight_decay())
-    groups: Dict[Tuple[bool, bool], List[nn.Parameter]] = {(a, b): [] for a in (False, True) for b in (True, False)}
-    for name, p in named.items():
-        if not p.requires_grad:
-            continue
-        decay = not (p.ndim <= 1 or name.endswith(".bias") or name in skip)
-        groups[(name in new, decay)].append(p)
+    skip = set(no_weight_decay) | set(getattr(model, "no_weight_decay", lambda: ())())
+    if layer_decay is not None:
+        base = param_groups_layer_decay(model, weight_decay=weight_decay, no_weight_decay_list=skip,
+                                        layer_decay=layer_decay, min_scale=layer_decay_min_scale)
+    else:
+        base = param_groups_weight_decay(model, weight_decay=weight_decay, no_weight_decay_list=skip)
+    new_ids = {id(named[n]) for n in new}
     out = []
-    for (is_new, decay), params in groups.items():
-        if params:
-            out.append(dict(params=params, lr=lr * multiplier if is_new else lr,
-                            weight_decay=weight_decay if decay else 0.0,
-                            name=("new" if is_new else "inherited") + ("" if decay else "_no_decay")))
+    for i, g in enumerate(base):
+        decay = "decay" if g["weight_decay"] else "no_decay"
+        layer = f"layer{i}_" if layer_decay is not None else ""
+        for is_new in (False, True):
+            params = [p for p in g["params"] if (id(p) in new_ids) == is_new]
+            if not params:
+                continue
+            group = dict(g, params=params, lr_scale=g.get("lr_scale", 1.0) * (multiplier if is_new else 1.0),
+                         name=("new_" if is_new else "") + layer + decay)
+            if lr is not None:
+                group["lr"] = lr
+            out.append(group)
     return out

@@ -1,0 +1,227 @@
+"""Image classification on timm's components: ``create_dataset`` / ``create_transform``, ``Mixup``, timm losses.
+
+``--linearize-from MODEL`` builds that softmax ViT / DeiT (``--pretrained`` or ``--initial-checkpoint``), turns it
+into T5 with :func:`ttt_zoo.linearize`, and trains the result; the new TTT parameters get ``lr_scale`` = the
+paper's multiplier (``--ttt-lr-scale``, default 20x) on top of timm's decay / layer-decay groups.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from .distributed import all_reduce_sum
+from .task import Task
+
+__all__ = ["ClassificationTask", "build_classifier"]
+
+_logger = logging.getLogger("ttt_zoo.train")
+
+
+def _load_weights(model: nn.Module, path: str) -> None:
+    from ttt_zoo.checkpoint import load_checkpoint_file, unwrap_checkpoint
+    sd = unwrap_checkpoint(load_checkpoint_file(path))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: missing "
+                         f"{list(missing)[:6]}, unexpected {list(unexpected)[:6]}. Check --model / --num-classes / "
+                         f"--model-kwargs.")
+
+
+def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tuple[nn.Module, List[str]]:
+    """``(model, new_param_names)`` from --model or --linearize-from (+ --pretrained / --initial-checkpoint)."""
+    import timm
+    import ttt_zoo  # noqa: F401 - registers the ttt-zoo models with timm
+    kw = dict(args.model_kwargs or {})
+    if args.drop:
+        kw.setdefault("drop_rate", args.drop)
+    if args.drop_path is not None:
+        kw.setdefault("drop_path_rate", args.drop_path)
+    if args.linearize_from:
+        if args.model:
+            raise ValueError("Give either --model (train it) or --linearize-from (linearize it into T5, then train), "
+                             "not both.")
+        if not (args.pretrained or args.initial_checkpoint):
+            raise ValueError("--linearize-from needs the softmax model's weights: add --pretrained or "
+                             "--initial-checkpoint PATH.")
+        src = timm.create_model(args.linearize_from, pretrained=args.pretrained, **kw)
+        if args.initial_checkpoint:
+            _load_weights(src, args.initial_checkpoint)
+        model, new = ttt_zoo.linearize(src, **({"img_size": args.img_size} if args.img_size else {}))
+        if num_classes is not None and num_classes != model.num_classes:
+            model.reset_classifier(num_classes)
+        return model, list(new)
+    if not args.model:
+        raise ValueError("No model: give --model NAME (or --linearize-from NAME).")
+    if num_classes is not None:
+        kw["num_classes"] = num_classes
+    if args.img_size and "img_size" not in kw:
+        try:
+            model = timm.create_model(args.model, pretrained=args.pretrained, img_size=args.img_size, **kw)
+        except TypeError as e:  # a model without an img_size argument (e.g. ResNet): data config sets the size
+            if "img_size" not in str(e):
+                raise
+            model = timm.create_model(args.model, pretrained=args.pretrained, **kw)
+    else:
+        model = timm.create_model(args.model, pretrained=args.pretrained, **kw)
+    if args.initial_checkpoint:
+        _load_weights(model, args.initial_checkpoint)
+    return model, []
+
+
+def _num_classes(ds) -> Optional[int]:
+    reader = getattr(ds, "reader", None)
+    for obj in (reader, ds):
+        c2i = getattr(obj, "class_to_idx", None)
+        if c2i:
+            return len(c2i)
+    classes = getattr(ds, "classes", None)
+    return len(classes) if classes else None
+
+
+class ClassificationTask(Task):
+    name = "classification"
+    eval_metric = "top1"
+    eval_mode = "max"
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("classification data and augmentation (timm)")
+        g.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
+        g.add_argument("--train-split", default="train")
+        g.add_argument("--val-split", default="validation", help="('' = no evaluation)")
+        g.add_argument("--crop-pct", type=float, default=None)
+        g.add_argument("--interpolation", default="", help="eval resize interpolation")
+        g.add_argument("--mean", type=float, nargs="+", default=None)
+        g.add_argument("--std", type=float, nargs="+", default=None)
+        g.add_argument("--no-aug", action="store_true", help="no training augmentation (resize + crop only)")
+        g.add_argument("--scale", type=float, nargs=2, default=[0.08, 1.0])
+        g.add_argument("--ratio", type=float, nargs=2, default=[3.0 / 4.0, 4.0 / 3.0])
+        g.add_argument("--hflip", type=float, default=0.5)
+        g.add_argument("--vflip", type=float, default=0.0)
+        g.add_argument("--color-jitter", type=float, default=0.4)
+        g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5-inc1")
+        g.add_argument("--reprob", type=float, default=0.0, help="random erasing probability")
+        g.add_argument("--remode", default="pixel")
+        g.add_argument("--recount", type=int, default=1)
+        g.add_argument("--train-interpolation", default="random")
+        g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
+        g.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (on when > 0)")
+        g.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (on when > 0)")
+        g.add_argument("--cutmix-minmax", type=float, nargs=2, default=None)
+        g.add_argument("--mixup-prob", type=float, default=1.0)
+        g.add_argument("--mixup-switch-prob", type=float, default=0.5)
+        g.add_argument("--mixup-mode", default="batch", choices=("batch", "pair", "elem"))
+        g = parser.add_argument_group("linearize (T5)")
+        g.add_argument("--linearize-from", default="", metavar="MODEL",
+                       help="softmax ViT/DeiT to linearize into T5 before training (needs --pretrained or "
+                            "--initial-checkpoint)")
+        g.add_argument("--ttt-lr-scale", type=float, default=None,
+                       help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 20x)")
+
+    def __init__(self, args, dist):
+        super().__init__(args, dist)
+        self.new_param_names: List[str] = []
+        self._train_ds = self._eval_ds = None
+        self.mixup_fn = None
+        self.data_config: Dict[str, Any] = {}
+
+    # ----- data -----
+    def _datasets(self):
+        if self._train_ds is None:
+            from timm.data import create_dataset
+            a = self.args
+            if not a.data_dir and not a.dataset:
+                raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
+                                 "or --dataset NAME.")
+            self._train_ds = create_dataset(a.dataset, root=a.data_dir, split=a.train_split, is_training=True,
+                                            batch_size=a.batch_size, seed=a.seed)
+            if a.val_split:
+                self._eval_ds = create_dataset(a.dataset, root=a.data_dir, split=a.val_split, is_training=False,
+                                               batch_size=a.validation_batch_size or a.batch_size)
+        return self._train_ds, self._eval_ds
+
+    def build_model(self) -> nn.Module:
+        a = self.args
+        num_classes = a.num_classes
+        if num_classes is None and (a.data_dir or a.dataset):
+            num_classes = _num_classes(self._datasets()[0])
+        model, self.new_param_names = build_classifier(a, num_classes)
+        self._model_for_config = model
+        if self.new_param_names:
+            _logger.info(f"linearized {a.linearize_from} into {type(model).__name__}: "
+                         f"{len(self.new_param_names)} new TTT tensors")
+        return model
+
+    def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+        from ttt_zoo.linearize import param_groups
+        return param_groups(model, self.new_param_names, multiplier=self.args.ttt_lr_scale if self.new_param_names
+                            else 1.0, weight_decay=weight_decay, layer_decay=self.args.layer_decay)
+
+    def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
+        from timm.data import Mixup, create_transform, resolve_data_config
+        a, d = self.args, self.dist
+        train_ds, eval_ds = self._datasets()
+        self.data_config = cfg = resolve_data_config(vars(a), model=self._model_for_config)
+        train_ds.transform = create_transform(
+            cfg["input_size"], is_training=True, no_aug=a.no_aug, scale=a.scale, ratio=a.ratio, hflip=a.hflip,
+            vflip=a.vflip, color_jitter=a.color_jitter, auto_augment=a.aa, interpolation=a.train_interpolation,
+            mean=cfg["mean"], std=cfg["std"], re_prob=a.reprob, re_mode=a.remode, re_count=a.recount)
+        # one permutation per epoch from (seed, epoch), split over ranks: same samples for any world size
+        sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
+        common = dict(num_workers=a.workers, pin_memory=a.pin_mem and d.device.type == "cuda")
+        train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler, drop_last=True, **common)
+        if len(train) == 0:
+            raise ValueError(f"The training set has {len(train_ds)} images, fewer than --batch-size "
+                             f"{a.batch_size} x {d.world_size} processes: lower -b.")
+        mix = a.mixup > 0 or a.cutmix > 0 or a.cutmix_minmax is not None
+        num_classes = self._model_for_config.num_classes
+        if mix:
+            self.mixup_fn = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, cutmix_minmax=a.cutmix_minmax,
+                                  prob=a.mixup_prob, switch_prob=a.mixup_switch_prob, mode=a.mixup_mode,
+                                  label_smoothing=a.smoothing, num_classes=num_classes)
+        from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+        if mix:
+            self.loss_fn = SoftTargetCrossEntropy()
+        elif a.smoothing:
+            self.loss_fn = LabelSmoothingCrossEntropy(smoothing=a.smoothing)
+        else:
+            self.loss_fn = nn.CrossEntropyLoss()
+        evaluate = None
+        if eval_ds is not None:
+            eval_ds.transform = create_transform(cfg["input_size"], is_training=False,
+                                                 interpolation=cfg["interpolation"], mean=cfg["mean"],
+                                                 std=cfg["std"], crop_pct=cfg["crop_pct"])
+            part = Subset(eval_ds, range(d.rank, len(eval_ds), d.world_size))  # disjoint, no padding duplicates
+            evaluate = DataLoader(part, batch_size=a.validation_batch_size or a.batch_size, shuffle=False, **common)
+        return train, evaluate
+
+    # ----- steps -----
+    def train_step(self, model: nn.Module, batch: Any) -> Tuple[torch.Tensor, Dict[str, float]]:
+        dev = self.dist.device
+        x, y = batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)
+        if self.mixup_fn is not None:
+            x, y = self.mixup_fn(x, y)
+        return self.loss_fn(model(x), y), {}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Iterable) -> Dict[str, float]:
+        from timm.utils import accuracy
+        dev = self.dist.device
+        loss_sum = c1 = c5 = n = 0.0
+        for x, y in loader:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            out = model(x).float()
+            loss_sum += nn.functional.cross_entropy(out, y, reduction="sum").item()
+            acc1, acc5 = accuracy(out, y, topk=(1, min(5, out.shape[-1])))  # percentages of this batch
+            c1 += round(acc1.item() * len(y) / 100.0)
+            c5 += round(acc5.item() * len(y) / 100.0)
+            n += len(y)
+        loss_sum, c1, c5, n = all_reduce_sum([loss_sum, c1, c5, n], dev)
+        if n == 0:
+            raise ValueError("The evaluation set is empty.")
+        return {"loss": loss_sum / n, "top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n}

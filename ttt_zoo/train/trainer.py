@@ -1,0 +1,342 @@
+"""The generic training loop of ``ttt-zoo train``; a :class:`~ttt_zoo.train.task.Task` supplies model, data and loss.
+
+timm's components do the work: ``create_optimizer_v2`` (on the task's parameter groups, which may carry
+``lr_scale``), ``create_scheduler_v2`` (stepped per optimizer update), ``NativeScaler`` (float16 AMP),
+``dispatch_clip_grad``, ``AverageMeter``; torch's DDP averages gradients under torchrun.
+The experiment folder (timm's layout) holds args.yaml, summary.csv, log.txt, train_plot.png and the checkpoints of
+:mod:`ttt_zoo.train.checkpointing`.  Only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from datetime import datetime
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import checkpointing as ckpt
+from .args import parse_args
+from .distributed import (DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object,
+                          destroy_distributed, init_distributed)
+from .reporting import Summary, atomic_write_text, setup_logging, write_plot
+
+__all__ = ["Trainer", "main"]
+
+
+def _resolve_lr(args: argparse.Namespace, world_size: int) -> None:
+    """timm's rule: without --lr, scale --lr-base by the global batch (linear for SGD, sqrt for adaptive)."""
+    if args.lr is not None:
+        return
+    ratio = args.batch_size * world_size * args.grad_accum_steps / args.lr_base_size
+    scale = args.lr_base_scale or ("sqrt" if any(o in args.opt.lower() for o in ("ada", "lamb")) else "linear")
+    args.lr = args.lr_base * (ratio ** 0.5 if scale == "sqrt" else ratio)
+
+
+def _first_error(fn) -> Optional[str]:
+    try:
+        fn()
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _raise_everywhere(err: Optional[str], dist: DistInfo) -> None:
+    """Rank 0 checked something; every rank raises its error (no rank is left waiting in a collective)."""
+    err = broadcast_object(err) if dist.distributed else err
+    if err:
+        raise SystemExit(f"ttt-zoo train: error: {err}")
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, task_cls: type):
+        self.args = args
+        self.task_cls = task_cls
+
+    # ----- setup -----
+    def _experiment_folder(self) -> str:
+        a, d = self.args, self.dist
+        if a.resume:
+            self.resume_file = ckpt.resolve_resume(a.resume)
+            return os.path.dirname(os.path.abspath(self.resume_file))
+        name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
+                                         (a.model or a.linearize_from or a.task).replace("/", "_"),
+                                         str(a.img_size or "default")])
+        folder = broadcast_object(os.path.abspath(os.path.join(a.output, name)))
+
+        def create():
+            if os.path.exists(folder):
+                raise ValueError(f"Experiment folder {folder} already exists; nothing was changed in it. To continue "
+                                 f"that run use --resume {folder}; to start a new one give a fresh --experiment NAME "
+                                 f"(or another --output).")
+            try:
+                os.makedirs(folder)
+            except OSError as e:
+                raise OSError(f"Cannot create the experiment folder {folder} ({e.strerror or e}): --output "
+                              f"{a.output!r} is not writable. Choose another --output.") from e
+        _raise_everywhere(_first_error(create) if d.is_primary else None, d)
+        return folder
+
+    def setup(self) -> None:
+        a = self.args
+        self.dist = d = init_distributed(a.device)
+        from timm.utils import random_seed
+        random_seed(a.seed, d.rank)
+        _resolve_lr(a, d.world_size)
+        self.resume_file = None
+        self.folder = self._experiment_folder()
+        self.log = setup_logging(os.path.join(self.folder, "log.txt"), d.is_primary)
+        self.task = task = self.task_cls(a, d)
+        self.eval_metric = a.eval_metric or task.eval_metric
+
+        model = task.build_model().to(d.device)
+        if a.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        if a.sync_bn and d.distributed and has_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif a.sync_bn and not has_bn:
+            self.log.info("--sync-bn: the model has no BatchNorm; nothing to convert")
+        self.model = model
+
+        from timm.optim import create_optimizer_v2
+        groups = task.param_groups(model, a.weight_decay)
+        opt_kw = dict(momentum=a.momentum)
+        if a.opt_eps is not None:
+            opt_kw["eps"] = a.opt_eps
+        if a.opt_betas is not None:
+            opt_kw["betas"] = tuple(a.opt_betas)
+        self.optimizer = create_optimizer_v2(groups, opt=a.opt, lr=a.lr, weight_decay=a.weight_decay, **opt_kw)
+
+        self.amp_dtype = torch.bfloat16 if a.amp_dtype == "bfloat16" else torch.float16
+        self.scaler = None
+        if a.amp and self.amp_dtype == torch.float16:
+            from timm.utils import NativeScaler
+            self.scaler = NativeScaler(device=d.device.type)
+        self.ema = task.build_ema(model)
+        self.train_model = model
+        if d.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+            self.train_model = DistributedDataParallel(
+                model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+
+        self.train_loader, self.eval_loader = task.build_loaders()
+        self.updates_per_epoch = math.ceil(len(self.train_loader) / a.grad_accum_steps)
+        from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+        a.sched_on_updates = not a.sched_on_epochs
+        self.scheduler, self.num_epochs = create_scheduler_v2(
+            self.optimizer, **scheduler_kwargs(a, decreasing_metric=task.eval_mode == "min"),
+            updates_per_epoch=self.updates_per_epoch)
+
+        self.start_epoch, self.num_updates = 0, 0
+        self.best_metric, self.best_epoch = None, None
+        self.summary = Summary(os.path.join(self.folder, "summary.csv"))
+        if self.resume_file:
+            self._resume(self.resume_file)
+
+        need = 3 * ckpt.estimate_checkpoint_bytes(model, ema=self.ema is not None)
+        _raise_everywhere(_first_error(lambda: ckpt.check_output_dir(self.folder, need)) if d.is_primary else None,
+                          d)
+        if d.is_primary:
+            import yaml
+            name = "args.yaml" if not self.resume_file else f"args.resume-epoch{self.start_epoch}.yaml"
+            atomic_write_text(os.path.join(self.folder, name),
+                              yaml.safe_dump(dict(vars(a), world_size=d.world_size), sort_keys=False))
+        n_params = sum(p.numel() for p in model.parameters())
+        self.log.info(f"{type(model).__name__}: {n_params / 1e6:.3f}M params; {d.world_size} process(es) on "
+                      f"{d.device.type}; lr {a.lr:g}; {self.updates_per_epoch} updates/epoch; "
+                      f"{len(self.optimizer.param_groups)} param groups "
+                      f"(lr_scale {sorted({g.get('lr_scale', 1.0) for g in self.optimizer.param_groups})}); "
+                      f"output {self.folder}")
+
+    def _resume(self, path: str) -> None:
+        d = self.dist
+        s = ckpt.load_state(path)
+        self.model.load_state_dict(s["model"])
+        if self.ema is not None:
+            if s.get("ema") is None:
+                raise SystemExit(f"ttt-zoo train: error: {path} has no EMA state; resume without --model-ema.")
+            self.ema.load_state_dict(s["ema"])
+        self.optimizer.load_state_dict(s["optimizer"])
+        self.scheduler.load_state_dict(s["scheduler"])
+        if self.scaler is not None and s.get("scaler"):
+            self.scaler.load_state_dict(s["scaler"])
+        self.task.load_state_dict(s.get("task", {}))
+        self.start_epoch, self.num_updates = int(s["epoch"]), int(s["num_updates"])
+        self.best_metric, self.best_epoch = s.get("best_metric"), s.get("best_epoch")
+        rng = s.get("rng") or []
+        if len(rng) == d.world_size:
+            ckpt.set_rng_state(rng[d.rank])
+        else:
+            self.log.warning(f"resume: saved with {len(rng)} process(es), now {d.world_size}: RNG streams reseeded")
+        if d.is_primary:
+            self.summary.load(self.start_epoch)
+        self.log.info(f"resumed {path} at epoch {self.start_epoch} ({self.num_updates} updates)")
+
+    # ----- loop -----
+    def _autocast(self):
+        return torch.autocast(device_type=self.dist.device.type, dtype=self.amp_dtype, enabled=self.args.amp)
+
+    def _base_lr(self) -> float:
+        g = self.optimizer.param_groups[0]
+        return g["lr"] / g.get("lr_scale", 1.0)
+
+    def train_one_epoch(self, epoch: int) -> Dict[str, float]:
+        from timm.utils import dispatch_clip_grad
+        a, d, task = self.args, self.dist, self.task
+        model, opt = self.train_model, self.optimizer
+        model.train()
+        n_batches = len(self.train_loader)
+        accum = a.grad_accum_steps
+        last_group = n_batches - (n_batches % accum or accum)  # first batch of the last (maybe short) group
+        loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
+        seen = 0
+        use_bar = d.is_primary and sys.stderr.isatty()
+        bar = None
+        if use_bar:
+            from tqdm import tqdm
+            bar = tqdm(total=n_batches, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+        t0 = t_log = time.perf_counter()
+        seen_log = 0
+        opt.zero_grad(set_to_none=True)
+        for i, batch in enumerate(self.train_loader):
+            need_update = (i + 1) % accum == 0 or i == n_batches - 1
+            steps = (n_batches - last_group) if i >= last_group else accum
+            sync = model.no_sync() if d.distributed and not need_update else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    loss, extras = task.train_step(model, batch)
+                scaled = loss / steps
+                if self.scaler is not None:
+                    self.scaler(scaled, opt, clip_grad=a.clip_grad, clip_mode=a.clip_mode,
+                                parameters=self.model.parameters(), need_update=need_update)
+                else:
+                    scaled.backward()
+                    if need_update:
+                        if a.clip_grad is not None:
+                            dispatch_clip_grad(self.model.parameters(), a.clip_grad, mode=a.clip_mode)
+                        opt.step()
+            bs = task.batch_size(batch)
+            loss_sum += loss.detach().double() * bs
+            seen += bs
+            if need_update:
+                opt.zero_grad(set_to_none=True)
+                self.num_updates += 1
+                if self.ema is not None:
+                    self.ema.update(self.model, step=self.num_updates)
+                if a.sched_on_updates:
+                    self.scheduler.step_update(num_updates=self.num_updates)
+            if bar is not None:
+                bar.update(1)
+            if (i + 1) % a.log_interval == 0 or i == n_batches - 1:
+                now = time.perf_counter()
+                rate = (seen - seen_log) * d.world_size / max(now - t_log, 1e-9)
+                msg = dict(loss=f"{loss.item():.4f}", lr=f"{self._base_lr():.3g}", img_s=f"{rate:.0f}",
+                           **{k: f"{v:.4g}" for k, v in extras.items()})
+                if bar is not None:
+                    bar.set_postfix(msg)
+                elif d.is_primary:
+                    self.log.info(f"train epoch {epoch} [{i + 1}/{n_batches}] " +
+                                  " ".join(f"{k} {v}" for k, v in msg.items()))
+                t_log, seen_log = now, seen
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+        elapsed = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        total_loss, total_seen = all_reduce_sum([loss_sum.item(), seen], d.device)
+        return {"loss": total_loss / max(total_seen, 1), "img_per_sec": total_seen / max(elapsed, 1e-9),
+                "time": elapsed}
+
+    def _evaluate(self) -> Dict[str, float]:
+        if self.eval_loader is None:
+            return {}
+        out = {}
+        for prefix, module in (("", self.model), ("ema_", self.ema.module if self.ema is not None else None)):
+            if module is None:
+                continue
+            was = module.training
+            module.eval()
+            with torch.no_grad(), self._autocast():
+                out.update({prefix + k: v for k, v in self.task.evaluate(module, self.eval_loader).items()})
+            module.train(was)
+        return out
+
+    def _is_better(self, metric: Optional[float]) -> bool:
+        if metric is None:
+            return False
+        if self.best_metric is None:
+            return True
+        return metric > self.best_metric if self.task.eval_mode == "max" else metric < self.best_metric
+
+    def _save(self, epoch_done: int, metric: Optional[float], better: bool) -> None:
+        d = self.dist
+        rngs = all_gather_object(ckpt.rng_state())  # every rank's, so every rank resumes its own streams
+        if not d.is_primary:
+            return
+        state = {"epoch": epoch_done, "num_updates": self.num_updates, "metric": metric,
+                 "best_metric": self.best_metric, "best_epoch": self.best_epoch,
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                 "ema": self.ema.state_dict() if self.ema is not None else None,
+                 "task": self.task.state_dict(), "rng": rngs, "world_size": d.world_size,
+                 "args": {k: v for k, v in vars(self.args).items()}}
+        meta = {"epoch": epoch_done, "arch": self.args.model or self.args.linearize_from or "", "metric": metric,
+                "task": self.task.name}
+        ckpt.save_checkpoint(self.folder, "last", state, self.model.state_dict(),
+                             self.ema.module.state_dict() if self.ema is not None else None, meta)
+        if better:
+            ckpt.copy_checkpoint(self.folder, "last", "best")
+
+    def run(self) -> Dict[str, Any]:
+        a = self.args
+        try:
+            self.setup()
+            d = self.dist
+            if a.sched_on_updates:  # the lr of the first update (lr_scale applied)
+                self.scheduler.step_update(num_updates=self.num_updates)
+            else:
+                self.scheduler.step(self.start_epoch)
+            row: Dict[str, Any] = {}
+            end = self.num_epochs if a.stop_after is None else min(self.num_epochs, a.stop_after)
+            for epoch in range(self.start_epoch, end):
+                sampler = getattr(self.train_loader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)
+                lr = self._base_lr()
+                train = self.train_one_epoch(epoch)
+                evals = self._evaluate()
+                metric = evals.get(self.eval_metric)
+                if not a.sched_on_updates:
+                    self.scheduler.step(epoch + 1, metric)
+                better = self._is_better(metric)
+                if better:
+                    self.best_metric, self.best_epoch = metric, epoch
+                self._save(epoch + 1, metric, better)
+                row = {"epoch": epoch, "train_loss": train["loss"], **{f"eval_{k}": v for k, v in evals.items()},
+                       "lr": lr, "train_img_per_sec": train["img_per_sec"], "epoch_time": train["time"]}
+                if d.is_primary:
+                    self.summary.add(row)
+                    write_plot(self.summary.rows, os.path.join(self.folder, "train_plot.png"), self.eval_metric)
+                    self.log.info(f"epoch {epoch}: train_loss {train['loss']:.4f} " +
+                                  " ".join(f"eval_{k} {v:.4f}" for k, v in evals.items()) +
+                                  f" lr {lr:.3g} {train['img_per_sec']:.1f} img/s"
+                                  + (" (best)" if better else ""))
+                barrier()
+            if self.best_metric is not None:
+                self.log.info(f"best eval_{self.eval_metric} {self.best_metric:.4f} at epoch {self.best_epoch}")
+            return {"folder": self.folder, "best_metric": self.best_metric, "best_epoch": self.best_epoch,
+                    "last": row}
+        finally:
+            destroy_distributed()
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train") -> int:
+    args, task_cls = parse_args(argv, prog)
+    Trainer(args, task_cls).run()
+    return 0
