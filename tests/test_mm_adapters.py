@@ -128,7 +128,8 @@ def _train_and_test(tmp_path, config, pkg):
     return log, out, work / ckpts[-1]
 
 
-def test_mask_rcnn_hvit3_smoke_train(tmp_path):
+def _mask_rcnn_config(tmp_path):
+    """A shrunk configs_det Mask R-CNN on a synthetic 2+2-image COCO; returns (config path, init checkpoint)."""
     rng = np.random.default_rng(0)
     data = tmp_path / "coco"
     _coco(str(data), "train", 2, rng)
@@ -167,6 +168,11 @@ train_cfg = dict(max_epochs=2, val_interval=2)
 optim_wrapper = dict(type='OptimWrapper')  # AmpOptimWrapper needs a GPU
 default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
 """)
+    return cfg, init
+
+
+def test_mask_rcnn_hvit3_smoke_train(tmp_path):
+    cfg, init = _mask_rcnn_config(tmp_path)
     log, out, ckpt = _train_and_test(tmp_path, cfg, "mmdet")
     assert re.search(r"Epoch\(train\) +\[2\]\[1/1\].*loss_mask", log), log[-3000:]
     assert "coco/bbox_mAP" in log and "coco/segm_mAP" in log, log[-3000:]
@@ -180,7 +186,8 @@ default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
     assert not torch.equal(sd["backbone." + k], init_sd[k])
 
 
-def test_upernet_hvit3_smoke_train(tmp_path):
+def _upernet_config(tmp_path):
+    """A shrunk configs_seg UPerNet on a synthetic 2+2-image ADE20K; returns the config path."""
     rng = np.random.default_rng(0)
     data = tmp_path / "ade"
     _ade(str(data), "training", 2, rng)
@@ -211,9 +218,49 @@ train_cfg = dict(max_iters=2, val_interval=2)
 optim_wrapper = dict(type='OptimWrapper')  # AmpOptimWrapper needs a GPU
 default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
 """)
+    return cfg
+
+
+def test_upernet_hvit3_smoke_train(tmp_path):
+    cfg = _upernet_config(tmp_path)
     log, out, ckpt = _train_and_test(tmp_path, cfg, "mmseg")
     assert re.search(r"Iter\(train\) +\[2/2\].*loss", log), log[-3000:]
     assert "mIoU" in log and "mIoU" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- 2-process launch (torchrun, CPU: gloo)
+def _torchrun_train(tmp_path, config):
+    """torchrun --nproc_per_node 2 tools/mm_train.py CONFIG --launcher pytorch, then reload its checkpoint."""
+    work = tmp_path / "work2"
+    log = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                os.path.join(ROOT, "tools", "mm_train.py"), str(config), "--launcher", "pytorch",
+                "--work-dir", str(work)], cwd=tmp_path)
+    # mmengine's environment report: 2 processes (it calls the world size "GPU number"), gloo, our CPU DDP wrapper
+    for line in ("Distributed launcher: pytorch", "Distributed training: True", "GPU number: 2", "'backend': 'gloo'",
+                 "type='CPUDistributedDataParallel'"):
+        assert line in log, f"{line!r} not in the log:\n{log[-3000:]}"
+    ckpts = sorted(p for p in os.listdir(work) if p.endswith(".pth"))
+    assert ckpts, f"no checkpoint saved in {work}: {os.listdir(work)}"
+    out = _run([os.path.join(ROOT, "tools", "mm_test.py"), str(config), str(work / ckpts[-1]),
+                "--work-dir", str(tmp_path / "test2")], cwd=tmp_path)
+    return log, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path of --launcher pytorch")
+def test_mask_rcnn_two_process_launch(tmp_path):
+    cfg, _ = _mask_rcnn_config(tmp_path)
+    log, out = _torchrun_train(tmp_path, cfg)
+    # 2 images over 2 ranks: one iteration per epoch on each rank
+    assert re.search(r"Epoch\(train\) +\[2\]\[1/1\].*loss_mask", log), log[-3000:]
+    assert "coco/bbox_mAP" in out, out[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path of --launcher pytorch")
+def test_upernet_two_process_launch(tmp_path):
+    cfg = _upernet_config(tmp_path)
+    log, out = _torchrun_train(tmp_path, cfg)
+    assert re.search(r"Iter\(train\) +\[2/2\].*loss", log), log[-3000:]
+    assert "mIoU" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------- every shipped config

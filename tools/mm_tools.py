@@ -3,6 +3,11 @@
 The package is chosen from the config's ``default_scope`` ('mmdet' or 'mmseg').  ``--trust-checkpoint`` is the
 one explicit opt-in to unpickling full mmengine checkpoints that hold more than the safe allow-list (see
 ``ttt_zoo.adapters._mm``); without it every checkpoint is read with ``weights_only=True``.
+
+``--launcher pytorch`` (under torchrun) on a machine without CUDA runs on the CPU with the gloo backend: mmengine's
+own ``init_dist`` calls ``torch.cuda.set_device`` and its DDP wrapper passes ``device_ids``, which only work on GPUs,
+so the process group is started here (mmengine then skips ``init_dist``) and the model is wrapped by
+``CPUDistributedDataParallel`` (no ``device_ids``; SyncBN, which needs GPUs, reverted to per-process BN).
 """
 import os
 import runpy
@@ -22,6 +27,49 @@ def package_tool(config: str, tool: str) -> str:
     return path
 
 
+def _launcher(argv) -> str:
+    for i, a in enumerate(argv):
+        if a == "--launcher" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--launcher="):
+            return a.split("=", 1)[1]
+    return "none"
+
+
+def _register_cpu_ddp() -> None:
+    from mmengine.model import MMDistributedDataParallel, revert_sync_batchnorm
+    from mmengine.registry import MODEL_WRAPPERS
+
+    if "CPUDistributedDataParallel" in MODEL_WRAPPERS.module_dict:
+        return
+
+    @MODEL_WRAPPERS.register_module()
+    class CPUDistributedDataParallel(MMDistributedDataParallel):
+        """mmengine's DDP wrapper for a CPU model: torch refuses the ``device_ids`` mmengine always passes."""
+
+        def __init__(self, module, device_ids=None, **kwargs):
+            super().__init__(module=revert_sync_batchnorm(module), device_ids=None, **kwargs)
+
+
+def _setup_cpu_distributed(argv) -> list:
+    """Start the gloo process group (torchrun's env) and point ``model_wrapper_cfg`` at the CPU wrapper, with
+    the arguments mmengine's default DDP wrapping would use."""
+    import torch.distributed as dist
+    from mmengine.config import Config
+    cfg = Config.fromfile(argv[0], import_custom_modules=False)
+    if cfg.get("model_wrapper_cfg"):
+        raise SystemExit(f"{argv[0]} sets model_wrapper_cfg; on a machine without CUDA, --launcher pytorch replaces "
+                         "it with CPUDistributedDataParallel: remove it, or run on GPUs.")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    _register_cpu_ddp()
+    # mmengine's DictAction merges repeated --cfg-options, so the user's own options are kept
+    return argv + ["--cfg-options", "model_wrapper_cfg.type=CPUDistributedDataParallel",
+                   "model_wrapper_cfg.broadcast_buffers=False",
+                   f"model_wrapper_cfg.find_unused_parameters={bool(cfg.get('find_unused_parameters', False))}",
+                   "env_cfg.dist_cfg.backend=gloo"]
+
+
 def main(tool: str) -> None:
     argv = sys.argv[1:]
     if not argv or argv[0].startswith("-"):
@@ -32,5 +80,9 @@ def main(tool: str) -> None:
         from ttt_zoo.adapters import allow_unsafe_checkpoints
         allow_unsafe_checkpoints()
     path = package_tool(argv[0], tool)
+    if _launcher(argv) == "pytorch":
+        import torch
+        if not torch.cuda.is_available():
+            argv = _setup_cpu_distributed(argv)
     sys.argv = [path] + argv
     runpy.run_path(path, run_name="__main__")

@@ -2,6 +2,7 @@
 
   python tools/mm_train.py configs_det/mask-rcnn_hvit3-t_fpn_1x_coco.py [--work-dir DIR] [--cfg-options k=v ...]
   torchrun --nproc_per_node 8 tools/mm_train.py CONFIG --launcher pytorch      # multi-GPU
+  torchrun --nproc_per_node 2 tools/mm_train.py CONFIG --launcher pytorch      # no CUDA: CPU processes, gloo
   --trust-checkpoint: opt in (trusted files only) to fully unpickling an mmengine checkpoint
 """
 from mm_tools import main

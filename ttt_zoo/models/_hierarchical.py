@@ -68,10 +68,12 @@ class HierarchicalTTT(TTTClassifier):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        # layer decay: a stage's downsample shares the layer of its first block (Swin layout), or of its last block
+        # when it runs after them (H-ViT3; timm reads a trailing 99999 as "the previous layer")
         return dict(
             stem=r"^patch_embed",
             blocks=r"^layers\.(\d+)" if coarse else [
-                (r"^layers\.(\d+)\.downsample", (0,)),
+                (r"^layers\.(\d+)\.downsample", (0,) if self.downsample_first else (99999,)),
                 (r"^layers\.(\d+)\.blocks\.(\d+)", None),
                 (r"^norm", (99999,)),
             ])

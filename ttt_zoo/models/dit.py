@@ -251,7 +251,7 @@ class DiT(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(stem=r"^(x_embedder|t_embedder|y_embedder|pos_embed)",
+        return dict(stem=r"^(?:x_embedder|t_embedder|y_embedder|pos_embed)",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^final_layer", (99999,))])
 
     @torch.jit.ignore

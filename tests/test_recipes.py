@@ -1,0 +1,109 @@
+"""ttt_zoo.train.recipes: every shipped recipe loads, names a paper section, and every key is a real
+``ttt-zoo train`` flag (of the recipe's --task) with a value the flag's type accepts."""
+
+import argparse
+import os
+
+import pytest
+
+from ttt_zoo.train.recipes import RECIPE_DIR, list_recipes, load_recipe, resolve_config
+
+RECIPES = list_recipes()
+
+
+def test_recipes_cover_the_papers():
+    for name in ("vit3_tiny", "vit3_small", "vit3_base", "hvit3_tiny", "visionttt_tiny", "visionttt_h_tiny",
+                 "t5_tiny_ft", "dit3_s_2", "dit5_xl_2_ft"):
+        assert name in RECIPES
+
+
+def _parser_for(cfg):
+    from ttt_zoo.train.args import build_parser
+    from ttt_zoo.train.task import get_task_class
+    try:
+        task_cls = get_task_class(cfg.get("task", "classification"))
+    except ValueError as e:  # a task module that this checkout does not have yet
+        pytest.skip(str(e))
+    return build_parser(task_cls)
+
+
+def _check_value(action: argparse.Action, value):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        assert isinstance(value, bool), f"{action.dest}: a switch takes true/false, got {value!r}"
+        return
+    if action.nargs not in (None, "?"):
+        assert isinstance(value, list), f"{action.dest} takes a list, got {value!r}"
+        if isinstance(action.nargs, int):
+            assert len(value) == action.nargs, action.dest
+        items = value
+    else:
+        assert not isinstance(value, (list, dict)), f"{action.dest} takes one value, got {value!r}"
+        items = [value]
+    for v in items:
+        if action.type is not None:
+            converted = action.type(str(v))  # what the command line would have parsed
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                assert converted == v, f"{action.dest}: {v!r} parses as {converted!r}"
+        if action.choices is not None:
+            assert v in action.choices, f"{action.dest}: {v!r} not in {action.choices}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_keys_are_train_flags(name):
+    cfg = load_recipe(name)
+    assert cfg and ("model" in cfg or "linearize_from" in cfg)
+    text = open(os.path.join(RECIPE_DIR, name + ".yaml")).read()
+    assert "paper" in text and ("Table" in text or "Sec." in text)  # where the numbers come from
+    parser = _parser_for(cfg)
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in cfg.items():
+        assert key in actions, f"{name}: {key!r} is not a ttt-zoo train flag"
+        _check_value(actions[key], value)
+    parser.set_defaults(**cfg)
+    args = parser.parse_args(["--data-dir", "unused"])
+    for key, value in cfg.items():
+        assert getattr(args, key) == value
+
+
+def _total_batch_lr(cfg, processes):
+    from ttt_zoo.train.trainer import _resolve_lr
+    ns = argparse.Namespace(lr=cfg.get("lr"), batch_size=cfg["batch_size"], grad_accum_steps=1,
+                            lr_base=cfg["lr_base"], lr_base_size=cfg["lr_base_size"],
+                            lr_base_scale=cfg["lr_base_scale"], opt=cfg["opt"])
+    _resolve_lr(ns, processes)
+    return cfg["batch_size"] * processes, ns.lr
+
+
+@pytest.mark.parametrize("name", ["vit3_tiny", "vit3_small", "vit3_base", "hvit3_tiny", "hvit3_small", "hvit3_base"])
+def test_vit3_recipes_match_the_paper(name):
+    cfg = load_recipe(name)
+    # ViT3 paper, Sec. 5.1: total batch 4096, initial lr 4e-3, 300 epochs, 20 warm-up epochs, weight decay 0.05
+    assert _total_batch_lr(cfg, 32) == (4096, pytest.approx(4e-3))
+    assert (cfg["epochs"], cfg["warmup_epochs"], cfg["weight_decay"], cfg["opt"]) == (300, 20, 0.05, "adamw")
+    assert cfg["sched"] == "cosine" and cfg["mixup"] > 0 and cfg["cutmix"] > 0 and cfg["reprob"] > 0
+
+
+@pytest.mark.parametrize("name", ["t5_tiny_ft", "t5_small_ft"])
+def test_t5_recipes_match_the_paper(name):
+    cfg = load_recipe(name)
+    # T5 paper, Appendix A, Table 8
+    expect = dict(opt="adamw", lr_base=2e-5, weight_decay=1e-8, epochs=30, sched="cosine", warmup_epochs=5,
+                  warmup_lr=2e-8, min_lr=2e-7, drop_path=0.0, ttt_lr_scale=20.0)
+    assert {k: cfg[k] for k in expect} == expect
+    assert cfg["linearize_from"].startswith("deit_") and "model" not in cfg
+
+
+def test_resolve_config(tmp_path):
+    assert resolve_config("vit3_tiny") == load_recipe("vit3_tiny")
+    assert resolve_config("vit3_tiny.yaml") == load_recipe("vit3_tiny")
+    own = tmp_path / "mine.yaml"
+    own.write_text("model: vit3_tiny\nbatch_size: 8\n")
+    assert resolve_config(str(own)) == {"model": "vit3_tiny", "batch_size": 8}
+    with pytest.raises(ValueError, match="neither a YAML file nor a recipe name.*vit3_tiny"):
+        resolve_config("no_such_recipe")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        resolve_config(str(bad))
+    with pytest.raises(ValueError, match="no recipe named"):
+        load_recipe("nope")

@@ -1,0 +1,55 @@
+"""``ttt-zoo validate``: top-1 / top-5 of a model on an image folder (flags and result columns follow timm's
+``validate.py``).
+
+    ttt-zoo validate --data-dir data/digits32 --model vit3_tiny --model-kwargs depth=2 \\
+        --checkpoint output/train/run1/best.safetensors --img-size 32 --results-file results.csv
+    ttt-zoo validate --data-dir /data/imagenet --model vit3_tiny --pretrained --results-file vit3.json
+    ttt-zoo validate --data-dir data/digits32 --model vit3_tiny --checkpoint output/train/run1 --use-ema
+"""
+
+__all__ = ["add_parser", "run"]
+
+
+def run(args) -> int:
+    from ttt_zoo.checkpoint import CheckpointError
+    from ttt_zoo.train.validate import _results_format, validate, write_results
+    try:
+        if args.results_file:
+            _results_format(args.results_file)  # a bad extension fails before the evaluation, not after it
+        rows = validate(args.model, args.data_dir, checkpoint=args.checkpoint, pretrained=args.pretrained,
+                        use_ema=args.use_ema, batch_size=args.batch_size, img_size=args.img_size,
+                        crop_pct=args.crop_pct, amp=args.amp, num_classes=args.num_classes, split=args.split,
+                        workers=args.workers, device=args.device, model_kwargs=args.model_kwargs)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"ttt-zoo validate: error: {e}")
+    for r in rows:
+        print(f"{r['model']} {r['checkpoint']}: top1 {r['top1']:.3f} top5 {r['top5']:.3f} "
+              f"({r['param_count']:.2f}M params, {r['img_size']}px, crop_pct {r['crop_pct']})")
+    if args.results_file:
+        write_results(rows, args.results_file)
+        print(f"results written to {args.results_file}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from timm.utils import ParseKwargs
+    p = sub.add_parser("validate", help="top-1/top-5 of a model (a checkpoint, a folder of them, or pretrained)")
+    p.add_argument("--data-dir", required=True, metavar="DIR", help="image folder with a val/ (or validation/) split")
+    p.add_argument("--split", default="validation", help="subfolder to evaluate ('validation' also finds 'val')")
+    p.add_argument("--model", required=True, help="model name (timm registry, ttt-zoo models included)")
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
+                   help="extra model constructor arguments, as given to ttt-zoo train")
+    p.add_argument("--checkpoint", default="", metavar="PATH",
+                   help="weights file (.safetensors, .pth, .pt) or a folder: validate every checkpoint in it")
+    p.add_argument("--pretrained", action="store_true", help="the model's pretrained weights (without --checkpoint)")
+    p.add_argument("--use-ema", action="store_true", help="the EMA weights (<tag>_ema.safetensors, or the EMA entry)")
+    p.add_argument("-b", "--batch-size", type=int, default=64)
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's)")
+    p.add_argument("--crop-pct", type=float, default=None, help="center crop fraction (default: the model's)")
+    p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="default: the number of class folders with --checkpoint, else the model's")
+    p.add_argument("-j", "--workers", type=int, default=2)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--results-file", default="", metavar="FILE", help="write the rows as .csv or .json")
+    p.set_defaults(func=run)
