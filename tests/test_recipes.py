@@ -107,3 +107,14 @@ def test_resolve_config(tmp_path):
         resolve_config(str(bad))
     with pytest.raises(ValueError, match="no recipe named"):
         load_recipe("nope")
+
+
+def test_train_config_takes_a_recipe_name():
+    """`ttt-zoo train -c vit3_tiny` reads the shipped recipe; the command line still wins; a bad name says which exist."""
+    from ttt_zoo.train.args import parse_args
+    from ttt_zoo.train.recipes import load_recipe
+    recipe = load_recipe("vit3_tiny")
+    args, _ = parse_args(["-c", "vit3_tiny", "--data-dir", "x", "--epochs", "3"])
+    assert args.model == recipe["model"] and args.batch_size == recipe["batch_size"] and args.epochs == 3
+    with pytest.raises(SystemExit, match="recipes: .*vit3_tiny"):
+        parse_args(["-c", "no_such_recipe"])

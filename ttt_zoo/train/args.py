@@ -19,8 +19,10 @@ _NOT_FLAGS = ("config", "world_size", "sched_on_updates")
 
 
 def _config_parser() -> argparse.ArgumentParser:
+    from .recipes import list_recipes
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("-c", "--config", default="", metavar="FILE", help="YAML file of flag defaults (dest names)")
+    p.add_argument("-c", "--config", default="", metavar="FILE|RECIPE",
+                   help="YAML file of flag defaults (dest names), or a shipped recipe: " + ", ".join(list_recipes()))
     p.add_argument("--task", default=None, choices=sorted(TASKS),
                    help="what to train (default: classification)")
     return p
@@ -106,9 +108,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train"
     import yaml
     first, rest = _config_parser().parse_known_args(argv)
     cfg = {}
-    if first.config:
-        with open(first.config) as f:
-            cfg = yaml.safe_load(f) or {}
+    if first.config:  # a YAML file, or the name of a shipped recipe (ttt_zoo/train/recipes/)
+        from .recipes import resolve_config
+        try:
+            cfg = resolve_config(first.config) or {}
+        except (ValueError, OSError, yaml.YAMLError) as e:
+            raise SystemExit(f"{prog}: error: {e}")
         if not isinstance(cfg, dict):
             raise SystemExit(f"{prog}: error: --config {first.config} must hold a mapping of flag names to values.")
     task = first.task or cfg.get("task") or "classification"
