@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = ("list", "demo", "convert", "push", "bench")  # module names in this package, in --help order
+COMMANDS = ("list", "demo", "convert", "push", "bench", "export")  # module names in this package, in --help order
 
 
 def build_parser() -> argparse.ArgumentParser:
