@@ -359,7 +359,8 @@ def bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, 
         t = torch.arange(n, device=q.device)
         pf, pb = t % mini_batch, (n - 1 - t) % mini_batch
         q2 = torch.stack([rope_at(q, pf, rope_theta), rope_at(q, pb, rope_theta)])
-        k2 = q2 if k is q else torch.stack([rope_at(k, pf, rope_theta), rope_at(k, pb, rope_theta)])
+        # shared q/k: an alias, not q2 itself (torch.compile cannot trace an autograd.Function given one tensor twice)
+        k2 = q2.view_as(q2) if k is q else torch.stack([rope_at(k, pf, rope_theta), rope_at(k, pb, rope_theta)])
     else:
         q2, k2 = q[None], k[None]
     return q2, k2, w0[:, None], b0[:, None]

@@ -158,6 +158,10 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     no im2col copy and no loop over taps.
     """
     b, d, h, w = x.shape
+    if torch.compiler.is_exporting():  # ONNX has no strided views: the nine shifted windows, one at a time
+        xp = F.pad(x, (1, 1, 1, 1))
+        taps = [(xp[:, :, i:i + h, j:j + w] * e).sum((2, 3)) for i in range(3) for j in range(3)]
+        return torch.stack(taps, -1).unflatten(-1, (3, 3))
     xp = F.pad(x, (1, 1, 1, 1)).contiguous()  # as_strided needs known strides (also under torch.compile)
     s = xp.stride()
     win = xp.as_strided((b, d, 3, h, 3, w), (s[0], s[1], s[2], s[2], s[3], s[3]))
@@ -167,6 +171,9 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def _dwconv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-sample depthwise 3x3 cross-correlation, x (B, d, H, W), w (B, d, 3, 3)."""
     b, d, h, wd = x.shape
+    if torch.compiler.is_exporting():  # ONNX's Conv needs a static group count: the nine shifted taps instead
+        xp = F.pad(x, (1, 1, 1, 1))
+        return sum(xp[:, :, i:i + h, j:j + wd] * w[:, :, i, j, None, None] for i in range(3) for j in range(3))
     if b * d == 0:  # an empty batch: conv2d refuses groups=0
         return x.new_zeros(x.shape)
     return F.conv2d(x.reshape(1, b * d, h, wd), w.reshape(b * d, 1, 3, 3), padding=1, groups=b * d).reshape(b, d, h, wd)
@@ -302,7 +309,8 @@ QKVTTT = make_qkv_function("QKVTTT", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_
 def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                   cos=None, sin=None) -> torch.Tensor:
     """Projection + both inner steps with the recomputing backward; (B, N, C) -> (B, N, C + d)."""
-    args = (x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])), int(heads), float(scale),
+    # feat_size stays symbolic under torch.compile(dynamic=True) / export (int() would fix it to the traced size)
+    args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
             bool(normalize_grad))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
         return qkv_forward(*args)[0]  # inference: skip the autograd.Function bookkeeping

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = ("list", "demo", "data", "train", "validate", "sample", "attention_map", "convert", "push",
-            "bench")  # module names in this package, in --help order
+COMMANDS = ("list", "demo", "data", "train", "validate", "sample", "attention_map", "convert", "export",
+            "push", "bench")  # module names in this package, in --help order
 
 
 def build_parser() -> argparse.ArgumentParser:

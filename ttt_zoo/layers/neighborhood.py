@@ -10,6 +10,7 @@ natten (https://github.com/SHI-Labs/NATTEN) is used instead when it is importabl
 dtype on a small random problem, gives the same numbers as this implementation; otherwise this one runs.
 """
 
+import importlib.util
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -71,10 +72,14 @@ def _natten_na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
 
 
 _NATTEN_OK: Dict[Tuple[str, torch.dtype, int, int], bool] = {}
+# looked up once at import: a failing `import natten` inside a compiled forward is a graph break per call
+HAS_NATTEN = importlib.util.find_spec("natten") is not None
 
 
 def natten_available(device: torch.device, dtype: torch.dtype, kernel_size: int = 5, dilation: int = 1) -> bool:
     """True when natten imports and matches the PyTorch implementation on this device/dtype (checked once)."""
+    if not HAS_NATTEN:
+        return False
     key = (device.type, dtype, kernel_size, dilation)
     if key not in _NATTEN_OK:
         ok = False

@@ -84,7 +84,10 @@ def check_conditioning(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, num_la
         raise ValueError(f"{model_name} expects y as a 1-D tensor of {b} class labels, got shape {tuple(y.shape)}.")
     if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
         raise ValueError(f"{model_name} expects integer class labels y, got dtype {y.dtype}. Use y.long().")
-    if b and y.device.type != "meta" and (int(y.min()) < 0 or int(y.max()) >= num_labels):
+    # the label range needs the values (a graph break under torch.compile, where the compiled embedding's own
+    # bounds check reports a bad label instead)
+    if b and y.device.type != "meta" and not torch.compiler.is_compiling() and \
+            (int(y.min()) < 0 or int(y.max()) >= num_labels):
         raise ValueError(f"{model_name} labels must lie in [0, {num_labels - 1}] "
                          f"({'the last one is the null class for guidance' if num_labels > 1 else ''}), "
                          f"got min {int(y.min())}, max {int(y.max())}.")

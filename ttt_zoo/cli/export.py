@@ -1,0 +1,54 @@
+"""``ttt-zoo export``: a classifier to ONNX (torch's dynamo exporter; dynamic batch and image size).
+
+    ttt-zoo export --format onnx --model vit3_tiny --out vit3_tiny.onnx
+    ttt-zoo export --format onnx --model hvit3_tiny --checkpoint hvit3_tiny.pth --img-size 256 256 --out h.onnx
+"""
+
+import argparse
+import json
+import sys
+
+from ttt_zoo.checkpoint import CheckpointError
+
+__all__ = ["add_parser", "run"]
+
+
+def _json_object(text: str):
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--model-args must be a JSON object, e.g. '{{\"depth\": 2}}' ({e})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--model-args must be a JSON object, e.g. '{\"depth\": 2}'")
+    return value
+
+
+def run(args) -> int:
+    import ttt_zoo
+    from ttt_zoo.export import ExportError, export_onnx
+    try:
+        kwargs = dict(args.model_args or {})
+        if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
+            kwargs["pretrained_cfg_overlay"] = dict(file=args.checkpoint)
+        model = ttt_zoo.create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
+        mult, min_side = export_onnx(model, args.out, args.img_size)
+    except (CheckpointError, ExportError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: input 'image' (batch, {getattr(model, 'in_chans', 3)}, height, width), any batch, "
+          f"height and width multiples of {mult} from {min_side}; output 'output'")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a classifier to ONNX (dynamic batch and image size)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
+    p.add_argument("--model", required=True, help="registered model name (`ttt-zoo list`)")
+    p.add_argument("--checkpoint", help="weights to load (.pth / .safetensors; official or ours); default: "
+                   "the model's initialisation")
+    p.add_argument("--img-size", nargs=2, type=int, metavar=("H", "W"),
+                   help="example size the graph is traced at (default: the model's); the graph takes others too")
+    p.add_argument("--model-args", type=_json_object, help="JSON kwargs for the model, e.g. '{\"depth\": 2}'")
+    p.add_argument("--out", required=True, help="the .onnx file (replaced only once the export is complete)")
+    p.set_defaults(func=run)
