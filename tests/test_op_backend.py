@@ -37,6 +37,9 @@ def test_available_ops_lists_vit3_ops():
 
 
 ALL_OPS = sorted(kernels.available_ops())
+# ops that are GEMMs only (cuBLAS already runs them well), so they deliberately have no Triton kernel
+PYTORCH_ONLY = {"last_layer_ttt"}
+TRITON_OPS = [op for op in ALL_OPS if op not in PYTORCH_ONLY]
 
 
 def _fake_cuda(monkeypatch):
@@ -48,11 +51,19 @@ def _fake_cuda(monkeypatch):
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_every_op_has_every_backend(op):
     impls = kernels.available_ops()[op]
-    assert impls == {"torch": True, "torch_naive": True, "triton": True}, op
+    assert impls == {"torch": True, "torch_naive": True, "triton": op not in PYTORCH_ONLY}, op
     assert get_op(op, torch.device("cpu"), "torch") is not get_op(op, torch.device("cpu"), "torch_naive")
 
 
-@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("op", sorted(PYTORCH_ONLY))
+def test_pytorch_only_ops_explain_a_forced_triton(op, monkeypatch):
+    cuda = _fake_cuda(monkeypatch)
+    assert resolve_backend("auto", cuda, torch.float16, 32, op) == "torch"
+    with pytest.raises(B.BackendError, match=f"op '{op}' has no Triton kernel.*backend='torch'"):
+        resolve_backend("triton", cuda, torch.float32, 16, op)
+
+
+@pytest.mark.parametrize("op", TRITON_OPS)
 def test_auto_picks_triton_on_cuda_and_falls_back_consistently(op, monkeypatch):
     cuda = _fake_cuda(monkeypatch)
     assert resolve_backend("auto", cuda, torch.float16, 32, op) == "triton"
@@ -66,7 +77,7 @@ def test_auto_picks_triton_on_cuda_and_falls_back_consistently(op, monkeypatch):
         assert resolve_backend(name, cuda, torch.float64, 512, op) == name
 
 
-@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("op", TRITON_OPS)
 def test_forced_triton_raises_the_same_error_everywhere(op, monkeypatch):
     cuda = _fake_cuda(monkeypatch)
     with pytest.raises(B.BackendError, match=r"backend='triton' cannot run op .*float64.*backend='auto'"):

@@ -144,7 +144,7 @@ def test_sample_cli_builds_the_official_checkpoint_with_its_ema_weights(tmp_path
     """An official train.py file {'model', 'ema', 'opt', 'args'}: the CLI infers latent size, channels and classes
     from the weights and loads the EMA ones (the model's output equals the official fixture's)."""
     import argparse
-    from tests.fixtures import load_fixture
+    from fixtures import load_fixture
     from ttt_zoo.cli.sample import _build
     t, state, _, tol = load_fixture("dit3_model_tiny")
     path = tmp_path / "0400000.pt"

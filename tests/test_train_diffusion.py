@@ -156,7 +156,7 @@ def test_task_rng_is_a_function_of_the_step_counter(digits8):
 @pytest.fixture(scope="module")
 def tiny_digits(tmp_path_factory):
     pytest.importorskip("sklearn")
-    from tests._train_data import make_tiny_digits
+    from _train_data import make_tiny_digits
     return make_tiny_digits(str(tmp_path_factory.mktemp("data") / "tiny"), train_per_class=4, val_per_class=2,
                             img_size=8)
 

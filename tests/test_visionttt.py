@@ -12,8 +12,8 @@ from ttt_zoo.models.visionttt import checkpoint_filter_fn
 from test_op_ttt_linear import _randomize, naive_mixer
 
 # the paper's models, from the registry (the `_la` plain-linear-attention variants are not in the paper's tables)
-HIER = [n for n in timm.list_models("visionttt_h_*") if not n.endswith("_la")]
-PLAIN = [n for n in timm.list_models(module="visionttt") if n not in HIER and not n.endswith("_la")]
+HIER = [n for n in timm.list_models("visionttt_h_*") if not ttt_zoo.is_variant_model(n)]
+PLAIN = [n for n in timm.list_models(module="visionttt") if n not in HIER and not ttt_zoo.is_variant_model(n)]
 # spec §2.3 table (plain; the spec counts a (T+1) x D position embedding, ours is T x D: D fewer) and
 # spec §2.4 variant A' (head dim 32 everywhere, biases) / variant B (head dims 32, 64, 64, 64)
 SPEC_PARAMS_M = {"visionttt_tiny": 5.907, "visionttt_small": 22.444, "visionttt_base": 87.409,

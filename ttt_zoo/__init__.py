@@ -30,14 +30,27 @@ def is_diffusion_model(model_name: str) -> bool:
     return timm.models.get_pretrained_cfg(model_name.split(".")[0]).classifier is None
 
 
-def list_zoo_models(include_diffusion: bool = False):
+#: name endings of the paper-variant models ("TTT with KV binding is secretly linear attention": ViT3 Table 2
+#: variants ``*_v1/_v3/_v6``, Vision-TTT as plain linear attention ``*_la``); each runs its base model's code
+VARIANT_SUFFIXES = ("_v1", "_v3", "_v6", "_la")
+
+
+def is_variant_model(model_name: str) -> bool:
+    """True for a paper-variant model (e.g. ``vit3_tiny_v1``), False for the papers' own models."""
+    return model_name.split(".")[0].endswith(VARIANT_SUFFIXES)
+
+
+def list_zoo_models(include_diffusion: bool = False, include_variants: bool = True):
     """Names of the models ttt_zoo registers with timm (timm records the registering module's short name).
 
     By default the image models only (what timm's own test suite checks); ``include_diffusion=True`` adds the
-    diffusion transformers (dit, dit3, dit5), whose forward is ``(x, t, y)``."""
+    diffusion transformers (dit, dit3, dit5), whose forward is ``(x, t, y)``; ``include_variants=False`` leaves
+    out the paper-variant models (:data:`VARIANT_SUFFIXES`)."""
     import timm
     from .models import MODEL_MODULES
     names = sorted(n for m in MODEL_MODULES for n in timm.list_models(module=m))
+    if not include_variants:
+        names = [n for n in names if not is_variant_model(n)]
     return names if include_diffusion else [n for n in names if not is_diffusion_model(n)]
 
 
@@ -50,7 +63,7 @@ def list_zoo_families(include_diffusion: bool = False):
     (``t5_plus_tiny`` -> ``t5_plus``, ``dit3_s_2`` -> ``dit3``), the smallest model the one of the first size
     (then the shortest name: ``dit_s_2`` before ``dit_s_4``)."""
     out = {}
-    for name in list_zoo_models(include_diffusion):
+    for name in list_zoo_models(include_diffusion, include_variants=False):
         parts = name.split("_")
         i = next((j for j, p in enumerate(parts) if p in _SIZES), len(parts))
         family = "_".join(parts[:i])
@@ -79,5 +92,5 @@ def create_model(model_name: str, pretrained: bool = False, **kwargs):
 
 
 __all__ = ["create_model", "layers", "models", "kernels", "list_zoo_models", "list_zoo_families", "is_diffusion_model",
-           "linearize", "param_groups", "linear_attention",
+           "is_variant_model", "VARIANT_SUFFIXES", "linearize", "param_groups", "linear_attention",
            "__version__"]

@@ -16,9 +16,8 @@ import ttt_zoo  # noqa: E402,F401  (registers our models before test_models.py i
 OUR_MODELS = set(ttt_zoo.list_zoo_models())  # the image models (the diffusion ones take (x, t, y))
 # The paper-variant models (vit3_*_v1, visionttt_*_la, ...) run the same code at every size: the suite checks
 # their tiny size (set TTT_ZOO_TIMM_ALL_VARIANTS=1 for all sizes), which keeps `make test` within CI's time.
-_VARIANT_SUFFIXES = ("_v1", "_v3", "_v6", "_la")
 if not os.environ.get("TTT_ZOO_TIMM_ALL_VARIANTS"):
-    OUR_MODELS = {m for m in OUR_MODELS if not m.endswith(_VARIANT_SUFFIXES) or "_tiny" in m}
+    OUR_MODELS = {m for m in OUR_MODELS if not ttt_zoo.is_variant_model(m) or "_tiny" in m}
 _ONLY = os.environ.get("TTT_ZOO_TIMM_MODELS")
 if _ONLY:
     OUR_MODELS &= set(_ONLY.split(","))

@@ -24,7 +24,10 @@ __all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
 def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
     """(1, gh*gw, C) learned embedding -> (1, H*W, C) for the runtime map (bicubic, as timm's ViT)."""
     # no size-match early-out when exporting (as timm): it would fix the graph to the example input's size
-    if not torch.compiler.is_exporting() and grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]:
+    exporting = False
+    if not torch.jit.is_scripting():  # TorchScript cannot compile torch.compiler.is_exporting
+        exporting = torch.compiler.is_exporting()
+    if not exporting and grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]:
         return pos_embed
     return resample_abs_pos_embed(pos_embed, new_size=[feat_size[0], feat_size[1]],
                                   old_size=[grid_size[0], grid_size[1]], num_prefix_tokens=0)
