@@ -14,9 +14,26 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["make_digits_folder", "MANIFEST"]
+__all__ = ["make_digits_folder", "MANIFEST", "TRAIN_FLAGS", "SMALL_MODELS"]
 
 MANIFEST = "digits.json"
+
+# `ttt-zoo train` flags for every small model on the 32x32 digits (demo, README table, tools/digits_runs.py):
+# no flips (digits are not mirror-symmetric), mild crops, AdamW with one warm-up epoch.
+TRAIN_FLAGS = ("--img-size", "32", "--num-classes", "10", "-b", "64", "--opt", "adamw", "--lr", "2e-3",
+               "--weight-decay", "0.05", "--warmup-epochs", "1", "--hflip", "0", "--scale", "0.7", "1.0",
+               "--ratio", "0.9", "1.1", "--workers", "0")
+_PLAIN = ("patch_size=4", "embed_dim=96", "depth=4")  # 8x8 tokens of width 96, 4 blocks
+# key -> (model flags, description): small versions of each family that train on the CPU in a minute or two
+SMALL_MODELS = {
+    "vit3": (("--model", "vit3_tiny", "--model-kwargs", *_PLAIN, "num_heads=3"), "ViT3, 4 blocks, width 96"),
+    "hvit3": (("--model", "hvit3_tiny", "--model-kwargs", "embed_dim=(32,64,128,256)", "depths=(1,1,2,1)",
+               "num_heads=(1,2,4,8)"), "H-ViT3, 4 stages, widths 32-256"),
+    "visionttt": (("--model", "visionttt_tiny", "--model-kwargs", *_PLAIN, "head_dim=32"),
+                  "Vision-TTT, 4 blocks, width 96"),
+    "deit": (("--model", "deit_tiny_patch16_224", "--model-kwargs", *_PLAIN, "num_heads=3"),
+             "DeiT (timm, softmax attention), 4 blocks, width 96"),
+}
 
 
 def _load():
