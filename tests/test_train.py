@@ -153,7 +153,7 @@ def test_linearize_from_lr_scale_groups(data, tmp_path):
     args = [a for a in TINY if a not in ("--model", "vit3_tiny")]
     args = args[args.index("--img-size"):]
     main(["--data-dir", data, "--output", str(tmp_path), "--experiment", "t5", "--linearize-from",
-          "deit_tiny_patch16_224", "--model-kwargs", "img_size=16", "patch_size=4", "embed_dim=16", "depth=2",
+          "deit_tiny_patch16_224", "--model-kwargs", "patch_size=4", "embed_dim=16", "depth=2",  # size: --img-size
           "num_heads=2", "--initial-checkpoint", str(tmp_path / "deit.safetensors"), *args, "--epochs", "2",
           "--warmup-epochs", "1", "--warmup-lr", "1e-4", "--min-lr", "1e-3", "--layer-decay", "0.5"])
     s = _state(tmp_path / "t5")

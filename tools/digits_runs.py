@@ -36,6 +36,9 @@ VARIANTS = {  # ViT3 mixer options of "TTT with KV binding is secretly linear at
 
 
 def _train(out: str, name: str, flags, epochs: int, lr: float, seed: int, data: str, env) -> dict:
+    done = os.path.join(out, name, "digits_run.json")  # a finished run is reused (re-running the script resumes)
+    if os.path.isfile(done):
+        return json.load(open(done))
     cmd = [sys.executable, "-m", "ttt_zoo", "train", "--data-dir", data, "--output", out, "--experiment", name,
            *TRAIN_FLAGS, "--epochs", str(epochs), "--lr", str(lr), "--seed", str(seed), *flags]
     t0 = time.perf_counter()
@@ -45,9 +48,11 @@ def _train(out: str, name: str, flags, epochs: int, lr: float, seed: int, data: 
         raise SystemExit(f"run {name} failed:\n{' '.join(cmd)}\n{proc.stderr[-3000:]}")
     rows = list(csv.DictReader(open(os.path.join(out, name, "summary.csv"))))
     best = max(rows, key=lambda r: float(r["eval_top1"]))
-    return dict(run=name, top1=float(best["eval_top1"]), best_epoch=int(best["epoch"]), wall_s=round(wall, 1),
-                img_per_sec=round(statistics.median(float(r["train_img_per_sec"]) for r in rows), 1),
-                folder=os.path.join(out, name), command="ttt-zoo train " + " ".join(cmd[4:]))
+    result = dict(run=name, top1=float(best["eval_top1"]), best_epoch=int(best["epoch"]), wall_s=round(wall, 1),
+                  img_per_sec=round(statistics.median(float(r["train_img_per_sec"]) for r in rows), 1),
+                  folder=os.path.join(out, name), command="ttt-zoo train " + " ".join(cmd[4:]))
+    _write(done, json.dumps(result))
+    return result
 
 
 def _write(path: str, text: str) -> None:

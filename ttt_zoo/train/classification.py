@@ -55,6 +55,8 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
         sd = _read_weights(args.initial_checkpoint) if args.initial_checkpoint else None
         if sd is not None and "head.weight" in sd and "num_classes" not in kw:
             kw["num_classes"] = sd["head.weight"].shape[0]  # the source's own head; replaced below if needed
+        if args.img_size and "img_size" not in kw:  # the source at the training size (its pos_embed must match)
+            kw["img_size"] = args.img_size
         src = timm.create_model(args.linearize_from, pretrained=args.pretrained, **kw)
         if sd is not None:
             _load_weights(src, args.initial_checkpoint, sd)
