@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from .distributed import all_reduce_sum
-from .task import Task
+from .task import add_dataset_args, Task
 
 __all__ = ["ClassificationTask", "build_classifier"]
 
@@ -100,9 +100,7 @@ class ClassificationTask(Task):
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("classification data and augmentation (timm)")
-        g.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
-        g.add_argument("--train-split", default="train")
-        g.add_argument("--val-split", default="validation", help="('' = no evaluation)")
+        add_dataset_args(g)
         g.add_argument("--crop-pct", type=float, default=None)
         g.add_argument("--interpolation", default="", help="eval resize interpolation")
         g.add_argument("--mean", type=float, nargs="+", default=None)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .distributed import DistInfo, all_reduce_sum
-from .task import Task
+from .task import add_dataset_args, Task
 
 __all__ = ["DiffusionTask", "DiTDiffusion", "DiffusersEMA", "build_dit", "load_vae", "dit_model_kwargs",
            "step_seed"]
@@ -229,9 +229,7 @@ class DiffusionTask(Task):
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("diffusion data (--task diffusion)")
-        g.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
-        g.add_argument("--train-split", default="train")
-        g.add_argument("--val-split", default="validation", help="('' = no evaluation)")
+        add_dataset_args(g)
         g.add_argument("--hflip", type=float, default=0.5,
                        help="horizontal flip probability of training images (DiT: 0.5; 0 for digits or text)")
         g.add_argument("--vae", default=None, metavar="DIR",

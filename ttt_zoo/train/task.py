@@ -106,3 +106,10 @@ class Task:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+
+def add_dataset_args(group) -> None:
+    """The data-set flags every image-folder task shares (timm train.py's spellings)."""
+    group.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
+    group.add_argument("--train-split", default="train")
+    group.add_argument("--val-split", default="validation", help="('' = no evaluation)")
