@@ -15,6 +15,11 @@ import torch  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted kernel is checked for out-of-bounds access
+    from triton_bounds import install as _install_bounds_check  # noqa: E402
+
+    _install_bounds_check()
+
 FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures"))
 
 
