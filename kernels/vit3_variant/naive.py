@@ -17,37 +17,58 @@ import torch.nn.functional as F
 from ..utils import compute_dtype
 from ..vit3_ttt.naive import _rope
 
-__all__ = ["swiglu_variant_reference", "dwconv_variant_reference", "variant_qkv_split", "variant_qkv_naive"]
+__all__ = ["swiglu_variant_steps", "swiglu_inner_function", "swiglu_inner_loss", "swiglu_variant_reference", "dwconv_variant_reference", "variant_qkv_split", "variant_qkv_naive"]
 
 
 def _normalize(g: torch.Tensor, dim: List[int]) -> torch.Tensor:
     return g / (torch.linalg.vector_norm(g, 2.0, dim, True) + 1.0)
 
 
+def swiglu_variant_steps(k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor],
+                         scale: float, normalize_grad: bool = True, last_only: bool = False, lr: float = 1.0,
+                         steps: int = 1) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The inner weights (w1, w2) before and after every step on (k, v) in the compute dtype: ``steps + 1`` pairs
+    (``w2`` None for the single linear inner layer)."""
+    dt = compute_dtype(k.dtype)
+    k, v, w1 = k.to(dt), v.to(dt), w1.to(dt)
+    wg = None if w2 is None else w2.to(dt)
+    c = -scale / k.shape[-2]
+    kt = k.transpose(-2, -1)
+    out = [(w1, wg)]
+    for _ in range(steps):
+        if wg is None:
+            g1 = kt @ (v * c)
+        else:
+            z1, z2 = k @ w1, k @ wg
+            sig = torch.sigmoid(z2)
+            g1 = kt @ (v * c * z2 * sig)
+            if not last_only:
+                g2 = kt @ (v * c * z1 * sig * (1.0 + z2 * (1.0 - sig)))
+                wg = wg - lr * (_normalize(g2, [-2]) if normalize_grad else g2)
+        w1 = w1 - lr * (_normalize(g1, [-2]) if normalize_grad else g1)
+        out.append((w1, wg))
+    return out
+
+
+def swiglu_inner_function(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
+    """The inner model f(x) = (x w1) * silu(x w2), or x w1 for the single linear layer."""
+    return x @ w1 if w2 is None else (x @ w1) * F.silu(x @ w2)
+
+
+def swiglu_inner_loss(k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor],
+                      scale: float) -> torch.Tensor:
+    """The ViT3 inner loss L(W) = -scale / N * sum_n <f(k_n), v_n> per (batch, head)."""
+    dt = compute_dtype(k.dtype)
+    f = swiglu_inner_function(k.to(dt), w1, w2)
+    return -scale / k.shape[-2] * (f * v.to(dt)).sum((-2, -1))
+
+
 def swiglu_variant_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor,
                              w2: Optional[torch.Tensor], scale: float, normalize_grad: bool = True,
                              last_only: bool = False, lr: float = 1.0, steps: int = 1) -> torch.Tensor:
     """q, k, v (B, heads, N, d); w1, w2 (1 or B, heads, d, d); ``w2=None``: the single linear inner layer."""
-    out_dtype = q.dtype
-    dt = compute_dtype(q.dtype)
-    q, k, v, w1 = q.to(dt), k.to(dt), v.to(dt), w1.to(dt)
-    c = -scale / k.shape[-2]
-    kt = k.transpose(-2, -1)
-    if w2 is None:
-        for _ in range(steps):
-            g1 = kt @ (v * c)
-            w1 = w1 - lr * (_normalize(g1, [-2]) if normalize_grad else g1)
-        return (q @ w1).to(out_dtype)
-    wg = w2.to(dt)
-    for _ in range(steps):
-        z1, z2 = k @ w1, k @ wg
-        sig = torch.sigmoid(z2)
-        g1 = kt @ (v * c * z2 * sig)
-        if not last_only:
-            g2 = kt @ (v * c * z1 * sig * (1.0 + z2 * (1.0 - sig)))
-            wg = wg - lr * (_normalize(g2, [-2]) if normalize_grad else g2)
-        w1 = w1 - lr * (_normalize(g1, [-2]) if normalize_grad else g1)
-    return ((q @ w1) * F.silu(q @ wg)).to(out_dtype)
+    w1, wg = swiglu_variant_steps(k, v, w1, w2, scale, normalize_grad, last_only, lr, steps)[-1]
+    return swiglu_inner_function(q.to(w1.dtype), w1, wg).to(q.dtype)
 
 
 def dwconv_variant_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor, scale: float,
