@@ -17,7 +17,8 @@ import torch
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, unwrap_checkpoint,
                                 validate_state_dict)
 
-__all__ = ["validate", "find_checkpoints", "load_weights", "write_results", "RESULT_COLUMNS"]
+__all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "load_weights", "write_results",
+           "RESULT_COLUMNS"]
 
 RESULT_COLUMNS = ("model", "top1", "top1_err", "top5", "top5_err", "param_count", "img_size", "crop_pct",
                   "checkpoint")
@@ -76,8 +77,8 @@ def _num_classes(dataset) -> int:
     return len(classes)
 
 
-def _create_model(name: str, pretrained: bool, num_classes: Optional[int], img_size: Optional[int],
-                  model_kwargs: Dict[str, Any]):
+def create_eval_model(name: str, pretrained: bool, num_classes: Optional[int], img_size: Optional[int],
+                      model_kwargs: Dict[str, Any]):
     import timm
     kw = dict(model_kwargs)
     if num_classes is not None:
@@ -91,6 +92,20 @@ def _create_model(name: str, pretrained: bool, num_classes: Optional[int], img_s
     return timm.create_model(name, pretrained=pretrained, **kw)
 
 
+def eval_loader(dataset, model: torch.nn.Module, batch_size: int = 64, img_size: Optional[int] = None,
+                crop_pct: Optional[float] = None, workers: int = 2, device: Optional[torch.device] = None):
+    """timm's evaluation loader for ``model`` (its data config, overridden by ``img_size`` / ``crop_pct``) and the
+    resolved data config."""
+    from timm.data import create_loader, resolve_data_config
+    cfg = resolve_data_config(dict(img_size=img_size, crop_pct=crop_pct), model=model)
+    loader = create_loader(dataset, input_size=cfg["input_size"], batch_size=batch_size, is_training=False,
+                           use_prefetcher=False, interpolation=cfg["interpolation"], mean=cfg["mean"],
+                           std=cfg["std"], num_workers=workers, crop_pct=cfg["crop_pct"],
+                           crop_mode=cfg.get("crop_mode", "center"),
+                           pin_memory=device is not None and torch.device(device).type == "cuda")
+    return loader, cfg
+
+
 def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: bool = False, use_ema: bool = False,
              batch_size: int = 64, img_size: Optional[int] = None, crop_pct: Optional[float] = None,
              amp: bool = False, num_classes: Optional[int] = None, split: str = "validation", workers: int = 2,
@@ -99,7 +114,7 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
 
     ``num_classes`` defaults to the number of class folders when a checkpoint is given, to the model's own
     otherwise (pretrained / random weights)."""
-    from timm.data import create_dataset, create_loader, resolve_data_config
+    from timm.data import create_dataset
     from timm.utils import accuracy
     if not checkpoint and not pretrained:
         raise ValueError("Nothing to validate: give --checkpoint FILE_OR_FOLDER or --pretrained.")
@@ -116,15 +131,11 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
 
     rows = []
     for path in paths:
-        model = _create_model(model_name, pretrained and not path, num_classes, img_size, model_kwargs or {})
+        model = create_eval_model(model_name, pretrained and not path, num_classes, img_size, model_kwargs or {})
         if path:
             load_weights(model, path, use_ema)
         model = model.to(dev).eval()
-        cfg = resolve_data_config(dict(img_size=img_size, crop_pct=crop_pct), model=model)
-        loader = create_loader(dataset, input_size=cfg["input_size"], batch_size=batch_size, is_training=False,
-                               use_prefetcher=False, interpolation=cfg["interpolation"], mean=cfg["mean"],
-                               std=cfg["std"], num_workers=workers, crop_pct=cfg["crop_pct"],
-                               crop_mode=cfg.get("crop_mode", "center"), pin_memory=dev.type == "cuda")
+        loader, cfg = eval_loader(dataset, model, batch_size, img_size, crop_pct, workers, dev)
         k = min(5, model.num_classes)
         top1 = topk = 0.0
         count = 0
