@@ -79,7 +79,8 @@ def _inner_steps(out: str, data: str, a):
     import torch
     from timm.data import create_dataset
     from timm.utils import accuracy
-    from ttt_zoo.analysis import record_inner_losses, set_inner_steps
+    from ttt_zoo.analysis import record_inner_losses
+    from ttt_zoo.layers.mixer import set_inner_steps
     from ttt_zoo.train.validate import create_eval_model, eval_loader, load_weights
     torch.set_num_threads(a.threads)
     dataset = create_dataset("", root=data, split="validation", is_training=False)

@@ -2,8 +2,8 @@
 from .linear_attention import (KernelForm, PatchForm, ScanForm, SwiGLUForm, T5Form, ViT3Form, VisionTTTForm,
                                form_from_inputs, linear_attention, mixer_inputs)
 from .attention_map import explicit_attention_map, image_attention_maps, implicit_attention_map
-from .inner_steps import record_inner_losses, set_inner_steps, vit3_inner_losses
+from .inner_steps import record_inner_losses, vit3_inner_losses
 
 __all__ = ["linear_attention", "mixer_inputs", "form_from_inputs", "SwiGLUForm", "PatchForm", "KernelForm",
            "ScanForm", "ViT3Form", "T5Form", "VisionTTTForm", "implicit_attention_map", "explicit_attention_map",
-           "image_attention_maps", "vit3_inner_losses", "record_inner_losses", "set_inner_steps"]
+           "image_attention_maps", "vit3_inner_losses", "record_inner_losses"]

@@ -17,7 +17,7 @@ from ttt_zoo.kernels.vit3_variant.naive import swiglu_inner_loss, swiglu_variant
 from ttt_zoo.layers.rope import rope_2d_tables
 from ttt_zoo.layers.vit3_ttt import ViT3TTT
 
-__all__ = ["vit3_inner_losses", "record_inner_losses", "set_inner_steps"]
+__all__ = ["vit3_inner_losses", "record_inner_losses"]
 
 
 @torch.no_grad()
@@ -34,16 +34,6 @@ def vit3_inner_losses(mixer: ViT3TTT, x: Tensor, feat_size: Tuple[int, int], ste
     weights = swiglu_variant_steps(k, v, mixer.w1, mixer.w2, mixer.scale, mixer.normalize_grad,
                                    mixer.inner_update == "last", -1.0 if mixer.gradient_ascent else 1.0, steps)
     return torch.stack([swiglu_inner_loss(k, v, w1, w2, mixer.scale).mean() for w1, w2 in weights]).float()
-
-
-def set_inner_steps(model: nn.Module, steps: int) -> int:
-    """Set the inference-time inner steps of every ViT3 mixer of ``model``; returns how many mixers were set."""
-    mixers = [m for m in model.modules() if isinstance(m, ViT3TTT)]
-    if not mixers:
-        raise ValueError(f"{type(model).__name__} has no ViT3 mixer: inner steps apply to ViT3 / H-ViT3 / DiT3")
-    for m in mixers:
-        m.set_inner_steps(steps)
-    return len(mixers)
 
 
 @contextmanager
