@@ -171,7 +171,9 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def _dwconv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-sample depthwise 3x3 cross-correlation, x (B, d, H, W), w (B, d, 3, 3)."""
     b, d, h, wd = x.shape
-    if torch.compiler.is_exporting():  # ONNX's Conv needs a static group count: the nine shifted taps instead
+    # the nine shifted taps instead of a grouped conv: ONNX's Conv needs a static group count, and inductor fuses
+    # the taps (its grouped-conv fallback fails under dynamic shapes: `cannot determine truth value of Relational`)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
         xp = F.pad(x, (1, 1, 1, 1))
         return sum(xp[:, :, i:i + h, j:j + wd] * w[:, :, i, j, None, None] for i in range(3) for j in range(3))
     if b * d == 0:  # an empty batch: conv2d refuses groups=0

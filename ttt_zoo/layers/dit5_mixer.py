@@ -17,7 +17,7 @@ from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_to_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import check_variant_options, silu_gate_features
+from .t5_ttt import init_plain_step_variant, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -67,19 +67,8 @@ class DiT5MixedAttention(TTTMixer):
                  inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
-        check_variant_options("DiT5MixedAttention", inner_update, inner_model, ("linear",), inner_steps)
-        if normalize_grad:
-            raise ValueError("DiT5MixedAttention: normalize_grad=True does not apply: DiT5's inner step is a plain "
-                             "gradient step without gradient normalisation (Variant 6 is already the baseline).")
-        if inner_model == "linear" and inner_update == "last":
-            raise ValueError("DiT5MixedAttention: inner_model='linear' has a single layer; inner_update='last' "
-                             "does not apply")
-        self.inner_update = inner_update
-        self.inner_model = inner_model
-        self.linear = inner_model == "linear"
-        self.gradient_ascent = gradient_ascent
-        self.share_qk = share_qk
-        self.inner_steps = inner_steps
+        init_plain_step_variant(self, "DiT5MixedAttention", inner_update, inner_model, normalize_grad,
+                                gradient_ascent, share_qk, inner_steps)
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation

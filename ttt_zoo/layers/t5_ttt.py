@@ -20,7 +20,7 @@ from .block import map_to_tokens, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
-__all__ = ["T5TTT", "key_instance_norm", "check_variant_options"]
+__all__ = ["T5TTT", "key_instance_norm", "check_variant_options", "init_plain_step_variant"]
 
 INNER_UPDATES = ("all", "last")
 
@@ -35,6 +35,25 @@ def check_variant_options(mixer: str, inner_update: str, inner_model: Optional[s
                          f"got {inner_model!r}")
     if int(inner_steps) != inner_steps or inner_steps < 1:
         raise ValueError(f"{mixer}: inner_steps must be an integer >= 1, got {inner_steps!r}")
+
+
+def init_plain_step_variant(mixer: nn.Module, name: str, inner_update: str, inner_model: Optional[str],
+                            normalize_grad: bool, gradient_ascent: bool, share_qk: bool, inner_steps: int) -> None:
+    """Check and set the variant options of a mixer whose inner step is a plain gradient step on a SwiGLU / MLP
+    inner model (T5, DiT5): ``inner_update``, ``inner_model``, ``linear``, ``gradient_ascent``, ``share_qk``,
+    ``inner_steps``."""
+    check_variant_options(name, inner_update, inner_model, ("linear",), inner_steps)
+    if normalize_grad:
+        raise ValueError(f"{name}: normalize_grad=True does not apply: its inner step is a plain gradient step "
+                         f"without gradient normalisation (Table 2's Variant 6 is already the baseline).")
+    if inner_model == "linear" and inner_update == "last":
+        raise ValueError(f"{name}: inner_model='linear' has a single layer; inner_update='last' does not apply")
+    mixer.inner_update = inner_update
+    mixer.inner_model = inner_model
+    mixer.linear = inner_model == "linear"
+    mixer.gradient_ascent = gradient_ascent
+    mixer.share_qk = share_qk
+    mixer.inner_steps = inner_steps
 
 
 def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
@@ -96,18 +115,8 @@ class T5TTT(TTTMixer):
                  inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
-        check_variant_options("T5TTT", inner_update, inner_model, ("linear",), inner_steps)
-        if normalize_grad:
-            raise ValueError("T5TTT: normalize_grad=True does not apply: T5's inner step is a plain gradient step "
-                             "without gradient normalisation (Table 2 Variant 6 is already the baseline).")
-        if inner_model == "linear" and inner_update == "last":
-            raise ValueError("T5TTT: inner_model='linear' has a single layer; inner_update='last' does not apply")
-        self.inner_update = inner_update
-        self.inner_model = inner_model
-        self.linear = inner_model == "linear"
-        self.gradient_ascent = gradient_ascent
-        self.share_qk = share_qk
-        self.inner_steps = inner_steps
+        init_plain_step_variant(self, "T5TTT", inner_update, inner_model, normalize_grad, gradient_ascent,
+                                share_qk, inner_steps)
         if na_kernel < 0 or (na_kernel and na_kernel % 2 == 0):
             raise ValueError(f"na_kernel must be 0 (no neighbourhood attention) or odd (3, 5, ...), got {na_kernel}")
         self.scale = d ** -0.5
