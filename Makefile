@@ -11,7 +11,7 @@ TIMM_SUITE := tools/timm_suite/test_models.py
 PYTEST_ARGS ?=
 JOBS ?= 2
 
-.PHONY: demo test test-fast test-slow test-timm test-kernels venv clean
+.PHONY: demo test test-fast test-slow test-timm test-kernels test-compile venv clean
 
 venv: $(STAMP)
 
@@ -31,12 +31,14 @@ demo: venv
 #   process: in xdist workers shared with other files, a later custom-op call crashed (SIGSEGV, or `vector::reserve`
 #   errors from the dispatcher) although every interpreted load and store is in bounds (tests/triton_bounds.py).
 #   The main run sets TRITON_INTERPRET=0, so no kernel can run in the interpreter there (forcing it raises).
+# - The whole-model torch.compile tests (marker `compile`) compile every family with inductor: own step.
 # - The OpenMMLab tests train in-process through mmengine's Runner, which changes process-wide state: own process.
 KERNEL_TESTS := $(shell grep -l "triton" tests/test_*.py)
 test: venv $(TIMM_SUITE)
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 $(PY) -m pytest -n $(JOBS) -q tests --ignore=tests/test_mm_adapters.py \
-	  $(addprefix --ignore=,$(KERNEL_TESTS)) $(PYTEST_ARGS)
+	  $(addprefix --ignore=,$(KERNEL_TESTS)) -m "not compile" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-kernels
+	$(MAKE) --no-print-directory test-compile
 	$(MAKE) --no-print-directory test-mm
 	$(MAKE) --no-print-directory test-timm
 
@@ -44,6 +46,10 @@ test-kernels: venv
 	@for f in $(KERNEL_TESTS); do \
 	  echo "== $$f"; HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider $$f $(PYTEST_ARGS) || exit $$?; \
 	done
+
+# whole-model inductor compiles (minutes of CPU each): their own step
+test-compile: venv
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider -m compile tests/test_compile.py $(PYTEST_ARGS)
 
 test-fast: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests --ignore=tests/test_mm_adapters.py -m "not slow" $(PYTEST_ARGS)

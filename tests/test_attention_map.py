@@ -141,6 +141,26 @@ def test_cli_writes_png(tmp_path):
     assert not os.path.exists(tmp_path / "b.png")
 
 
+def test_cli_checkpoint_with_model_kwargs(tmp_path):
+    # a checkpoint of a non-default configuration (as `ttt-zoo train --model-kwargs` writes it) loads with the same
+    # --model-kwargs, and without them fails with a message naming the flag
+    import timm
+    from safetensors.torch import save_file
+    from ttt_zoo.cli import main
+    from ttt_zoo.cli.demo import ASSET_IMAGE
+    kw = dict(patch_size=8, embed_dim=48, depth=2, num_heads=2, num_classes=10)
+    ckpt = tmp_path / "best.safetensors"
+    save_file(timm.create_model("vit3_tiny", **kw).state_dict(), str(ckpt))
+    out = tmp_path / "map.png"
+    assert main(["attention-map", "--model", "vit3_tiny", "--checkpoint", str(ckpt), "--model-kwargs",
+                 *(f"{k}={v}" for k, v in kw.items() if k != "num_classes"), "--img-size", "64",
+                 "--image", ASSET_IMAGE, "--query-pixel", "150", "200", "--out", str(out)]) == 0
+    assert out.is_file()
+    with pytest.raises(SystemExit, match="--model-kwargs"):
+        main(["attention-map", "--model", "vit3_tiny", "--checkpoint", str(ckpt), "--query-pixel", "150", "200",
+              "--out", str(tmp_path / "b.png")])
+
+
 def test_image_maps_layers_and_errors():
     from ttt_zoo.analysis import image_attention_maps
     from ttt_zoo.models import T5

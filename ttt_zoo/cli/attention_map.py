@@ -77,11 +77,15 @@ def run(args) -> int:
     if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
         raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
     if args.checkpoint:
+        from ttt_zoo.checkpoint import CheckpointError
         from ttt_zoo.hub.folder import build_from_checkpoint
-        model, _ = build_from_checkpoint(args.model, args.checkpoint)
+        try:
+            model, _ = build_from_checkpoint(args.model, args.checkpoint, dict(args.model_kwargs))
+        except CheckpointError as e:
+            raise SystemExit(f"error: {str(e).replace('--model-args', '--model-kwargs K=V')}") from None
         note = f"weights: {os.path.basename(args.checkpoint)}"
     else:
-        model = ttt_zoo.create_model(args.model, pretrained=False)
+        model = ttt_zoo.create_model(args.model, pretrained=False, **dict(args.model_kwargs))
         note = "random init (no checkpoint given)"
     model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
     cfg = timm.data.resolve_data_config({}, model=model)
@@ -97,6 +101,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from timm.utils import ParseKwargs
     from .bench import parse_img_size
     from .demo import ASSET_IMAGE
     p = sub.add_parser("attention-map", help="implicit attention map dO_i/dV_j of one query pixel (PNG overlay)",
@@ -108,6 +113,8 @@ def add_parser(sub) -> None:
     p.add_argument("--layer", type=int, nargs="+", default=None,
                    help="mixer layers in forward order (negative from the end); default first, middle, last")
     p.add_argument("--checkpoint", default=None, help="weights file (.pth / .safetensors, official or ours)")
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
+                   help="model constructor arguments, as for `ttt-zoo train` (e.g. depth=4 embed_dim=96)")
     p.add_argument("--img-size", type=parse_img_size, default=None,
                    help="model input size, 224 or HxW (default: the model's)")
     p.add_argument("--map", choices=("implicit", "explicit"), default="implicit",

@@ -1,0 +1,18 @@
+"""Whole-model torch.compile (inductor, CPU, dynamic=True) equals eager, forward and backward, at a square and a
+non-square size, for every family (one block per stage), and dynamo sees no graph break (marker ``compile``)."""
+import pytest
+
+import ttt_zoo
+from ttt_zoo.bench.compile import compiled_parity, graph_breaks, small_model
+
+pytestmark = pytest.mark.compile
+FAMILIES = sorted(ttt_zoo.list_zoo_families(include_diffusion=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inductor_dynamic_matches_eager(family):
+    name, model, sizes = small_model(family)
+    breaks = graph_breaks(name, model, sizes[0])
+    assert breaks["breaks"] == 0, f"{name}: graph breaks {breaks['reasons']}"
+    res = compiled_parity(name, model, sizes)
+    assert res["fwd"] < 1e-4 and res["grad"] < 1e-4, res

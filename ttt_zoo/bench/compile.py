@@ -1,0 +1,93 @@
+"""Whole-model ``torch.compile`` checks: graph breaks (``torch._dynamo.explain``) and compiled-vs-eager parity.
+
+Used by ``tests/test_compile.py`` (CI, one block per stage) and ``tools/compile_report.py`` (the report).
+"""
+import os
+import time
+from typing import Dict, Sequence, Tuple
+
+import torch
+
+import ttt_zoo
+
+__all__ = ["SMALL", "IMAGE_SIZES", "LATENT_SIZES", "small_model", "model_inputs", "compiled_parity", "graph_breaks"]
+
+# one block per stage: the same block code as the full models, compiled in a fraction of the time
+SMALL = {"vit3": dict(depth=1), "t5": dict(depth=1), "t5_plus": dict(depth=1), "visionttt": dict(depth=1),
+         "hvit3": dict(depths=(1, 1, 1, 1)), "visionttt_h": dict(depths=(1, 1, 1, 1)), "dit": dict(depth=1),
+         "dit3": dict(depth=1), "dit5": dict(depth=1)}
+IMAGE_SIZES = ((224, 224), (160, 256))  # classifiers (multiples of 32), square and not
+LATENT_SIZES = ((32, 32), (24, 40))  # DiT latents (the s_2 models' default is 32)
+
+
+def small_model(family: str, full: bool = False) -> Tuple[str, torch.nn.Module, Sequence[Tuple[int, int]]]:
+    """The family's smallest registered model (one block per stage unless ``full``; zero-initialised weight
+    matrices randomised, so that every output depends on every block) and the two sizes to check."""
+    families = ttt_zoo.list_zoo_families(include_diffusion=True)
+    if family not in families:
+        raise KeyError(f"unknown family {family!r}; families: {sorted(families)}")
+    name = families[family]
+    torch.manual_seed(0)
+    model = ttt_zoo.create_model(name, **({} if full else SMALL.get(family, {})))
+    with torch.no_grad():  # zero-initialised tensors (DiT's adaLN-zero and final layer) would make the output 0
+        for p in model.parameters():
+            if p.dim() > 1 and not p.any():
+                p.normal_(0.0, 0.02)
+    return name, model, LATENT_SIZES if ttt_zoo.is_diffusion_model(name) else IMAGE_SIZES
+
+
+def model_inputs(name: str, model: torch.nn.Module, hw: Tuple[int, int], batch: int = 2, seed: int = 0) -> Tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, getattr(model, "in_chans", 3), *hw, generator=g)
+    if ttt_zoo.is_diffusion_model(name):
+        return x, torch.rand(batch, generator=g) * 999, torch.randint(0, 1000, (batch,), generator=g)
+    return (x,)
+
+
+def _step(fn, model: torch.nn.Module, args: Tuple) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = fn(*args)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))  # a loss touching every output
+    (out * w).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def compiled_parity(name: str, model: torch.nn.Module, sizes: Sequence[Tuple[int, int]],
+                    backend: str = "inductor") -> Dict:
+    """One ``torch.compile(dynamic=True)`` of ``model`` run at every size, forward and backward, against eager:
+    ``fwd`` / ``grad`` = max relative error (max |compiled - eager| / max |eager|) of the output and of every
+    parameter gradient; ``graphs`` = graphs dynamo compiled over all sizes; ``seconds``."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.eval()  # no dropout / label dropout: eager and compiled see the same function
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    res = dict(fwd=0.0, grad=0.0, sizes=[])
+    t0 = time.perf_counter()
+    for hw in sizes:
+        args = model_inputs(name, model, hw)
+        ref, gref = _step(model, model, args)
+        out, gout = _step(compiled, model, args)
+        if set(gout) != set(gref):
+            raise AssertionError(f"{name}: the compiled backward reached other parameters than eager's")
+        res["fwd"] = max(res["fwd"], _rel(out, ref))
+        res["grad"] = max([res["grad"]] + [_rel(gout[k], gref[k]) for k in gref])
+        res["sizes"].append("x".join(map(str, hw)))
+    res["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def graph_breaks(name: str, model: torch.nn.Module, hw: Tuple[int, int]) -> Dict:
+    """``torch._dynamo.explain`` of the eval forward: ``graphs``, ``breaks`` and the distinct break reasons."""
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(model.eval())(*model_inputs(name, model, hw))
+    reasons = []
+    for b in e.break_reasons:
+        where = b.user_stack[-1] if b.user_stack else None
+        reasons.append(f"{b.reason.splitlines()[0][:80]} at {os.path.basename(where.filename)}:{where.lineno}"
+                       if where else b.reason.splitlines()[0][:80])
+    return dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=sorted(set(reasons)))
