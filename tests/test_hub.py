@@ -298,7 +298,8 @@ def test_checkpoint_for_another_architecture(vit3, tmp_path, capsys):
     assert rc == 2
     assert re.search(r"error: .*vit3_fixture.pth is not a checkpoint for hvit3_tiny.in1k: Checkpoint does not fit "
                      r"model 'hvit3_tiny'\. .*missing keys: \['layers\.0\.", err)
-    assert err.rstrip().endswith("Pass the --model (see `ttt-zoo list`) and --model-args that match the checkpoint.")
+    assert err.rstrip().endswith("Pass the --model (see `ttt-zoo list`) and --model-kwargs K=V (or --model-args JSON) "
+                                 "that match the checkpoint.")
     assert "unexpected keys: ['blocks.0." in err
     with pytest.raises(CheckpointError, match=r"shape mismatches \(is it for another model size\?\): "
                                               r"patch_embed.proj.weight: checkpoint \(64, 3, 4, 4\) vs model "

@@ -64,7 +64,7 @@ def test_cli_export_and_errors(tmp_path, capsys):
     ckpt = str(tmp_path / "t5.safetensors")
     save_file(model.state_dict(), ckpt)
     out = str(tmp_path / "m.onnx")
-    assert main(["export", "--format", "onnx", "--model", "t5_tiny", "--model-args", '{"depth": 1}',
+    assert main(["export", "--format", "onnx", "--model", "t5_tiny", "--model-kwargs", "depth=1",
                  "--checkpoint", ckpt, "--img-size", "96", "128", "--out", out]) == 0
     assert "multiples of 16" in capsys.readouterr().out
     sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])

@@ -60,6 +60,7 @@ def run(args) -> int:
     import torch
     import ttt_zoo
     from ttt_zoo.analysis import image_attention_maps
+    from ._common import model_kwargs
     if args.model.split(".")[0] in ttt_zoo.list_zoo_models(include_diffusion=True) \
             and ttt_zoo.is_diffusion_model(args.model):
         raise SystemExit(f"error: {args.model} is a diffusion model (forward(x, t, y)); attention-map takes an image "
@@ -80,12 +81,12 @@ def run(args) -> int:
         from ttt_zoo.checkpoint import CheckpointError
         from ttt_zoo.hub.folder import build_from_checkpoint
         try:
-            model, _ = build_from_checkpoint(args.model, args.checkpoint, dict(args.model_kwargs))
+            model, _ = build_from_checkpoint(args.model, args.checkpoint, model_kwargs(args))
         except CheckpointError as e:
-            raise SystemExit(f"error: {str(e).replace('--model-args', '--model-kwargs K=V')}") from None
+            raise SystemExit(f"error: {e}") from None
         note = f"weights: {os.path.basename(args.checkpoint)}"
     else:
-        model = ttt_zoo.create_model(args.model, pretrained=False, **dict(args.model_kwargs))
+        model = ttt_zoo.create_model(args.model, pretrained=False, **model_kwargs(args))
         note = "random init (no checkpoint given)"
     model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
     cfg = timm.data.resolve_data_config({}, model=model)
@@ -101,7 +102,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from timm.utils import ParseKwargs
+    from ._common import add_model_kwargs
     from .bench import parse_img_size
     from .demo import ASSET_IMAGE
     p = sub.add_parser("attention-map", help="implicit attention map dO_i/dV_j of one query pixel (PNG overlay)",
@@ -113,8 +114,7 @@ def add_parser(sub) -> None:
     p.add_argument("--layer", type=int, nargs="+", default=None,
                    help="mixer layers in forward order (negative from the end); default first, middle, last")
     p.add_argument("--checkpoint", default=None, help="weights file (.pth / .safetensors, official or ours)")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
-                   help="model constructor arguments, as for `ttt-zoo train` (e.g. depth=4 embed_dim=96)")
+    add_model_kwargs(p)
     p.add_argument("--img-size", type=parse_img_size, default=None,
                    help="model input size, 224 or HxW (default: the model's)")
     p.add_argument("--map", choices=("implicit", "explicit"), default="implicit",

@@ -1,36 +1,12 @@
 """``ttt-zoo convert``: a checkpoint (official or ours) to a Hugging Face Hub folder with a model card."""
 
-import argparse
-import json
 import os
-import sys
-from typing import Any, Dict
 
-from ttt_zoo.checkpoint import HUB_ORG, CheckpointError
+from ttt_zoo.checkpoint import HUB_ORG
 
-__all__ = ["add_parser", "cli_errors"]
+from ._common import add_model_kwargs, cli_errors, model_kwargs
 
-
-def cli_errors(fn):
-    """Print ttt-zoo's clear errors as one line and exit with status 2 instead of a traceback."""
-    def run(args) -> int:
-        from ttt_zoo.hub import HubFolderError
-        try:
-            return fn(args)
-        except (CheckpointError, HubFolderError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return run
-
-
-def _json_arg(text: str) -> Dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--model-args must be a JSON object, e.g. '{{\"depth\": 2}}' ({e})")
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--model-args must be a JSON object, e.g. '{\"depth\": 2}'")
-    return value
+__all__ = ["add_parser"]
 
 
 @cli_errors
@@ -45,7 +21,7 @@ def run(args) -> int:
         raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
                              f"{', '.join(registered_pretrained())}), or use --all.")
     out = args.out or os.path.join("hub", args.model)
-    info = convert_checkpoint(args.checkpoint, args.model, out, args.model_args, args.hub_id,
+    info = convert_checkpoint(args.checkpoint, args.model, out, model_kwargs(args) or None, args.hub_id,
                               not args.no_flops, args.force, args.source_url)
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
     print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
@@ -59,8 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", nargs="?", help="checkpoint file (.pth / .pt / .safetensors; any official layout)")
     p.add_argument("--model", help="ttt-zoo model, with its pretrained tag, e.g. vit3_tiny.in1k")
     p.add_argument("--out", help="output folder (default: ./hub/<model>)")
-    p.add_argument("--model-args", type=_json_arg, default=None, help="JSON constructor arguments for "
-                   "non-default architectures, e.g. '{\"embed_dim\": 64, \"depth\": 2}'")
+    add_model_kwargs(p)  # constructor arguments of non-default architectures
     p.add_argument("--hub-id", help=f"repo id recorded in the folder (default {HUB_ORG}/<model>.<tag>)")
     p.add_argument("--source-url", help="where CHECKPOINT was downloaded from (stated on the card)")
     p.add_argument("--all", action="store_true", help="convert every registered pretrained tag")

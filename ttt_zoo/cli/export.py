@@ -5,29 +5,20 @@
 """
 
 import argparse
-import json
 import sys
 
 from ttt_zoo.checkpoint import CheckpointError
 
+from ._common import add_model_kwargs, model_kwargs
+
 __all__ = ["add_parser", "run"]
-
-
-def _json_object(text: str):
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--model-args must be a JSON object, e.g. '{{\"depth\": 2}}' ({e})")
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--model-args must be a JSON object, e.g. '{\"depth\": 2}'")
-    return value
 
 
 def run(args) -> int:
     import ttt_zoo
     from ttt_zoo.export import ExportError, export_onnx
     try:
-        kwargs = dict(args.model_args or {})
+        kwargs = model_kwargs(args)
         if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
             kwargs["pretrained_cfg_overlay"] = dict(file=args.checkpoint)
         model = ttt_zoo.create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
@@ -49,6 +40,6 @@ def add_parser(sub) -> None:
                    "the model's initialisation")
     p.add_argument("--img-size", nargs=2, type=int, metavar=("H", "W"),
                    help="example size the graph is traced at (default: the model's); the graph takes others too")
-    p.add_argument("--model-args", type=_json_object, help="JSON kwargs for the model, e.g. '{\"depth\": 2}'")
+    add_model_kwargs(p)
     p.add_argument("--out", required=True, help="the .onnx file (replaced only once the export is complete)")
     p.set_defaults(func=run)

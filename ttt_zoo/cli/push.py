@@ -2,7 +2,7 @@
 
 from ttt_zoo.checkpoint import HUB_ORG
 
-from .convert import cli_errors
+from ._common import cli_errors
 
 __all__ = ["add_parser"]
 

@@ -184,7 +184,7 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
     except CheckpointError as e:
         why = str(e).split(" Build the model that matches")[0]
         raise CheckpointError(f"{source} is not a checkpoint for {name}: {why} Pass the --model (see `ttt-zoo list`) "
-                              f"and --model-args that match the checkpoint.") from e
+                              f"and --model-kwargs K=V (or --model-args JSON) that match the checkpoint.") from e
     except RuntimeError as e:  # load_state_dict(strict=True)
         raise CheckpointError(f"{source} does not fit {name} (built with {model_args}): "
                               f"{str(e).splitlines()[-1].strip()}") from e
