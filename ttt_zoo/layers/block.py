@@ -12,8 +12,10 @@ __all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens"]
 
 
 def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, N, C) -> (B, C, H, W)."""
-    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1])
+    """(B, N, C) -> (B, C, H, W).  The reshape already copies; ``.contiguous()`` is free in eager and makes the
+    result a buffer rather than a view for inductor, whose view-output stride order cannot compare symbolic
+    strides (``torch.compile(dynamic=True)``: `cannot determine truth value of Relational: 64*s**2 < 64*s`)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1]).contiguous()
 
 
 def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
