@@ -54,6 +54,20 @@ def test_bench_end_to_end_cpu(tmp_path, capsys):
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_onnxruntime_beside_torch(tmp_path, capsys):
+    # the exported graph in onnxruntime, side by side with eager torch; training rows are not made for it
+    rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=1", "--img-size", "64",
+               "--runtime", "torch", "onnxruntime", "--bench", "both", "--num-warm-iter", "1",
+               "--num-bench-iter", "1", "--device", "cpu", "--threads", "1", "--results-file", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr()
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert set(rows) == {"vit3_tiny", "vit3_tiny (onnxruntime)"}
+    ort_row, torch_row = rows["vit3_tiny (onnxruntime)"], rows["vit3_tiny"]
+    assert ort_row["runtime"] == "onnxruntime" and ort_row["infer_step_time"] > 0
+    assert "train_step_time" not in ort_row and torch_row["train_step_time"] > 0
+    assert ort_row["param_count"] == torch_row["param_count"]
+
+
 def test_ops_dry_run(tmp_path):
     rc = main(["bench", "--ops", "key_instance_norm", "--dry-run", "--results-file", str(tmp_path / "ops.csv"),
                "--output", str(tmp_path)])

@@ -36,6 +36,28 @@ def count_gmacs(name: str, img_size: Tuple[int, int], model_kwargs: Dict) -> flo
     return counter.get_total_flops() / 2 / 1e9
 
 
+def _ort_session(model: torch.nn.Module, img_size: Tuple[int, int], spec: Dict):
+    """The model exported by ``ttt_zoo.export.export_onnx`` (dynamo exporter) in an onnxruntime CPU session with
+    the run's thread count (inference only)."""
+    import os
+    import tempfile
+    if spec["phase"] == "train" or torch.device(spec["device"]).type != "cpu":
+        raise ValueError("--runtime onnxruntime measures CPU inference only (--bench inference --device cpu)")
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ValueError("--runtime onnxruntime needs onnxruntime (pip install onnxruntime)") from None
+    from ttt_zoo.export import export_onnx
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        export_onnx(model, path, img_size)
+        opts = ort.SessionOptions()
+        if spec.get("threads"):
+            opts.intra_op_num_threads = spec["threads"]
+            opts.inter_op_num_threads = 1
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
 class _Setup:
     """Model, input and one step as the spec asks (shared by the benchmark and the profiler)."""
 
@@ -63,6 +85,7 @@ class _Setup:
         self.target = torch.randint(0, max(getattr(model, "num_classes", 0) or 1, 1), (spec["batch_size"],),
                                     device=self.device)
         self.run = torch.compile(model, backend=spec["torchcompile"]) if spec.get("torchcompile") else model
+        self.ort = _ort_session(model, (h, w), spec) if spec.get("runtime") == "onnxruntime" else None
         amp = spec.get("amp_dtype")
         dev_type = torch.device(self.device).type
         self.autocast = (lambda: torch.autocast(dev_type, dtype=getattr(torch, amp))) if amp else \
@@ -75,7 +98,9 @@ class _Setup:
         return out.float().square().mean()
 
     def step(self):
-        if self.train:
+        if self.ort is not None:
+            self.ort.run(None, {"image": self.x.numpy()})
+        elif self.train:
             self.model.zero_grad(set_to_none=True)
             with self.autocast():
                 loss = self.loss(self.run(self.x))

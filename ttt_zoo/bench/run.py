@@ -30,6 +30,7 @@ class BenchConfig:
     num_bench_iter: int = 10
     threads: Optional[int] = None
     backends: Sequence[Optional[str]] = (None,)  # TTT_ZOO_BACKEND per run of the zoo models; None: leave as is
+    runtimes: Sequence[str] = ("torch",)  # "torch" (eager / --torchcompile) and/or "onnxruntime" (CPU inference)
     model_kwargs: Dict = dataclasses.field(default_factory=dict)
     set_attr: Dict = dataclasses.field(default_factory=dict)  # attribute -> value on every submodule having it
     saved_mem: bool = False
@@ -48,9 +49,14 @@ def _configs(cfg: BenchConfig) -> List[Dict]:
             label = f"{name} [{b}]" if tag_backend and b else name
             if cfg.before:
                 out.append(dict(label=f"{label} ({cfg.before[0]})", model=name, backend=b, role="model",
-                                src=cfg.before[1]))
-            out.append(dict(label=label, model=name, backend=b, role="model", src=None))
-    out += [dict(label=name, model=name, backend=None, role="peer", src=None) for name in cfg.peers]
+                                src=cfg.before[1], runtime="torch"))
+            for rt in cfg.runtimes:
+                out.append(dict(label=label if rt == "torch" else f"{label} ({rt})", model=name, backend=b,
+                                role="model", src=None, runtime=rt))
+    for name in cfg.peers:
+        for rt in cfg.runtimes:
+            out.append(dict(label=name if rt == "torch" else f"{name} ({rt})", model=name, backend=None, role="peer",
+                            src=None, runtime=rt))
     return out
 
 
@@ -72,7 +78,7 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
                 amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=cfg.torchcompile,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
-                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top)
+                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=c.get("runtime", "torch"))
 
 
 def _merge(runs: List[Dict]) -> Dict:
@@ -99,6 +105,8 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
         for h, w in cfg.img_sizes:
             for c in configs:
                 for p in cfg.phases:
+                    if p == "train" and c.get("runtime") == "onnxruntime":  # an inference runtime
+                        continue
                     r = run_child("model", _spec(cfg, c, h, w, "train" if p == "train" else "inference"),
                                   _env(cfg, c["backend"]), src=c["src"], timeout=cfg.timeout)
                     runs.setdefault((c["label"], h, w, p), []).append(r)
@@ -114,8 +122,10 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
             row = dict(model=c["model"], label=c["label"], role=c["role"], backend=c["backend"] or "",
                        img_size=h if h == w else f"{h}x{w}", img_h=h, img_w=w, device=cfg.device,
                        amp_dtype=cfg.amp_dtype or "float32", channels_last=cfg.channels_last,
-                       torchcompile=cfg.torchcompile or "")
+                       torchcompile=cfg.torchcompile or "", runtime=c.get("runtime", "torch"))
             for p in cfg.phases:
+                if (c["label"], h, w, p) not in runs:
+                    continue
                 r = _merge(runs[(c["label"], h, w, p)])
                 if "error" in r:
                     row[f"{p}_error"] = r["error"]

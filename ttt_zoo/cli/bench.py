@@ -143,6 +143,7 @@ def run(args) -> int:
                       amp_dtype=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
                       torchcompile=args.torchcompile, num_warm_iter=args.num_warm_iter,
                       num_bench_iter=args.num_bench_iter, threads=args.threads, backends=args.backend or [None],
+                      runtimes=tuple(dict.fromkeys(args.runtime)),
                       model_kwargs=dict(args.model_kwargs or []),
                       set_attr=dict(args.set_attr or []), saved_mem=args.saved_mem, repeats=args.repeats,
                       before=before, top=args.profile_top)
@@ -222,6 +223,9 @@ def add_parser(sub) -> None:
     g.add_argument("--channels-last", action="store_true")
     g.add_argument("--torchcompile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (default backend inductor)")
+    g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "onnxruntime"],
+                   help="torch (eager, or --torchcompile) and/or onnxruntime (the `ttt-zoo export` graph, CPU "
+                        "inference), side by side")
     g.add_argument("--num-warm-iter", type=_non_negative, default=2)
     g.add_argument("--num-bench-iter", type=_positive, default=10)
     g.add_argument("--repeats", type=_positive, default=1, help="fresh subprocesses per config (median), interleaved")
