@@ -157,7 +157,10 @@ def _plot_variants(rows, path):
     ax0.set(ylabel="val top-1 (%)", ylim=(max(0, lo - 5), 100), title="top-1, mean ± std over seeds")
     ax1.bar(keys, [statistics.median(r["img_per_sec"] for r in rows if r["variant"] == k) for k in keys],
             color="tab:green")
-    ax1.set(ylabel="train img/s (median epoch)", title="training throughput")
+    ax1.set(ylabel="train img/s (median epoch)",
+            title="training throughput of each run\n(wall clock under the machine's load at the time;\n"
+                  "side-by-side speed: tools/results/variants_throughput.md)")
+    ax1.title.set_fontsize(8)
     fig.suptitle("ViT3 inner-loop variants on digits 32x32 (not ImageNet)", fontsize=9)
     fig.tight_layout()
     _save_fig(fig, path)
