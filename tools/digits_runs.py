@@ -27,7 +27,7 @@ RESULTS = os.path.join(ROOT, "tools", "results")
 DOCS = os.path.join(ROOT, "docs")
 sys.path.insert(0, ROOT)
 
-from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS  # noqa: E402  (one place for the digits settings)
+from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS, flags_model_kwargs  # noqa: E402  (one place for the digits settings)
 VARIANTS = {  # ViT3 mixer options of "TTT with KV binding is secretly linear attention" (Tables 1 and 2)
     "baseline": {},
     "v1": dict(inner_update="last"),
@@ -63,16 +63,6 @@ INNER_STEPS_NOTE = ("the best checkpoints of the `variants` runs (trained with 1
                     "mixer's SwiGLU branch on its own (k, v) after the k steps, averaged over mixers and images.")
 
 
-def _model_flags(flags):
-    """--model and --model-kwargs of a flag list, parsed as `ttt-zoo train` parses them (timm's ParseKwargs)."""
-    from timm.utils import ParseKwargs
-    p = argparse.ArgumentParser()
-    p.add_argument("--model")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs)
-    ns, _ = p.parse_known_args(list(flags))
-    return ns.model, dict(ns.model_kwargs)
-
-
 def _inner_steps(out: str, data: str, a):
     """Figure 1's axes: the trained baseline and V1 runs evaluated with more inner steps at inference: val top-1,
     and the inner loss on the mixers' own (k, v) after the last step (mean over mixers and images)."""
@@ -91,7 +81,8 @@ def _inner_steps(out: str, data: str, a):
             if not os.path.isfile(ckpt):
                 raise SystemExit(f"{ckpt} is missing: run `python tools/digits_runs.py variants --seeds {a.seeds} "
                                  f"--output {out}` first")
-            name, kw = _model_flags([*SMALL_MODELS["vit3"][0], f"mixer_kwargs={VARIANTS[key]!r}"])
+            flags = [*SMALL_MODELS["vit3"][0], f"mixer_kwargs={VARIANTS[key]!r}"]
+            name, kw = flags[flags.index("--model") + 1], flags_model_kwargs(flags)
             model = create_eval_model(name, False, 10, 32, kw)
             load_weights(model, ckpt)
             model.eval()

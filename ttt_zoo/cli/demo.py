@@ -4,7 +4,6 @@ Nothing is downloaded: the digits ship with scikit-learn. The run folder (checkp
 ``--output``; ``--bench`` adds the CPU scaling table against DeiT-T.
 """
 
-import argparse
 import os
 import time
 
@@ -32,7 +31,7 @@ def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained
 def run(args) -> int:
     from datetime import datetime
 
-    from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS, make_digits_folder
+    from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS, flags_model_kwargs, make_digits_folder
     from ttt_zoo.train.trainer import main as train_main
     from ttt_zoo.train.validate import validate
     from ttt_zoo import list_zoo_families, list_zoo_models
@@ -52,7 +51,7 @@ def run(args) -> int:
                 "--experiment", experiment, "--seed", str(args.seed)])
     minutes = (time.perf_counter() - t0) / 60
     folder = os.path.join(out, experiment)
-    kwargs = _model_kwargs(flags)
+    kwargs = flags_model_kwargs(flags)
     rows = validate(flags[1], data, checkpoint=os.path.join(folder, "best.safetensors"), img_size=32,
                     num_classes=10, workers=0, model_kwargs=kwargs)
     r = rows[0]
@@ -67,14 +66,6 @@ def run(args) -> int:
         print(format_table(scaling_table([vit3, "deit_tiny_patch16_224"], args.sizes, iters=args.iters)))
         print("latency: median ms per forward; memory: peak RSS growth during the forward (MB).")
     return 0
-
-
-def _model_kwargs(flags):
-    """The ``k=v`` values after --model-kwargs, parsed the way timm's train.py parses them."""
-    from timm.utils import ParseKwargs
-    ns = argparse.Namespace()
-    ParseKwargs(option_strings=[], dest="kw")(None, ns, list(flags[flags.index("--model-kwargs") + 1:]))
-    return ns.kw
 
 
 def add_parser(sub) -> None:

@@ -14,7 +14,7 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["make_digits_folder", "MANIFEST", "TRAIN_FLAGS", "SMALL_MODELS"]
+__all__ = ["make_digits_folder", "flags_model_kwargs", "MANIFEST", "TRAIN_FLAGS", "SMALL_MODELS"]
 
 MANIFEST = "digits.json"
 
@@ -34,6 +34,15 @@ SMALL_MODELS = {
     "deit": (("--model", "deit_tiny_patch16_224", "--model-kwargs", *_PLAIN, "num_heads=3"),
              "DeiT (timm, softmax attention), 4 blocks, width 96"),
 }
+
+
+def flags_model_kwargs(flags):
+    """The ``k=v`` values after --model-kwargs in a flag list, parsed the way timm's train.py parses them."""
+    import argparse
+    from timm.utils import ParseKwargs
+    ns = argparse.Namespace()
+    ParseKwargs(option_strings=[], dest="kw")(None, ns, list(flags[flags.index("--model-kwargs") + 1:]))
+    return ns.kw
 
 
 def _load():
