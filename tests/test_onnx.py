@@ -1,6 +1,7 @@
 """ONNX export (torch's dynamo exporter) of every classifier family: onnxruntime against PyTorch within 1e-4
 (relative to the output's scale) at 224 and at a non-square size, other batch sizes than the traced one, and the
-CLI's errors.  Reduced depth keeps the exports short; the families with the slowest traces are marked slow."""
+CLI's errors.  Vision-TTT's mini-batch scan exports as one ONNX ``Scan`` (a loop op), so its token count stays
+dynamic too.  Reduced depth keeps the exports short; the families with the slowest traces are marked slow."""
 
 import os
 
@@ -18,16 +19,10 @@ pytest.importorskip("onnxscript")
 SMALL = {"vit3": dict(depth=1), "t5": dict(depth=1), "t5_plus": dict(depth=1), "visionttt": dict(depth=1),
          "hvit3": dict(depths=(1, 1, 1, 1)), "visionttt_h": dict(depths=(1, 1, 1, 1))}
 FAST = ("vit3", "t5_plus")  # in CI; the others are `slow` (minutes each on two cores)
-# known gap: the TTT-Linear scan is a Python loop over mini-batches, so the traced graph fixes the token count
-NOT_DYNAMIC = {"visionttt", "visionttt_h"}
 
 
 def _marks(f):
-    marks = [] if f in FAST else [pytest.mark.slow]
-    if f in NOT_DYNAMIC:
-        marks.append(pytest.mark.xfail(strict=True, reason="Vision-TTT's scan loop fixes the token count in the "
-                                                           "exported graph (needs a loop op)"))
-    return pytest.param(f, marks=marks)
+    return pytest.param(f, marks=[] if f in FAST else [pytest.mark.slow])
 FAMILIES = ttt_zoo.list_zoo_families()
 
 

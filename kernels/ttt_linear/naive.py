@@ -147,6 +147,44 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     return z_bar.reshape(bh, m, d), (gs.reshape(bh, m, d) if keep_grads else None), state
 
 
+def _scan_loop(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+               state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, shared: bool) -> torch.Tensor:
+    """:func:`_scan_chunks` over every mini-batch as one ``scan`` higher-order op (a loop op: ONNX ``Scan``), so an
+    exported graph keeps the token count symbolic instead of unrolling a Python loop fixed to the traced size.
+
+    The sequence is padded at its end to whole mini-batches with zero learning rate: a padded token comes after
+    every real token of its mini-batch (the mask is causal) and its step is scaled by lr = 0, so no real output
+    changes; the padded outputs are dropped.  Returns z_bar (BH, N, d).
+    """
+    from torch._higher_order_ops.scan import scan
+    bh, n, da = qa.shape[0], qa.shape[1], qa.shape[2]
+    d = da - 1
+    c = tau.shape[0]
+    pad = (c - n % c) % c
+    nc = (n + pad) // c
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # (BH, N, ...) -> (n_mb, BH, c, ...)
+        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 3 else F.pad(t, (0, pad))
+        return t.reshape(bh, nc, c, *t.shape[2:]).transpose(0, 1)
+
+    causal = torch.tril(torch.ones(c, c, dtype=qa.dtype, device=qa.device)) * -tau[:, None]
+
+    def step(st: torch.Tensor, x: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        kc, tc, lrc = x[0], x[1], x[2]
+        qc = kc if shared else x[3]
+        eps_t = torch.full([1], eps, dtype=kc.dtype, device=kc.device)  # made here: a captured (1,) gets a symbolic size
+        z = torch.bmm(kc, st)
+        o = z if shared else torch.bmm(qc, st)
+        g = _ln_grad(z, tc, lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tc
+        attn = torch.bmm(qc, kc.transpose(1, 2)) * (causal * lrc[:, None, :])
+        kel = kc * (-tau[c - 1] * lrc)[:, :, None]
+        return torch.baddbmm(st, kel.transpose(1, 2), g), torch.baddbmm(o, attn, g)
+
+    xs = [chunks(ka), chunks(tgt), chunks(lr)] + ([] if shared else [chunks(qa)])
+    _, z_bar = scan(step, state, xs)
+    return z_bar.transpose(0, 1).reshape(bh, nc * c, d)[:, :n]
+
+
 def ttt_linear_reference(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -193,6 +231,11 @@ def ttt_linear_reference(
         lnw2 = (lnw * lnw).expand(bsz, heads, 1, d).reshape(bh, 1, d)
     else:
         tgt = v.to(cd).reshape(bh, n, d)
+    if not torch.jit.is_scripting():  # (TorchScript skips this block)
+        if torch.compiler.is_exporting() and not return_grad_norm:  # one loop op, the token count stays symbolic
+            z_bar = _scan_loop(qa, ka, tgt, lr, tau, state, lnw2, eps, shared).reshape(bsz, heads, n, d)
+            out = torch.addcmul(q + lnb, F.layer_norm(z_bar, [d], eps=eps), lnw) if ln_residual else z_bar
+            return out.to(out_dtype), None
     full = n // mini_batch * mini_batch
     parts: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []

@@ -13,6 +13,9 @@ def main(kind: str, spec_json: str) -> None:
     import ttt_zoo  # registers the models
     if spec.get("src") and not os.path.abspath(ttt_zoo.__file__).startswith(os.path.abspath(spec["src"])):
         raise RuntimeError(f"ttt_zoo imported from {ttt_zoo.__file__}, not from {spec['src']}")
+    import importlib
+    for module in spec.get("imports") or ():  # --import: modules registering more models with timm
+        importlib.import_module(module)
     from .measure import RESULT_TAG
     if kind == "model":
         from .models import bench_model as fn

@@ -26,13 +26,22 @@ def create(name: str, img_size: Tuple[int, int], model_kwargs: Dict, device=None
             return timm.create_model(name, **model_kwargs)
 
 
-def count_gmacs(name: str, img_size: Tuple[int, int], model_kwargs: Dict) -> float:
-    """Multiply-accumulates per sample (GMACs, as timm and the papers count them), on the meta device."""
+def count_gmacs(name: str, img_size: Tuple[int, int], model_kwargs: Dict, model=None) -> float:
+    """Multiply-accumulates per sample (GMACs, as timm and the papers count them), on the meta device; where a
+    model cannot be built there (e.g. it calls ``.item()`` while initialising), with ``model`` itself, batch 1."""
     from torch.utils.flop_counter import FlopCounterMode
-    model = create(name, img_size, model_kwargs, device="meta").eval()
-    x = torch.empty(1, getattr(model, "in_chans", 3), *img_size, device="meta")
+    try:
+        model = create(name, img_size, model_kwargs, device="meta").eval()
+        device = "meta"
+    except Exception:  # noqa: BLE001
+        if model is None:
+            raise
+        device = next(model.parameters()).device
+    x = torch.empty(1, getattr(model, "in_chans", 3), *img_size, device=device)
+    was_training = model.training
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(x)
+        model.eval()(x)
+    model.train(was_training)
     return counter.get_total_flops() / 2 / 1e9
 
 
@@ -143,7 +152,7 @@ def bench_model(spec: Dict) -> Dict:
     if m["cpu_time"] is not None:
         out["cpu_time"] = round(m["cpu_time"], 3)
     try:
-        out["gmacs"] = round(count_gmacs(spec["model"], (h, w), spec.get("model_kwargs") or {}), 4)
+        out["gmacs"] = round(count_gmacs(spec["model"], (h, w), spec.get("model_kwargs") or {}, s.model), 4)
     except Exception as e:  # noqa: BLE001 - a model the meta device cannot run still gets its timings
         out["gmacs"] = None
         out["gmacs_error"] = f"{type(e).__name__}: {str(e)[:120]}"

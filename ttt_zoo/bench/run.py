@@ -37,6 +37,7 @@ class BenchConfig:
     repeats: int = 1
     before: Optional[Tuple[str, str]] = None  # (label, source tree) of older code also measured for `models`
     top: int = 12  # profile: operators listed
+    imports: Sequence[str] = ()  # modules each child imports first (e.g. one registering a local peer with timm)
     timeout: Optional[float] = None  # seconds per child
 
 
@@ -78,7 +79,8 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
                 amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=cfg.torchcompile,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
-                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=c.get("runtime", "torch"))
+                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=c.get("runtime", "torch"),
+                imports=list(cfg.imports))
 
 
 def _merge(runs: List[Dict]) -> Dict:

@@ -5,11 +5,13 @@
     ttt-zoo bench --model vit3_tiny --backend torch_naive torch --bench train --img-size 224 384x320 -b 8
     ttt-zoo bench --ops vit3_swiglu_ttt ttt_linear_bidir --device cuda --output out/
     ttt-zoo bench --ops t5_swiglu_ttt --dry-run            # tiny shapes on the CPU, Triton in the interpreter
+    PYTHONPATH=dev ttt-zoo bench --import my_models --model vit3_tiny --peers my_vit_tiny --img-size 224
     ttt-zoo bench --profile --model vit3_tiny --peers deit_tiny_patch16_224 --img-size 1024 --output out/
 """
 
 import argparse
 import ast
+import importlib
 import os
 import shlex
 import sys
@@ -127,6 +129,11 @@ def run(args) -> int:
                       "(inputs excluded). Diffs are against `torch_naive` in fp32 on the same inputs.", table)
         return 1 if any("error" in r for r in rows) else 0
 
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            p.error(f"--import {module}: cannot import it ({e}); put its folder on PYTHONPATH")
     models = _resolve_models(p, args.model_list_names or args.model, "--model")
     peers = _resolve_models(p, args.peers, "--peers")
     before = None
@@ -146,7 +153,7 @@ def run(args) -> int:
                       runtimes=tuple(dict.fromkeys(args.runtime)),
                       model_kwargs=dict(args.model_kwargs or []),
                       set_attr=dict(args.set_attr or []), saved_mem=args.saved_mem, repeats=args.repeats,
-                      before=before, top=args.profile_top)
+                      before=before, top=args.profile_top, imports=tuple(args.imports))
     protocol = (f"{'Profile' if args.profile else 'Benchmark'}: every (model, size, phase) in a fresh subprocess, "
                 f"all side by side in this run; {cfg.num_warm_iter} warm-up + {cfg.num_bench_iter} timed steps, "
                 f"step time = median; precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
@@ -187,7 +194,7 @@ def run(args) -> int:
         if plot_results(rows, os.path.join(args.output, "bench.png"), describe_machine(machine)):
             print(f"wrote {os.path.join(args.output, 'bench.png')}")
         print(f"wrote {os.path.join(args.output, 'bench.md')}")
-    failed = [r for r in rows if any(k.endswith("_error") for k in r)]
+    failed = [r for r in rows if any(f"{p}_error" in r for p in ("infer", "train"))]  # not a missing GMACs count
     if failed:
         print(f"{len(failed)} configuration(s) failed; see the table", file=sys.stderr)
     return 1 if failed else 0
@@ -213,6 +220,9 @@ def add_parser(sub) -> None:
     g.add_argument("--model-kwargs", nargs="+", type=_kwarg, metavar="KEY=VALUE", help="passed to create_model")
     g.add_argument("--set-attr", nargs="+", type=_kwarg, metavar="KEY=VALUE",
                    help="set this attribute on every submodule of --model that has it (e.g. recompute=False)")
+    g.add_argument("--import", dest="imports", nargs="+", default=[], metavar="MODULE",
+                   help="import these modules first, here and in every child: a module that registers models with "
+                        "timm's @register_model makes them names for --model / --peers (e.g. a local peer)")
     g.add_argument("--before", default=None, metavar="REV",
                    help="also measure --model with the ttt_zoo code of this git revision")
     g = p.add_argument_group("how")

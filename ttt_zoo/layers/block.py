@@ -8,7 +8,7 @@ from timm.layers import DropPath
 
 from .mixer import create_mixer
 
-__all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens"]
+__all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens", "tokens_as_map"]
 
 
 def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
@@ -21,6 +21,17 @@ def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
 def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, N, C)."""
     return x.flatten(2).transpose(1, 2)
+
+
+def tokens_as_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, N, C) -> (B, C, H, W) for a conv to read: in eager the channels-last view of the tokens (no copy; the
+    conv's channels-last output is then already in token order for :func:`map_to_tokens`: 2.5x faster than the
+    NCHW round trip for a 192-channel depthwise 3x3 at 64x64 on the CPU); under TorchScript and torch.compile the
+    contiguous :func:`tokens_to_map`."""
+    if not torch.jit.is_scripting():
+        if not torch.compiler.is_compiling():
+            return x.unflatten(1, (feat_size[0], feat_size[1])).permute(0, 3, 1, 2)
+    return tokens_to_map(x, feat_size)
 
 
 class TokenMlp(nn.Module):
@@ -39,7 +50,7 @@ class TokenMlp(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         x = self.drop1(self.act(self.fc1(x)))
         if self.dwc is not None:
-            x = self.act(x + map_to_tokens(self.dwc(tokens_to_map(x, feat_size))))
+            x = self.act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
         return self.drop2(self.fc2(x))
 
 
@@ -70,7 +81,7 @@ class TTTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = x + map_to_tokens(self.cpe(tokens_to_map(x, feat_size)))
+            x = x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
         x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
         x = x + self.drop_path2(self.mlp(self.norm2(x), feat_size))
         return x

@@ -14,7 +14,7 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
-from .block import map_to_tokens, tokens_to_map
+from .block import map_to_tokens, tokens_as_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
 from .t5_ttt import init_plain_step_variant, silu_gate_features
@@ -117,12 +117,12 @@ class DiT5MixedAttention(TTTMixer):
         s, o = self.qk_scale_ttt, self.qk_offset_ttt
         k = k * s[..., 1] + o[..., 1]
         k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
-        k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size))))
+        k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_as_map(k, feat_size))))
         if self.share_qk:
             q = k
         else:
             q = q * s[..., 0] + o[..., 0]
-            q = self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+            q = self._heads(q + map_to_tokens(self.q_conv2d(tokens_as_map(q, feat_size))))
         return self._inner(q, k, self._heads(v)).transpose(1, 2).flatten(2)
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:

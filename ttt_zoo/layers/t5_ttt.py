@@ -16,7 +16,7 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
-from .block import map_to_tokens, tokens_to_map
+from .block import map_to_tokens, tokens_as_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
@@ -179,12 +179,12 @@ class T5TTT(TTTMixer):
         else:
             q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
         kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-        k2 = kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size)))
+        k2 = kn + map_to_tokens(self.k_conv2d(tokens_as_map(kn, feat_size)))
         k2h = self._heads(k2)
         if self.share_qk:
             q2h = k2h
         else:
-            q2h = self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+            q2h = self._heads(q + map_to_tokens(self.q_conv2d(tokens_as_map(q, feat_size))))
         out = self._inner(q2h, k2h, self._heads(v))
         if self.na_kernel > 0:
             grid = (b, self.num_heads, feat_size[0], feat_size[1], c // self.num_heads)

@@ -21,7 +21,7 @@ from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
-from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_to_map
+from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_as_map
 from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict, with_hub_ids
 
 __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn"]
@@ -150,7 +150,7 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = x + map_to_tokens(self.cpe(tokens_to_map(x, feat_size)))
+            x = x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
         x = x + gate1.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift1, scale1), feat_size)
         x = x + gate2.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift2, scale2), feat_size)

@@ -21,7 +21,7 @@ from timm.layers import trunc_normal_
 from diffusers.models.attention_processor import Attention
 
 from ttt_zoo.kernels import key_instance_norm, mlp_ttt
-from ttt_zoo.layers.block import map_to_tokens, tokens_to_map
+from ttt_zoo.layers.block import map_to_tokens, tokens_as_map
 
 __all__ = ["KEY_NORM_SPANS", "RMS_QK_NORM_MODES", "SD3TTT", "SD3TTTAttention", "SD3TTTAttnProcessor",
            "TTTProcessorError"]
@@ -82,7 +82,7 @@ class SD3TTT(nn.Module):
     def _dwc(self, conv: nn.Conv2d, t: torch.Tensor, n_img: int, feat_size: Tuple[int, int]) -> torch.Tensor:
         """t + DWC(t) on the first ``n_img`` (image) tokens; text tokens pass unchanged (Appendix B)."""
         img = t[:, :n_img]
-        img = img + map_to_tokens(conv(tokens_to_map(img, feat_size)))
+        img = img + map_to_tokens(conv(tokens_as_map(img, feat_size)))
         return torch.cat([img, t[:, n_img:]], dim=1) if t.shape[1] > n_img else img
 
     def _key_norm(self, k: torch.Tensor, n_img: int) -> torch.Tensor:
