@@ -107,6 +107,15 @@ def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
 
 
+def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> bool:
+    """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
+    same kernels: Triton where allowed, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
+    mini-batches into a graph fixed to the traced token count.  (torch.export takes the loop op instead, see
+    ``ttt_linear.naive._scan_loop``.)"""
+    return (not return_grad_norm and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and resolve_backend(backend, q.device, q.dtype, q.shape[-1], name) != "torch_naive")
+
+
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
                return_grad_norm=False, backend=None):
     """Causal TTT-Linear mini-batch scan; see ``ttt_linear.naive.ttt_linear_reference``.
@@ -114,6 +123,8 @@ def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=
     torch: recomputing backward (``ttt_linear.torch``); triton: the fused scan kernels; torch_naive: the plain
     per-mini-batch scan (``ttt_linear_naive``) under autograd.
     """
+    if _opaque_scan("ttt_linear", q, backend, return_grad_norm):
+        return ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps)
     return _op("ttt_linear", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
                                                     eps, return_grad_norm)
 
@@ -133,6 +144,8 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
     if torch.jit.is_scripting():
         return ttt_linear_bidir_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                           eps, return_grad_norm)
+    if _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm):
+        return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
     return _op("ttt_linear_bidir", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
                                                           ln_residual, rope_theta, eps, return_grad_norm)
 

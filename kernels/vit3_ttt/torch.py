@@ -75,11 +75,12 @@ def swiglu_apply(q: torch.Tensor, wn: torch.Tensor, out: Optional[torch.Tensor] 
     """out = (q W1') * silu(q W2'), written into ``out`` (any strided (B, heads, N, d) view) when given."""
     d = q.shape[-1]
     y = q @ wn
+    if torch.compiler.is_compiling():  # no in-place op on a view (inductor), no strided out= (dynamo)
+        res = y[..., :d] * F.silu(y[..., d:])
+        return res if out is None else out.copy_(res)
     y2 = F.silu(y[..., d:], inplace=True)
     if out is None:
         return y[..., :d] * y2
-    if torch.compiler.is_compiling():  # dynamo rejects a strided out=
-        return out.copy_(y[..., :d] * y2)
     return torch.mul(y[..., :d], y2, out=out)
 
 

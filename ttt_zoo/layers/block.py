@@ -12,9 +12,10 @@ __all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens", "tokens_as_
 
 
 def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, N, C) -> (B, C, H, W).  The reshape already copies; ``.contiguous()`` is free in eager and makes the
-    result a buffer rather than a view for inductor, whose view-output stride order cannot compare symbolic
-    strides (``torch.compile(dynamic=True)``: `cannot determine truth value of Relational: 64*s**2 < 64*s`)."""
+    """(B, N, C) -> (B, C, H, W).  For contiguous tokens the reshape copies and ``.contiguous()`` is free; it makes
+    the result a buffer rather than a view for inductor, whose view-output stride order cannot compare symbolic
+    strides (``torch.compile(dynamic=True)``: `cannot determine truth value of Relational: 64*s**2 < 64*s`).  Tokens
+    that are a view of a map would give that map back as a view: make them contiguous first (H-ViT3's stages)."""
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1]).contiguous()
 
 

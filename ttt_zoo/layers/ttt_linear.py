@@ -16,6 +16,7 @@ from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
+from .block import map_to_tokens, tokens_as_map
 from .mixer import TTTMixer, register_mixer
 from .t5_ttt import check_variant_options
 
@@ -192,10 +193,7 @@ class TTTLinearMixer(TTTMixer):
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def _conv(self, t: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        # (B, N, C) tokens viewed as a channels-last (B, C, H, W) map: no transposing copies in or out
-        b, n, c = t.shape
-        t = self.conv(t.reshape(b, feat_size[0], feat_size[1], c).permute(0, 3, 1, 2))
-        return t.permute(0, 2, 3, 1).reshape(b, n, c)
+        return map_to_tokens(self.conv(tokens_as_map(t, feat_size)))
 
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -95,7 +95,7 @@ class HViT3Stage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, C, H, W) through the TTT blocks."""
         feat_size = (x.shape[2], x.shape[3])
-        t = map_to_tokens(x)
+        t = map_to_tokens(x).contiguous()  # tokens, not a view of the map (faster norms; see tokens_to_map)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 t = checkpoint(blk, t, feat_size)
