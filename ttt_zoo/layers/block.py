@@ -48,10 +48,19 @@ class TokenMlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(x)`` of a fresh tensor; GELU in place in eager inference (one 4x-wide buffer fewer per block: on
+        the CPU every new large buffer is page-faulted in, 10% of this MLP's time at 64x64 tokens)."""
+        if not torch.jit.is_scripting():
+            if (type(self.act) is nn.GELU and not x.requires_grad and not torch.compiler.is_compiling()
+                    and not self.fc1._forward_hooks):  # a hook may keep fc1's output: leave it intact
+                return torch.ops.aten.gelu_(x, approximate=self.act.approximate)
+        return self.act(x)
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.drop1(self.act(self.fc1(x)))
+        x = self.drop1(self._act(self.fc1(x)))
         if self.dwc is not None:
-            x = self.act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
+            x = self._act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
         return self.drop2(self.fc2(x))
 
 
