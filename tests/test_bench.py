@@ -99,6 +99,42 @@ def test_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_bench_import_registers_a_local_peer(tmp_path, monkeypatch, capsys):
+    # --import: a module on PYTHONPATH that registers a model with timm is a peer, here and in every child; the
+    # module makes the GMACs count on the meta device fail (it calls .item() while building), so the count falls
+    # back to the built model
+    (tmp_path / "local_peer_mod.py").write_text(
+        "import torch, timm\n"
+        "from timm.models import register_model\n"
+        "class Local(torch.nn.Module):\n"
+        "    def __init__(self, num_classes=10, **kw):\n"
+        "        super().__init__()\n"
+        "        self.num_classes = num_classes\n"
+        "        self.conv = torch.nn.Conv2d(3, 64, 3, padding=1)\n"
+        "        self.fc = torch.nn.Linear(64, num_classes)\n"
+        "        self.k = float(torch.ones(1).sum().item())\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(self.conv(x).mean((2, 3))) * self.k\n"
+        "@register_model\n"
+        "def local_peer_tiny(pretrained=False, **kw):\n"
+        "    kw.pop('img_size', None)\n"
+        "    return Local(**{k: v for k, v in kw.items() if k == 'num_classes'})\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["bench", "--import", "local_peer_mod", "--model", "vit3_tiny", "--model-kwargs", "depth=1",
+               "--peers", "local_peer_tiny", "--img-size", "32", "--bench", "inference", "--num-warm-iter", "0",
+               "--num-bench-iter", "1", "--device", "cpu", "--threads", "1", "--results-file",
+               str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr()
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    peer = rows["local_peer_tiny"]
+    assert peer["role"] == "peer" and peer["infer_step_time"] > 0
+    assert peer["infer_gmacs"] == pytest.approx((32 * 32 * 64 * 27 + 640) / 1e9, abs=1e-4)  # the conv + the fc
+    with pytest.raises(SystemExit):  # a module that cannot be imported: a usage error naming the flag
+        main(["bench", "--import", "no_such_module_xyz", "--device", "cpu"])
+    assert "--import no_such_module_xyz" in capsys.readouterr().err
+
+
 def _row(label, role, h, infer_ms, mem):
     return dict(model=label, label=label, role=role, img_size=h, img_h=h, img_w=h, param_count=1.0,
                 infer_step_time=infer_ms, infer_samples_per_sec=1e3 / infer_ms, infer_batch_size=1,
@@ -114,6 +150,10 @@ def test_report_ratios_exponents_and_files(tmp_path):
     table = format_table(rows)
     assert "| 64 | a | 1 | 1.00 | 0.500 | 20.0 | 50.0 | 10.0 | 50.0 | 2.00x | 0.50x |" in table
     assert "| 256 | a |" in table and "| 0.50x | 0.50x |" in table
+    # a second peer: ratios to every peer, side by side
+    two = format_table(rows + [_row("c", "peer", 64, 40.0, 5.0)])
+    assert "time / b | memory / b | time / c | memory / c |" in two
+    assert "| 64 | a | 1 | 1.00 | 0.500 | 20.0 | 50.0 | 10.0 | 50.0 | 2.00x | 0.50x | 0.50x | 2.00x |" in two
     write_results(str(tmp_path / "r.csv"), rows)
     with open(tmp_path / "r.csv") as f:
         back = list(csv.DictReader(f))

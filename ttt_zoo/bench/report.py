@@ -31,11 +31,11 @@ def write_results(path: str, rows: List[Dict], machine: Optional[Dict] = None) -
         raise ValueError(f"results file {path!r}: use a .csv or .json name")
 
 
-def _reference(rows: List[Dict]) -> Optional[str]:
-    """Label the ratios are taken against: the first peer, else the first configuration when there are several."""
-    peers = [r["label"] for r in rows if r.get("role") == "peer"]
+def _references(rows: List[Dict]) -> List[str]:
+    """Labels the ratios are taken against: every peer, else the first configuration when there are several."""
+    peers = list(dict.fromkeys(r["label"] for r in rows if r.get("role") == "peer"))
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    return peers[0] if peers else (labels[0] if len(labels) > 1 else None)
+    return peers if peers else (labels[:1] if len(labels) > 1 else [])
 
 
 def _fmt(v, digits=None) -> str:
@@ -48,8 +48,8 @@ def _fmt(v, digits=None) -> str:
 
 
 def format_table(rows: List[Dict]) -> str:
-    """One markdown table per phase present; ratios = this row / the reference row at the same image size."""
-    ref = _reference(rows)
+    """One markdown table per phase present; ratios = this row / each reference row (every peer) at the same size."""
+    refs = _references(rows)
     by = {(r["label"], r["img_size"]): r for r in rows}
     out = []
     for p, title in PHASES.items():
@@ -60,7 +60,7 @@ def format_table(rows: List[Dict]) -> str:
         head = ["img size", "model", "batch", "params (M)", "GMACs", "ms / step", "samples / s", "peak MB"]
         saved = any(r.get(f"{p}_saved_mb") is not None for r in prow)
         head += ["CPU ms"] * cpu + ["saved MB"] * saved + (["GFLOP/s"] if p == "infer" else [])
-        if ref:
+        for ref in refs:
             head += [f"time / {ref}", f"memory / {ref}"]
         lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in prow:
@@ -79,7 +79,7 @@ def format_table(rows: List[Dict]) -> str:
             if p == "infer":
                 g = r.get("infer_gmacs")
                 cells.append(_fmt(2 * g * r["infer_batch_size"] / (ms / 1e3)) if g else "-")
-            if ref:
+            for ref in refs:
                 b = by.get((ref, r["img_size"]), {})
                 bms, bmem = b.get(f"{p}_step_time"), b.get(f"{p}_peak_mem_mb")
                 cells.append(f"{ms / bms:.2f}x" if bms else "-")

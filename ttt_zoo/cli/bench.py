@@ -163,7 +163,7 @@ def run(args) -> int:
                 "Inference: eval, no_grad. Train: forward + cross-entropy + backward (no optimizer step). "
                 "Peak memory: growth over the loaded model and input during the steps ("
                 + ("torch.cuda.max_memory_allocated" if cfg.device.startswith("cuda") else "peak RSS, VmHWM") + "). "
-                "Ratios: this row / the reference row (the first peer) at the same size, from this one run.")
+                "Ratios: this row / each peer's row at the same size, from this one run.")
     if args.profile:
         profiles = run_profiles(cfg)
         body = []
@@ -208,7 +208,7 @@ def add_parser(sub) -> None:
                    help="zoo or timm model name(s) or wildcard (default: vit3_tiny)")
     g.add_argument("--model-list", default=None, metavar="FILE", help="text file with one model name per line")
     g.add_argument("--peers", nargs="+", default=[], metavar="NAME",
-                   help="timm models measured alongside (e.g. deit_tiny_patch16_224); ratios use the first")
+                   help="timm models measured alongside (e.g. deit_tiny_patch16_224); every row gets its ratios to each")
     g.add_argument("--bench", default="both", choices=["inference", "train", "both"])
     g.add_argument("--img-size", nargs="+", type=parse_img_size, default=[(224, 224)], metavar="SIZE",
                    help="one or more sizes: 224 or HEIGHTxWIDTH (384x320)")

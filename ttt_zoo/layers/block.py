@@ -52,7 +52,8 @@ class TokenMlp(nn.Module):
         """``act(x)`` of a fresh tensor; GELU in place in eager inference (one 4x-wide buffer fewer per block: on
         the CPU every new large buffer is page-faulted in, 10% of this MLP's time at 64x64 tokens)."""
         if not torch.jit.is_scripting():
-            if (type(self.act) is nn.GELU and not x.requires_grad and not torch.compiler.is_compiling()
+            if (type(self.act) is nn.GELU and not isinstance(x, torch.fx.Proxy) and not x.requires_grad
+                    and not torch.compiler.is_compiling()
                     and not self.fc1._forward_hooks):  # a hook may keep fc1's output: leave it intact
                 return torch.ops.aten.gelu_(x, approximate=self.act.approximate)
         return self.act(x)
