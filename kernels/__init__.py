@@ -90,8 +90,10 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """
     if torch.jit.is_scripting():
         return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
-    return _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)(x, weight, bias, w1, w2, w3, feat_size, heads, scale,
-                                                     normalize_grad, cos, sin)
+    op = _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)
+    if op is qkv_ttt_torch and _compiling():
+        op = qkv_ttt_op  # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
+    return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
 
 
 def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
@@ -107,12 +109,17 @@ def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
 
 
+def _compiling() -> bool:
+    """Inside torch.compile but not torch.export (export keeps every op traceable, for ONNX)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
 def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> bool:
     """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
     same kernels: Triton where allowed, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
     mini-batches into a graph fixed to the traced token count.  (torch.export takes the loop op instead, see
     ``ttt_linear.naive._scan_loop``.)"""
-    return (not return_grad_norm and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    return (not return_grad_norm and _compiling()
             and resolve_backend(backend, q.device, q.dtype, q.shape[-1], name) != "torch_naive")
 
 

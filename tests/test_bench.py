@@ -68,6 +68,19 @@ def test_bench_onnxruntime_beside_torch(tmp_path, capsys):
     assert ort_row["param_count"] == torch_row["param_count"]
 
 
+def test_bench_compile_beside_eager(tmp_path, capsys):
+    # --runtime torch compile: an eager row and a torch.compile row (--torchcompile's backend) side by side
+    rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=1", "--img-size", "64",
+               "--runtime", "torch", "compile", "--torchcompile", "eager", "--bench", "both", "--num-warm-iter", "1",
+               "--num-bench-iter", "1", "--device", "cpu", "--threads", "1", "--results-file", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr()
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert set(rows) == {"vit3_tiny", "vit3_tiny (compile)"}
+    assert rows["vit3_tiny"]["torchcompile"] == "" and rows["vit3_tiny (compile)"]["torchcompile"] == "eager"
+    for r in rows.values():
+        assert r["infer_step_time"] > 0 and r["train_step_time"] > 0
+
+
 def test_ops_dry_run(tmp_path):
     rc = main(["bench", "--ops", "key_instance_norm", "--dry-run", "--results-file", str(tmp_path / "ops.csv"),
                "--output", str(tmp_path)])

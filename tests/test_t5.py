@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from fixtures import load_fixture
 from ttt_zoo.layers import T5TTT, neighborhood_attention_2d
+from ttt_zoo.layers.neighborhood import neighborhood_attention_2d_torch
 from ttt_zoo.models import T5
 from ttt_zoo.models._common import CheckpointError
 from ttt_zoo.models.t5 import checkpoint_filter_fn
@@ -184,3 +185,42 @@ def test_grad_checkpointing_same_output():
     out.sum().backward()
     torch.testing.assert_close(out, ref)
     assert m.blocks[0].attn.w3.grad is not None and m.pos_embed.grad is not None
+
+
+@pytest.mark.parametrize("kernel,h,w,tile", [(5, 17, 23, 8), (3, 33, 8, 6), (7, 20, 11, 4), (5, 5, 5, 2)])
+def test_tiled_neighborhood_attention_matches_gather_with_grads(kernel, h, w, tile):
+    """The tiled NA (dilation 1) equals the per-query gather form in float64, output and gradients, on maps that
+    are not multiples of the tile and smaller than one key region."""
+    g = torch.Generator().manual_seed(kernel * h * w)
+    q, k, v = (torch.randn(2, 3, h, w, 4, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    out = neighborhood_attention_2d_torch(q, k, v, kernel, 1, 0.5, tile=tile)
+    ref = neighborhood_attention_2d_torch(q, k, v, kernel, 1, 0.5, tile=0)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    w_out = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad((out * w_out).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w_out).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _smooth_maps(n, b, heads, h, w, d, dtype, seed):
+    """Image-like q, k, v: a low-resolution field upsampled (neighbours correlate, peaked attention) plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        low = torch.randn(b * heads, d, h // 8, w // 8, generator=g, dtype=torch.float64) * 2
+        up = torch.nn.functional.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
+        t = up + 0.3 * torch.randn(up.shape, generator=g, dtype=torch.float64)
+        out.append(t.reshape(b, heads, d, h, w).permute(0, 1, 3, 4, 2).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)])
+def test_tiled_neighborhood_attention_fp32_bf16_at_4096_tokens(dtype, tol):
+    """The default (tiled) NA in fp32 / bf16 against the float64 per-query reference at 64x64 = 4096 tokens
+    (T5+ at 1024 px), head dim 64, kernel 5."""
+    q, k, v = _smooth_maps(3, 1, 2, 64, 64, 64, torch.float64, seed=0)
+    ref = _naive_na(*(t.flatten(2, 3) for t in (q, k, v)), 64, 64, 5, 64 ** -0.5)
+    out = neighborhood_attention_2d(*(t.to(dtype) for t in (q, k, v)), 5, 1, 64 ** -0.5, use_natten=False)
+    err = (out.double().flatten(2, 3) - ref).abs().max() / ref.abs().max()
+    assert err < tol, f"{dtype}: max relative error {err:.3g}"

@@ -104,6 +104,27 @@ def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Te
     return torch.sub(gx, m, alpha=inv_d) * rstd
 
 
+def _minibatch_step(state: torch.Tensor, kq: torch.Tensor, tgt: torch.Tensor, kel: torch.Tensor,
+                    lnw2: Optional[torch.Tensor], eps_t: torch.Tensor, c: int, shared: bool, update: bool = True
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mini-batch of the dual form (shared by the chunked scan and the export loop): z = k S and q S from one
+    bmm of [k; q] (or of k alone when q = k), the inner gradient g, and the next state S + kel g (``update``)."""
+    z = torch.bmm(kq, state)
+    o = z
+    if not shared:
+        z, o = z[:, :c], z[:, c:]
+    g = _ln_grad(z, tgt, lnw2, eps_t, 1.0 / (state.shape[-1])) if lnw2 is not None else z - tgt
+    return o, g, (torch.baddbmm(state, kel, g) if update else state)
+
+
+def _scan_output(q: torch.Tensor, z_bar: torch.Tensor, lnw: torch.Tensor, lnb: torch.Tensor, eps: float,
+                 ln_residual: bool) -> torch.Tensor:
+    """The scan's output from z_bar: q + LN(z_bar) (the residual inner model) or z_bar itself."""
+    if not ln_residual:
+        return z_bar
+    return torch.addcmul(q + lnb, F.layer_norm(z_bar, [z_bar.shape[-1]], eps=eps), lnw)
+
+
 def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
                  state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, keep_grads: bool, carry: bool,
                  shared: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -131,15 +152,9 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
-        z = torch.bmm(kq[i], state)
-        o = z
-        if not shared:
-            z, o = z[:, :c], z[:, c:]
-        g = _ln_grad(z, tgt_l[i], lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tgt_l[i]
+        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps_t, c, shared, carry or i < nc - 1)
         outs.append(o)
         grads.append(g)
-        if carry or i < nc - 1:
-            state = torch.baddbmm(state, kel[i], g)
     # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
     gs = torch.stack(grads, 1)
     z_bar = torch.baddbmm(torch.stack(outs, 1).reshape(bh * nc, c, d), attn.reshape(bh * nc, c, c),
@@ -173,12 +188,10 @@ def _scan_loop(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.
         kc, tc, lrc = x[0], x[1], x[2]
         qc = kc if shared else x[3]
         eps_t = torch.full([1], eps, dtype=kc.dtype, device=kc.device)  # made here: a captured (1,) gets a symbolic size
-        z = torch.bmm(kc, st)
-        o = z if shared else torch.bmm(qc, st)
-        g = _ln_grad(z, tc, lnw2, eps_t, 1.0 / d) if lnw2 is not None else z - tc
+        kel = (kc * (-tau[c - 1] * lrc)[:, :, None]).transpose(1, 2)
+        o, g, st = _minibatch_step(st, kc if shared else torch.cat([kc, qc], 1), tc, kel, lnw2, eps_t, c, shared)
         attn = torch.bmm(qc, kc.transpose(1, 2)) * (causal * lrc[:, None, :])
-        kel = kc * (-tau[c - 1] * lrc)[:, :, None]
-        return torch.baddbmm(st, kel.transpose(1, 2), g), torch.baddbmm(o, attn, g)
+        return st, torch.baddbmm(o, attn, g)
 
     xs = [chunks(ka), chunks(tgt), chunks(lr)] + ([] if shared else [chunks(qa)])
     _, z_bar = scan(step, state, xs)
@@ -234,8 +247,7 @@ def ttt_linear_reference(
     if not torch.jit.is_scripting():  # (TorchScript skips this block)
         if torch.compiler.is_exporting() and not return_grad_norm:  # one loop op, the token count stays symbolic
             z_bar = _scan_loop(qa, ka, tgt, lr, tau, state, lnw2, eps, shared).reshape(bsz, heads, n, d)
-            out = torch.addcmul(q + lnb, F.layer_norm(z_bar, [d], eps=eps), lnw) if ln_residual else z_bar
-            return out.to(out_dtype), None
+            return _scan_output(q, z_bar, lnw, lnb, eps, ln_residual).to(out_dtype), None
     full = n // mini_batch * mini_batch
     parts: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
@@ -252,10 +264,7 @@ def ttt_linear_reference(
         if g is not None:
             grads.append(g)
     z_bar = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).reshape(bsz, heads, n, d)
-    if ln_residual:
-        out = torch.addcmul(q + lnb, F.layer_norm(z_bar, [d], eps=eps), lnw)
-    else:
-        out = z_bar
+    out = _scan_output(q, z_bar, lnw, lnb, eps, ln_residual)
     gn: Optional[torch.Tensor] = None
     if return_grad_norm:
         gg = grads[0] if len(grads) == 1 else torch.cat(grads, 1)

@@ -144,6 +144,7 @@ QKVTTTOps = make_qkv_function("QKVTTTOps", swiglu_fwd_op, swiglu_bwd_op, dwconv_
 def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                cos=None, sin=None) -> Tensor:
     """ViT3 mixer core (projection + both inner steps) whose inner steps are the custom ops."""
-    return QKVTTTOps.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
+    # feat_size stays symbolic under torch.compile(dynamic=True) (int() would fix it to the traced size)
+    return QKVTTTOps.apply(x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]),
                            int(heads), float(scale), bool(normalize_grad))
 

@@ -82,9 +82,11 @@ def compiled_parity(name: str, model: torch.nn.Module, sizes: Sequence[Tuple[int
 
 
 def graph_breaks(name: str, model: torch.nn.Module, hw: Tuple[int, int]) -> Dict:
-    """``torch._dynamo.explain`` of the eval forward: ``graphs``, ``breaks`` and the distinct break reasons."""
+    """``torch._dynamo.explain`` of the eval forward with symbolic sizes (as ``torch.compile(dynamic=True)`` traces
+    it): ``graphs``, ``breaks`` and the distinct break reasons."""
     torch._dynamo.reset()
-    e = torch._dynamo.explain(model.eval())(*model_inputs(name, model, hw))
+    with torch._dynamo.config.patch(assume_static_by_default=False):
+        e = torch._dynamo.explain(model.eval())(*model_inputs(name, model, hw))
     reasons = []
     for b in e.break_reasons:
         where = b.user_stack[-1] if b.user_stack else None

@@ -30,7 +30,9 @@ class BenchConfig:
     num_bench_iter: int = 10
     threads: Optional[int] = None
     backends: Sequence[Optional[str]] = (None,)  # TTT_ZOO_BACKEND per run of the zoo models; None: leave as is
-    runtimes: Sequence[str] = ("torch",)  # "torch" (eager / --torchcompile) and/or "onnxruntime" (CPU inference)
+    # "torch" (eager, or --torchcompile), "compile" (torch.compile with --torchcompile's backend, default inductor,
+    # side by side with eager) and/or "onnxruntime" (CPU inference)
+    runtimes: Sequence[str] = ("torch",)
     model_kwargs: Dict = dataclasses.field(default_factory=dict)
     set_attr: Dict = dataclasses.field(default_factory=dict)  # attribute -> value on every submodule having it
     saved_mem: bool = False
@@ -74,12 +76,24 @@ def _env(cfg: BenchConfig, backend: Optional[str]) -> Dict[str, Optional[str]]:
     return env
 
 
+def _compile_backend(cfg: BenchConfig, runtime: str) -> Optional[str]:
+    """torch.compile backend of a configuration: runtime "compile" compiles (--torchcompile's backend, default
+    inductor); "torch" is eager when "compile" runs beside it, else follows --torchcompile (timm's flag)."""
+    if runtime == "compile":
+        return cfg.torchcompile or "inductor"
+    if runtime == "torch" and "compile" not in cfg.runtimes:
+        return cfg.torchcompile
+    return None
+
+
 def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
+    rt = c.get("runtime", "torch")
+    compile_backend = _compile_backend(cfg, rt)
     return dict(model=c["model"], img_size=[h, w], phase=phase, batch_size=_batch(cfg, h, w), device=cfg.device,
-                amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=cfg.torchcompile,
+                amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=compile_backend,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
-                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=c.get("runtime", "torch"),
+                saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=rt,
                 imports=list(cfg.imports))
 
 
@@ -124,7 +138,8 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
             row = dict(model=c["model"], label=c["label"], role=c["role"], backend=c["backend"] or "",
                        img_size=h if h == w else f"{h}x{w}", img_h=h, img_w=w, device=cfg.device,
                        amp_dtype=cfg.amp_dtype or "float32", channels_last=cfg.channels_last,
-                       torchcompile=cfg.torchcompile or "", runtime=c.get("runtime", "torch"))
+                       torchcompile=_compile_backend(cfg, c.get("runtime", "torch")) or "",
+                       runtime=c.get("runtime", "torch"))
             for p in cfg.phases:
                 if (c["label"], h, w, p) not in runs:
                     continue

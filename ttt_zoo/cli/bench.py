@@ -233,9 +233,10 @@ def add_parser(sub) -> None:
     g.add_argument("--channels-last", action="store_true")
     g.add_argument("--torchcompile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (default backend inductor)")
-    g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "onnxruntime"],
-                   help="torch (eager, or --torchcompile) and/or onnxruntime (the `ttt-zoo export` graph, CPU "
-                        "inference), side by side")
+    g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "compile", "onnxruntime"],
+                   help="side by side: torch (eager; alone, --torchcompile compiles it), compile (torch.compile with "
+                        "--torchcompile's backend, default inductor) and/or onnxruntime (the `ttt-zoo export` graph, "
+                        "CPU inference)")
     g.add_argument("--num-warm-iter", type=_non_negative, default=2)
     g.add_argument("--num-bench-iter", type=_positive, default=10)
     g.add_argument("--repeats", type=_positive, default=1, help="fresh subprocesses per config (median), interleaved")

@@ -23,18 +23,18 @@ __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt
 @register_notrace_function
 def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, model_name: str) -> None:
     """Raise a clear error for an input the model cannot take (TorchScript- and fx-compatible)."""
-    shape = str(list(x.shape))
+    # the shape string is built only on an error: str() of a symbolic size breaks a torch.compile(dynamic=True) graph
     if not x.is_floating_point():
         raise TypeError(
-            model_name + " expects a floating-point image batch, got an integer/bool tensor (shape " + shape
-            + "). Convert it first, e.g. x.float() / 255 then normalise with the model's mean and std (or use "
+            model_name + " expects a floating-point image batch, got an integer/bool tensor (shape "
+            + str(list(x.shape)) + "). Convert it first, e.g. x.float() / 255 then normalise with the model's mean and std (or use "
             + "timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))).")
     if x.dim() != 4:
-        raise ValueError(model_name + " expects a 4-D image batch (B, C, H, W), got shape " + shape + ".")
+        raise ValueError(model_name + " expects a 4-D image batch (B, C, H, W), got shape " + str(list(x.shape)) + ".")
     if x.shape[1] != in_chans:
         raise ValueError(
             model_name + " was built for " + str(in_chans) + " input channels but got " + str(x.shape[1])
-            + " (shape " + shape + "). Convert the images (e.g. RGB for 3 channels) or build the model with in_chans="
+            + " (shape " + str(list(x.shape)) + "). Convert the images (e.g. RGB for 3 channels) or build the model with in_chans="
             + str(x.shape[1]) + ".")
     h, w = x.shape[-2], x.shape[-1]
     if h < min_size or w < min_size:
