@@ -49,7 +49,7 @@ test-kernels: venv
 
 # whole-model inductor compiles (minutes of CPU each): their own step
 test-compile: venv
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider -m compile tests/test_compile.py $(PYTEST_ARGS)
+	cache=$$(mktemp -d) && HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider -m compile tests/test_compile.py $(PYTEST_ARGS); rc=$$?; rm -rf $$cache; exit $$rc
 
 test-fast: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests --ignore=tests/test_mm_adapters.py -m "not slow" $(PYTEST_ARGS)

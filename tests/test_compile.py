@@ -1,7 +1,6 @@
 """Whole-model torch.compile (inductor, CPU, dynamic=True) equals eager, forward and backward, at a square and a
-non-square size, for every family (one block per stage), and dynamo sees no graph break (marker ``compile``)."""
-import os
-
+non-square size, for every family (one block; two stages of the hierarchical ones: ``ttt_zoo.bench.compile.SMALL``),
+and dynamo sees no graph break with symbolic sizes (marker ``compile``)."""
 import pytest
 
 import ttt_zoo
@@ -11,20 +10,7 @@ pytestmark = pytest.mark.compile
 FAMILIES = sorted(ttt_zoo.list_zoo_families(include_diffusion=True))
 
 
-# compiled in this checkout's session (forward + backward at 224 with dynamic=True, 1 graph, 0 breaks each), but
-# on CI's 2-core run one of them failed parity and two ran past 20 minutes: opt in with TTT_ZOO_COMPILE_ALL=1 until
-# the failing one is identified (tools/results/compile_graph_breaks.md)
-NEW = {"hvit3", "visionttt", "visionttt_h"}
-OPT_IN = os.environ.get("TTT_ZOO_COMPILE_ALL") == "1"
-
-
-def _params():
-    for f in FAMILIES:
-        skip = f in NEW and not OPT_IN
-        yield pytest.param(f, marks=[pytest.mark.skip(reason="set TTT_ZOO_COMPILE_ALL=1")] if skip else [])
-
-
-@pytest.mark.parametrize("family", list(_params()))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_inductor_dynamic_matches_eager(family):
     name, model, sizes = small_model(family)
     breaks = graph_breaks(name, model, sizes[0])

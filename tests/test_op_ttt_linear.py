@@ -370,10 +370,31 @@ def test_opcheck_fake_kernels():
     torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_fwd.default, args + [True],
                           test_utils=("test_schema", "test_faketensor"))
     out, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, True)
-    # 6 mini-batches, a checkpoint every ceil(sqrt(6)) = 3: (ndir B, heads, 2, d + 1, d)
-    assert st.shape == (4, 1, 2, 5, 4) and R.ckpt_every(6) == 3
+    # 6 mini-batches, a checkpoint every max(4, ceil(6 / 32)) = 4: (ndir B, heads, 2, d + 1, d)
+    assert st.shape == (4, 1, 2, 5, 4) and R.ckpt_every(6) == 4 and R.ckpt_every(4096) == 128
     torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_bwd.default, [torch.randn_like(out)] + args[:9] + [st]
                           + args[9:], test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_kernel_sizes_stay_symbolic():
+    """Under torch.compile(dynamic=True) the scan op's fake kernel sizes the saved states by a formula of the token
+    count (integer ops only): one graph serves every length and gives the real op's sizes.  (A sqrt rule was fixed
+    to the traced size: a graph per length, and inside a model, whose token count is a product of sizes, a wrong
+    size at the next length.)"""
+    def states_like(*args):
+        st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True)[1]
+        return st.new_zeros(st.shape)  # sized by the fake kernel's formula
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(states_like, backend="aot_eager", dynamic=True)
+    for n in (23, 200, 600, 3000):
+        x = make_inputs(2, 1, n, 4, 4, 1, torch.float32)
+        q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
+        args = [q2, k2, x[2], x[3], x[4], w2, b2, x[7], x[8]]
+        real = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True)[1]
+        assert compiled(*args).shape == real.shape, n
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_dispatch_table():

@@ -26,7 +26,6 @@ directions; direction 1 scans the sequence reversed):
         the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
         (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
 """
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -73,9 +72,17 @@ def _state0(w0: Tensor, b0: Tensor, ndir: int, bsz: int, cd: torch.dtype) -> Tup
     return w.to(cd), b.to(cd)
 
 
+#: the forward saves at most this many states (one per segment of mini-batches); the backward recomputes a segment
+CKPT_SEGMENTS = 32
+#: mini-batches per segment at least (the forward forms a segment's outputs in one batched product)
+CKPT_MIN_SEGMENT = 4
+
+
 def ckpt_every(n_mb: int) -> int:
-    """Mini-batches per saved state: ceil(sqrt(n_mb)), so saved + recomputed states are ~2 sqrt(N / b)."""
-    return max(1, math.ceil(math.sqrt(n_mb)))
+    """Mini-batches per saved state: max(4, ceil(n_mb / 32)).  Integer ops only, so a symbolic ``n_mb`` (torch.compile
+    with dynamic shapes) gives the custom op's fake kernel the exact size of the saved states at every size (a sqrt
+    rule was fixed to the traced size).  A state is (d + 1) x d per head: the saved ones cost little memory."""
+    return torch.sym_max(CKPT_MIN_SEGMENT, -(-n_mb // CKPT_SEGMENTS))
 
 
 def _chunks(n: int, mb: int) -> List[Tuple[int, int]]:

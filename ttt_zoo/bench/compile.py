@@ -12,12 +12,18 @@ import ttt_zoo
 
 __all__ = ["SMALL", "IMAGE_SIZES", "LATENT_SIZES", "small_model", "model_inputs", "compiled_parity", "graph_breaks"]
 
-# one block per stage: the same block code as the full models, compiled in a fraction of the time
+# one block (per stage): the same block code as the full models, compiled in a fraction of the time.  The
+# hierarchical families keep two of their four stages (stem, blocks, a merge, blocks, head: every code path): with
+# dynamic sizes each further stage nests the size expressions one level deeper, and inductor's symbolic-shape work
+# grows much faster than the graph (four stages took over 10 min on 2 cores; ``small_model(..., full=True)``)
 SMALL = {"vit3": dict(depth=1), "t5": dict(depth=1), "t5_plus": dict(depth=1), "visionttt": dict(depth=1),
-         "hvit3": dict(depths=(1, 1, 1, 1)), "visionttt_h": dict(depths=(1, 1, 1, 1)), "dit": dict(depth=1),
+         "hvit3": dict(depths=(1, 1), embed_dim=(64, 128), num_heads=(2, 4)),
+         "visionttt_h": dict(depths=(1, 1), head_dim=(32, 32)), "dit": dict(depth=1),
          "dit3": dict(depth=1), "dit5": dict(depth=1)}
-IMAGE_SIZES = ((224, 224), (160, 256))  # classifiers (multiples of 32), square and not
-LATENT_SIZES = ((32, 32), (24, 40))  # DiT latents (the s_2 models' default is 32)
+# non-square first: dynamo's duck sizing would give a square first call one symbol for H and W, and the
+# non-square call would then recompile
+IMAGE_SIZES = ((160, 256), (224, 224))  # classifiers (multiples of 32), not square and square
+LATENT_SIZES = ((24, 40), (32, 32))  # DiT latents (the s_2 models' default is 32)
 
 
 def small_model(family: str, full: bool = False) -> Tuple[str, torch.nn.Module, Sequence[Tuple[int, int]]]:

@@ -110,18 +110,14 @@ def _na2d_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
     return torch.einsum("bnhwk,bnhwkd->bnhwd", attn, vwin)
 
 
-#: query tile side of the tiled NA (dilation 1); measured on the CPU in tools/results/neighborhood_attention.md
-NA_TILE = 8
-
-
 @register_notrace_function
 def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int,
                                     dilation: int = 1, scale: Optional[float] = None,
-                                    tile: Optional[int] = None) -> torch.Tensor:
+                                    tile: int = 8) -> torch.Tensor:
     """Pure-PyTorch 2-D NA.  q, k, v: (B, heads, H, W, d) -> (B, heads, H, W, d).  ``scale`` defaults to d^-0.5.
 
-    Dilation 1 runs by query tiles (``tile``, default :data:`NA_TILE`; ``tile=0`` forces the gather form), any
-    other dilation gathers every query's window."""
+    Dilation 1 runs by query tiles of ``tile`` x ``tile`` queries (``tile=0``: the gather form), any other dilation
+    gathers every query's window."""
     if not torch.jit.is_scripting():
         if q.dim() != 5 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
             raise ValueError(f"neighbourhood attention expects q, k, v of shape (B, heads, H, W, d), got "
@@ -130,9 +126,8 @@ def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.T
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     neighborhood_indices(min(h, w), kernel_size, dilation)  # validates the window against the map (clear error)
-    t = NA_TILE if tile is None else tile
-    if dilation == 1 and t > 0:
-        return _na2d_tiled(q, k, v, kernel_size, scale, t)
+    if dilation == 1 and tile > 0:
+        return _na2d_tiled(q, k, v, kernel_size, scale, tile)
     return _na2d_gather(q, k, v, kernel_size, dilation, scale)
 
 

@@ -140,9 +140,12 @@ class PlainTTTViT(TTTClassifier):
     # ----- forward -----
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         check_image(x, self.in_chans, self.patch_size, self.min_size, self.model_name)
-        x = self.patch_embed(x)  # B, H, W, C
-        feat_size = (x.shape[1], x.shape[2])
-        x = x.flatten(1, 2)
+        # timm's PatchEmbed.forward without its size assert (check_image validated the size; the assert's f-string,
+        # built on every call, made torch.compile(dynamic=True) specialise the size); the tokens a buffer, not a view
+        # of the conv output (inductor cannot order a view's symbolic strides)
+        x = self.patch_embed.proj(x)
+        feat_size = (x.shape[2], x.shape[3])
+        x = self.patch_embed.norm(x.flatten(2).transpose(1, 2).contiguous())  # B, N, C
         if self.pos_embed is not None:
             x = x + resample_pos_embed(self.pos_embed, self.grid_size, feat_size)
         if self.pos_drop is not None:

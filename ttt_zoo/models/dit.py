@@ -271,12 +271,16 @@ class DiT(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (B, in_chans, H, W), t (B,) timesteps (may be fractional), y (B,) int labels -> (B, out_channels, H, W)."""
+        check_image(x, self.in_chans, self.patch_size, self.patch_size, "DiT")
         if not torch.jit.is_scripting():
-            check_image(x, self.in_chans, self.patch_size, self.patch_size, "DiT")
             check_conditioning(x, t, y, self.y_embedder.embedding_table.num_embeddings, "DiT")
-        x = self.x_embedder(x)  # B, h, w, D
-        feat_size = (x.shape[1], x.shape[2])
-        x = x.flatten(1, 2) + runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
+        # timm's PatchEmbed.forward without its size assert (check_image validated the size; the assert's f-string,
+        # built on every call, made torch.compile(dynamic=True) specialise the size); the tokens a buffer, not a view
+        # of the conv output (inductor cannot order a view's symbolic strides)
+        x = self.x_embedder.proj(x)
+        feat_size = (x.shape[2], x.shape[3])
+        x = self.x_embedder.norm(x.flatten(2).transpose(1, 2).contiguous())  # B, h*w, D
+        x = x + runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
         c = self.t_embedder(t) + self.y_embedder(y)
         for blk in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
