@@ -81,6 +81,26 @@ def test_bench_compile_beside_eager(tmp_path, capsys):
         assert r["infer_step_time"] > 0 and r["train_step_time"] > 0
 
 
+def test_bench_before_measures_the_older_revision(tmp_path, capsys):
+    # --before REV: the model measured with the ttt_zoo of that git revision too (run from the checkout's root,
+    # where `python -m` would otherwise import this checkout's ttt_zoo)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=1", "--img-size", "64", "--before", "HEAD",
+                   "--bench", "inference", "--num-warm-iter", "1", "--num-bench-iter", "1", "--device", "cpu",
+                   "--threads", "1", "--results-file", str(tmp_path / "r.json")])
+    finally:
+        os.chdir(cwd)
+    assert rc == 0, capsys.readouterr()
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert set(rows) == {"vit3_tiny", "vit3_tiny (HEAD)"}
+    assert all("infer_error" not in r and r["infer_step_time"] > 0 for r in rows.values()), rows
+
+
 def test_ops_dry_run(tmp_path):
     rc = main(["bench", "--ops", "key_instance_norm", "--dry-run", "--results-file", str(tmp_path / "ops.csv"),
                "--output", str(tmp_path)])

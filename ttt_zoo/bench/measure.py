@@ -118,7 +118,9 @@ def run_child(kind: str, spec: Dict, env: Optional[Dict[str, Optional[str]]] = N
     child_env["PYTHONPATH"] = os.pathsep.join(paths)
     cmd = [sys.executable, "-m", "ttt_zoo.bench.child", kind, json.dumps(spec)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout)
+        # `python -m` puts the working directory first on sys.path: run a --before child inside its source tree,
+        # or a run started in this checkout's root would import this checkout's ttt_zoo instead
+        out = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout, cwd=src)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {timeout:.0f} s")
     results = [line[len(RESULT_TAG):] for line in out.stdout.splitlines() if line.startswith(RESULT_TAG)]
