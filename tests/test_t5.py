@@ -224,3 +224,18 @@ def test_tiled_neighborhood_attention_fp32_bf16_at_4096_tokens(dtype, tol):
     out = neighborhood_attention_2d(*(t.to(dtype) for t in (q, k, v)), 5, 1, 64 ** -0.5, use_natten=False)
     err = (out.double().flatten(2, 3) - ref).abs().max() / ref.abs().max()
     assert err < tol, f"{dtype}: max relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("new", [(10, 16), (20, 7), (14, 14)])
+def test_pos_embed_resample_op_matches_eager(new):
+    """The learned pos_embed resample as one custom op (what torch.compile runs: torch has no symbolic-size meta
+    kernel for the antialiased bicubic backward) equals timm's resample, output and gradient, in float64."""
+    from ttt_zoo.models._plain import _resample_eager, _resample_op
+    p = torch.randn(1, 14 * 14, 8, dtype=torch.float64, requires_grad=True)
+    out, ref = _resample_op(p, 14, 14, *new), _resample_eager(p, 14, 14, *new)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(out, p, g)[0], torch.autograd.grad(ref, p, g)[0],
+                               rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(_resample_op, (p.detach().float(), 14, 14, *new),
+                          test_utils=("test_schema", "test_faketensor"))

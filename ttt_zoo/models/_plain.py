@@ -20,6 +20,50 @@ from ._common import (CheckpointError, TTTClassifier, check_image, drop_path_sch
 __all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
 
 
+def _resample_eager(pos_embed: torch.Tensor, old_h: int, old_w: int, new_h: int, new_w: int) -> torch.Tensor:
+    return resample_abs_pos_embed(pos_embed, new_size=[new_h, new_w], old_size=[old_h, old_w], num_prefix_tokens=0)
+
+
+@torch.library.custom_op("ttt_zoo::resample_pos_embed", mutates_args=())
+def _resample_op(pos_embed: torch.Tensor, old_h: int, old_w: int, new_h: int, new_w: int) -> torch.Tensor:
+    out = _resample_eager(pos_embed, old_h, old_w, new_h, new_w)
+    # contiguous, as the fake says; a custom op's output may not alias its input
+    return out.clone() if out is pos_embed else out.contiguous()
+
+
+@_resample_op.register_fake
+def _(pos_embed, old_h, old_w, new_h, new_w):
+    return pos_embed.new_empty(pos_embed.shape[0], new_h * new_w, pos_embed.shape[2])
+
+
+@torch.library.custom_op("ttt_zoo::resample_pos_embed_bwd", mutates_args=())
+def _resample_bwd_op(grad: torch.Tensor, pos_embed: torch.Tensor, old_h: int, old_w: int, new_h: int,
+                     new_w: int) -> torch.Tensor:
+    if old_h == new_h and old_w == new_w:  # resample_abs_pos_embed returns the embedding itself
+        return grad.to(pos_embed.dtype).clone()
+    c = pos_embed.shape[2]  # the backward of resample_abs_pos_embed's float32 bicubic antialiased interpolation
+    g = grad.float().reshape(1, new_h, new_w, c).permute(0, 3, 1, 2).contiguous()
+    g = torch.ops.aten._upsample_bicubic2d_aa_backward(g, [new_h, new_w], [1, c, old_h, old_w], False, None, None)
+    return g.permute(0, 2, 3, 1).reshape(1, old_h * old_w, c).to(pos_embed.dtype).contiguous()
+
+
+@_resample_bwd_op.register_fake
+def _(grad, pos_embed, old_h, old_w, new_h, new_w):
+    return torch.empty_like(pos_embed, memory_format=torch.contiguous_format)
+
+
+def _resample_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.sizes = inputs[1:]
+
+
+def _resample_backward(ctx, grad):
+    return (_resample_bwd_op(grad.contiguous(), ctx.saved_tensors[0], *ctx.sizes), None, None, None, None)
+
+
+_resample_op.register_autograd(_resample_backward, setup_context=_resample_setup)
+
+
 @register_notrace_function
 def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
     """(1, gh*gw, C) learned embedding -> (1, H*W, C) for the runtime map (bicubic, as timm's ViT)."""
@@ -27,6 +71,11 @@ def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat
     exporting = False
     if not torch.jit.is_scripting():  # TorchScript cannot compile torch.compiler.is_exporting
         exporting = torch.compiler.is_exporting()
+        if torch.compiler.is_compiling() and not exporting and not (
+                grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]):
+            # torch 2.14's antialiased bicubic backward has no meta kernel for symbolic sizes: under torch.compile
+            # the resample is one opaque op, run eagerly at the concrete size
+            return _resample_op(pos_embed, grid_size[0], grid_size[1], feat_size[0], feat_size[1])
     if not exporting and grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]:
         return pos_embed
     return resample_abs_pos_embed(pos_embed, new_size=[feat_size[0], feat_size[1]],
