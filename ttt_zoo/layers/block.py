@@ -1,12 +1,15 @@
 """The parameterised TTT block shared by the families: CPE -> mixer -> MLP, pre-norm residuals."""
 
+from functools import partial
 from typing import Callable, Optional, Tuple, Type
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from timm.layers import DropPath
 
 from .mixer import create_mixer
+from .recompute import can_recompute, linear_of_recomputed
 
 __all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens", "tokens_as_map"]
 
@@ -36,7 +39,13 @@ def tokens_as_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
 
 
 class TokenMlp(nn.Module):
-    """fc1 -> act -> [u + dwconv3x3(u) -> act] -> fc2.  ``dwconv=False`` is timm's ``Mlp`` (same keys)."""
+    """fc1 -> act -> [u + dwconv3x3(u) -> act] -> fc2.  ``dwconv=False`` is timm's ``Mlp`` (same keys).
+
+    In training the activations between fc1 and fc2 are recomputed in the backward, not kept
+    (:mod:`ttt_zoo.layers.recompute`; ``recompute_act = False`` keeps them).
+    """
+
+    recompute_act: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, act_layer: Type[nn.Module] = nn.GELU,
                  dwconv: bool = False, drop: float = 0.0):
@@ -58,8 +67,21 @@ class TokenMlp(nn.Module):
                 return torch.ops.aten.gelu_(x, approximate=self.act.approximate)
         return self.act(x)
 
+    def _mid(self, feat_size: Tuple[int, int], h: torch.Tensor, *dwc_params: torch.Tensor) -> torch.Tensor:
+        """act [-> u + dwconv(u) -> act], the part between fc1 and fc2 (never in place: ``h`` is kept)."""
+        u = self.act(h)
+        if self.dwc is None:
+            return u
+        conv = F.conv2d(tokens_as_map(u, feat_size), *dwc_params, padding=1, groups=self.dwc.groups)
+        return self.act(u + map_to_tokens(conv))
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.drop1(self._act(self.fc1(x)))
+        h = self.fc1(x)
+        if not torch.jit.is_scripting():
+            if can_recompute(self, h):  # training: keep fc1's output only (ttt_zoo.layers.recompute)
+                params = () if self.dwc is None else (self.dwc.weight, self.dwc.bias)
+                return linear_of_recomputed(partial(self._mid, feat_size), h, self.fc2, *params)
+        x = self.drop1(self._act(h))
         if self.dwc is not None:
             x = self._act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
         return self.drop2(self.fc2(x))

@@ -19,6 +19,7 @@ from timm.layers import register_notrace_function
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
+from ttt_zoo.layers.recompute import can_recompute, linear_of_recomputed
 from ._common import build_ttt_model, check_image, image_cfg, unwrap_checkpoint, validate_state_dict
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
@@ -27,7 +28,10 @@ __all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
 
 
 class SwiGluMlp(nn.Module):
-    """``fc2(silu(gate) * value)`` with ``[gate, value] = fc1(x)``; hidden rounded up to a multiple of 8."""
+    """``fc2(silu(gate) * value)`` with ``[gate, value] = fc1(x)``; hidden rounded up to a multiple of 8.  In
+    training ``silu(gate) * value`` is recomputed in the backward (``recompute_act = False`` keeps it)."""
+
+    recompute_act: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, bias: bool = True, drop: float = 0.0):
         super().__init__()
@@ -37,9 +41,17 @@ class SwiGluMlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop = nn.Dropout(drop)
 
+    @staticmethod
+    def _mid(h: torch.Tensor) -> torch.Tensor:
+        gate, value = h.chunk(2, dim=-1)
+        return F.silu(gate) * value
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self.drop(self.fc2(F.silu(gate) * value))
+        h = self.fc1(x)
+        if not torch.jit.is_scripting():
+            if can_recompute(self, h):  # training: keep fc1's output only (ttt_zoo.layers.recompute)
+                return linear_of_recomputed(self._mid, h, self.fc2)
+        return self.drop(self.fc2(self._mid(h)))
 
 
 def _vittt_heads(dim: int, head_dim: int, mixer: str, mixer_kwargs: Optional[Dict[str, Any]]
