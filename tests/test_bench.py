@@ -68,6 +68,18 @@ def test_bench_onnxruntime_beside_torch(tmp_path, capsys):
     assert ort_row["param_count"] == torch_row["param_count"]
 
 
+def test_bench_grad_checkpointing_keeps_less_for_the_backward(tmp_path, capsys):
+    # timm's --grad-checkpointing: the blocks' activations are recomputed, so autograd keeps less
+    saved = {}
+    for flag in ([], ["--grad-checkpointing"]):
+        rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=2", "--img-size", "64", "--bench",
+                   "train", "--saved-mem", "--num-warm-iter", "0", "--num-bench-iter", "1", "--device", "cpu",
+                   "--threads", "1", "--results-file", str(tmp_path / "r.json")] + flag)
+        assert rc == 0, capsys.readouterr()
+        saved[bool(flag)] = json.loads((tmp_path / "r.json").read_text())["results"][0]["train_saved_mb"]
+    assert 0 < saved[True] < 0.5 * saved[False], saved
+
+
 def test_bench_compile_beside_eager(tmp_path, capsys):
     # --runtime torch compile: an eager row and a torch.compile row (--torchcompile's backend) side by side
     rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=1", "--img-size", "64",

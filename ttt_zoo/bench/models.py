@@ -86,6 +86,10 @@ class _Setup:
                 raise ValueError(f"--set-attr {key}: no submodule of {spec['model']} has an attribute {key!r}")
             for m in hits:
                 setattr(m, key, value)
+        if spec.get("grad_checkpointing"):
+            if not hasattr(model, "set_grad_checkpointing"):
+                raise ValueError(f"--grad-checkpointing: {spec['model']} has no set_grad_checkpointing()")
+            model.set_grad_checkpointing(True)
         fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
         model = model.to(self.device, memory_format=fmt).train(self.train)
         self.model = model

@@ -25,6 +25,7 @@ class BenchConfig:
     device: str = "cpu"
     amp_dtype: Optional[str] = None  # "bfloat16" | "float16": autocast; None: fp32
     channels_last: bool = False
+    grad_checkpointing: bool = False
     torchcompile: Optional[str] = None  # torch.compile backend, e.g. "inductor"
     num_warm_iter: int = 2
     num_bench_iter: int = 10
@@ -91,6 +92,7 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
     compile_backend = _compile_backend(cfg, rt)
     return dict(model=c["model"], img_size=[h, w], phase=phase, batch_size=_batch(cfg, h, w), device=cfg.device,
                 amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=compile_backend,
+                grad_checkpointing=cfg.grad_checkpointing,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
                 saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=rt,

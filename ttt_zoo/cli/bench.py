@@ -148,7 +148,7 @@ def run(args) -> int:
                       phases={"inference": ("infer",), "train": ("train",), "both": ("infer", "train")}[args.bench],
                       batch_size=args.batch_size, batch_tokens=args.batch_tokens, device=args.device,
                       amp_dtype=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
-                      torchcompile=args.torchcompile, num_warm_iter=args.num_warm_iter,
+                      grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, num_warm_iter=args.num_warm_iter,
                       num_bench_iter=args.num_bench_iter, threads=args.threads, backends=args.backend or [None],
                       runtimes=tuple(dict.fromkeys(args.runtime)),
                       model_kwargs=dict(args.model_kwargs or []),
@@ -158,6 +158,7 @@ def run(args) -> int:
                 f"all side by side in this run; {cfg.num_warm_iter} warm-up + {cfg.num_bench_iter} timed steps, "
                 f"step time = median; precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
                 f"{', channels-last' if cfg.channels_last else ''}"
+                f"{', gradient checkpointing' if cfg.grad_checkpointing else ''}"
                 f"{', torch.compile ' + cfg.torchcompile if cfg.torchcompile else ''}; batch "
                 f"{f'max(1, {cfg.batch_tokens} tokens / (H/16 x W/16))' if cfg.batch_tokens else cfg.batch_size}. "
                 "Inference: eval, no_grad. Train: forward + cross-entropy + backward (no optimizer step). "
@@ -231,6 +232,8 @@ def add_parser(sub) -> None:
     g.add_argument("--amp", action="store_true", help="autocast mixed precision")
     g.add_argument("--amp-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     g.add_argument("--channels-last", action="store_true")
+    g.add_argument("--grad-checkpointing", action="store_true",
+                   help="train with activation checkpointing (model.set_grad_checkpointing(), every row)")
     g.add_argument("--torchcompile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (default backend inductor)")
     g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "compile", "onnxruntime"],
