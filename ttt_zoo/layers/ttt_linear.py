@@ -18,6 +18,7 @@ from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from .block import map_to_tokens, tokens_as_map
 from .mixer import TTTMixer, register_mixer
+from .recompute import can_recompute, linear_of_recomputed
 from .t5_ttt import check_variant_options
 
 __all__ = ["TTTLinearMixer"]
@@ -72,7 +73,11 @@ class TTTLinearMixer(TTTMixer):
         inner_update='last' (V1), inner_model='linear' (V3), normalize_grad=True (V6), share_qk=True raise: the
             inner model is already a single linear layer (W, b) under a LayerNorm, nothing normalises its
             gradient, and q = k already (``qk_mode='shared'``; ``'conv_q'`` is the separate-query form).
+
+    In training ``GELU_tanh(u_g) * post_norm(z)`` is recomputed in the backward rather than kept
+    (:mod:`ttt_zoo.layers.recompute`; ``recompute_act = False`` keeps it).
     """
+    recompute_act: bool = True
     # TorchScript: constants (only the live scan is compiled) and the Python-only inner_steps property
     dot_loss: Final[bool]
     gradient_ascent: Final[bool]
@@ -245,8 +250,17 @@ class TTTLinearMixer(TTTMixer):
         b, n, c = x.shape
         q, k, v, lr, u_g = self.inner_inputs(x, feat_size)
         z, _ = self._scan(q, k, v, lr)
-        z = self.post_norm(z.transpose(1, 2).reshape(b, n, c))
-        return self.proj_drop(self.o_proj(F.gelu(u_g, approximate="tanh") * z))
+        z = z.transpose(1, 2).reshape(b, n, c)
+        if not torch.jit.is_scripting():
+            if can_recompute(self, z):  # training: keep u_g and z only (ttt_zoo.layers.recompute)
+                return linear_of_recomputed(self._gate, u_g, self.o_proj, z, self.post_norm.weight,
+                                            self.post_norm.bias)
+        return self.proj_drop(self.o_proj(F.gelu(u_g, approximate="tanh") * self.post_norm(z)))
+
+    def _gate(self, u_g: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor) -> torch.Tensor:
+        """``GELU_tanh(u_g) * post_norm(z)``, the input of ``o_proj``."""
+        z = F.layer_norm(z, z.shape[-1:], norm_w, norm_b, self.post_norm.eps)
+        return F.gelu(u_g, approximate="tanh") * z
 
     @torch.jit.ignore
     def inner_grad_norm(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
