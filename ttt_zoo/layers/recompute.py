@@ -17,30 +17,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ttt_zoo.kernels.utils import autocast_state, no_autocast
+
 __all__ = ["linear_of_recomputed", "can_recompute"]
-
-
-def _replay_autocast(device_type: str, state):
-    enabled, dtype = state
-    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 class _LinearOfRecomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mid: Callable, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *params):
         ctx.mid, ctx.has_bias = mid, bias is not None
-        dev = h.device.type
-        ctx.amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") \
-            else (False, None)
+        ctx.amp = autocast_state(h.device)
         ctx.save_for_backward(h, weight, *params)
         return F.linear(mid(h, *params), weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         h, weight, *params = ctx.saved_tensors
-        dev = h.device.type
-        amp = _replay_autocast(dev, ctx.amp) if dev in ("cpu", "cuda") else torch.autocast(dev, enabled=False)
-        with torch.enable_grad(), amp:
+        with torch.enable_grad(), no_autocast(h.device, *ctx.amp):  # the forward's autocast state
             h_ = h.detach().requires_grad_(ctx.needs_input_grad[1])
             params_ = [p.detach().requires_grad_(need) for p, need in zip(params, ctx.needs_input_grad[4:])]
             g = ctx.mid(h_, *params_)
