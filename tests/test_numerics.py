@@ -118,6 +118,9 @@ def test_scan_paths_at_n3136(stage0):
                  "TorchScript reference": torch.jit.script(scan_ref.ttt_linear_bidir_reference)(
                      *a32, mixer.mini_batch, True, mixer.rope_theta)[0],
                  "naive": scan_ref.ttt_linear_bidir(*a32, **cfg, scan=scan_ref.ttt_linear_naive)[0]}
+        # the state stays fp32 under autocast (bf16 GEMMs in the recursion were 7e-3 off here)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            paths["torch backend under bf16 autocast"] = scan_rc.ttt_linear_bidir_torch(*a32, **cfg)[0]
         assert NT.rel(scan_ref.ttt_linear_bidir(*a64, **cfg)[0], true) < 1e-12  # the batched form in float64
     grad_args = [t.clone().requires_grad_() for t in a32]
     paths["recompute (grad)"] = scan_rc.ttt_linear_bidir_torch(*grad_args, **cfg)[0]

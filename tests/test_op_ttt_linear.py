@@ -616,3 +616,17 @@ def test_empty_batch(backend):
     assert out.shape == (0, 2, 19, 8)
     out.sum().backward()
     assert x[0].grad.shape == x[0].shape and torch.equal(x[5].grad, torch.zeros_like(x[5]))
+
+
+def test_layernorm_backward_helper_takes_strided_statistics():
+    # ATen's CPU LayerNorm backward reads mean/rstd as dense arrays whatever their strides; the scan's helper must
+    # give the closed form for a strided slice of them (the per-mini-batch loop of the backward slices them)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 5, 4, 8, generator=g, dtype=torch.float64) * 3 + 1
+    dxh = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+    _, mu, rs = R._ln(z, 1e-6)
+    zi, mi, ri = z[:, :, 2], mu[:, :, 2], rs[:, :, 2]
+    assert not mi.is_contiguous()
+    xh = (zi - zi.mean(-1, keepdim=True)) * ri
+    closed = (dxh - dxh.mean(-1, keepdim=True) - xh * (dxh * xh).mean(-1, keepdim=True)) * ri
+    torch.testing.assert_close(R._ln_bwd(dxh, zi, mi, ri), closed, rtol=1e-12, atol=1e-12)

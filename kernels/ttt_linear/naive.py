@@ -12,7 +12,7 @@ Two implementations of the same scan (both TorchScript-compilable, both differen
 - :func:`ttt_linear_reference` (the ``torch`` path on CPU): the bias is folded into the state as one extra row
   (``[k, 1] @ [W; b]``), batch and heads are one ``bmm`` batch, everything that does not depend on the state
   (targets, the causal ``eta * (q k^T + 1)`` block, ``k * eta_last``) is formed for all mini-batches at once, and the
-  loop per mini-batch is 3 ``bmm``s and a closed-form LayerNorm gradient; outputs are formed inside the loop,
+  loop per mini-batch is 2 ``bmm``s and the closed-form LayerNorm gradient (ATen's fused LayerNorm kernels); outputs are formed inside the loop,
   so no per-mini-batch state is kept in inference.
 - :func:`ttt_linear_naive` (``torch_naive``): the plain form, the per-mini-batch states stacked and the outputs
   formed afterwards.
@@ -91,21 +91,22 @@ def _scan_setup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Ten
             w0.to(cd).expand(bsz, heads, d, d), b0.to(cd).expand(bsz, heads, 1, d))
 
 
-def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: torch.Tensor, inv_d: float) -> torch.Tensor:
-    """:func:`ln_l2_grad` with ``c = (ln_b - target) * ln_w``, ``lnw2 = ln_w^2`` and ``eps`` (a 1-element tensor)
-    precomputed.  ``z`` is centred here: a rounding-level row mean left in would be fed back, with the same sign,
-    into every later state and grow geometrically over the mini-batches."""
-    z = z - z.mean(-1, keepdim=True)
-    norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True)
-    rstd = torch.rsqrt(torch.addcmul(eps, norm, norm, value=inv_d))
-    xh = z * rstd
-    gx = torch.addcmul(c, xh, lnw2)
-    m = torch.addcmul(gx.sum(-1, keepdim=True), xh, (gx * xh).sum(-1, keepdim=True))
-    return torch.sub(gx, m, alpha=inv_d) * rstd
+def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`ln_l2_grad` with ``c = (ln_b - target) * ln_w`` and ``lnw2 = ln_w^2`` precomputed, in three ops: the
+    gradient is LayerNorm's own backward applied to ``gx = c + lnw2 * x_hat``, so ATen's fused LayerNorm forward and
+    backward kernels form it (the scan runs this once per mini-batch, where the op count sets the time).  The
+    kernels centre ``z`` themselves: a rounding-level row mean left in would be fed back, with the same sign, into
+    every later state and grow geometrically over the mini-batches.  Autograd through it is exact: the double
+    backward of ``native_layer_norm_backward`` differentiates through the statistics (given detached)."""
+    shape = [z.shape[-1]]
+    x_hat, mean, rstd = torch.native_layer_norm(z, shape, None, None, eps)
+    gx = torch.addcmul(c, x_hat, lnw2)
+    return torch.ops.aten.native_layer_norm_backward(gx, z, shape, mean.detach(), rstd.detach(), None, None,
+                                                     [True, False, False])[0]
 
 
 def _minibatch_step(state: torch.Tensor, kq: torch.Tensor, tgt: torch.Tensor, kel: torch.Tensor,
-                    lnw2: Optional[torch.Tensor], eps_t: torch.Tensor, c: int, shared: bool, update: bool = True
+                    lnw2: Optional[torch.Tensor], eps: float, c: int, shared: bool, update: bool = True
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mini-batch of the dual form (shared by the chunked scan and the export loop): z = k S and q S from one
     bmm of [k; q] (or of k alone when q = k), the inner gradient g, and the next state S + kel g (``update``)."""
@@ -113,7 +114,7 @@ def _minibatch_step(state: torch.Tensor, kq: torch.Tensor, tgt: torch.Tensor, ke
     o = z
     if not shared:
         z, o = z[:, :c], z[:, c:]
-    g = _ln_grad(z, tgt, lnw2, eps_t, 1.0 / (state.shape[-1])) if lnw2 is not None else z - tgt
+    g = _ln_grad(z, tgt, lnw2, eps) if lnw2 is not None else z - tgt
     return o, g, (torch.baddbmm(state, kel, g) if update else state)
 
 
@@ -148,11 +149,10 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     kel = (kc * (-tau[c - 1] * lrc).transpose(-1, -2)).transpose(-1, -2).unbind(1)  # (BH, d+1, c) each
     kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
     tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
-    eps_t = torch.full([1], eps, dtype=qa.dtype, device=qa.device)
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
-        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps_t, c, shared, carry or i < nc - 1)
+        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps, c, shared, carry or i < nc - 1)
         outs.append(o)
         grads.append(g)
     # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
@@ -187,9 +187,8 @@ def _scan_loop(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.
     def step(st: torch.Tensor, x: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         kc, tc, lrc = x[0], x[1], x[2]
         qc = kc if shared else x[3]
-        eps_t = torch.full([1], eps, dtype=kc.dtype, device=kc.device)  # made here: a captured (1,) gets a symbolic size
         kel = (kc * (-tau[c - 1] * lrc)[:, :, None]).transpose(1, 2)
-        o, g, st = _minibatch_step(st, kc if shared else torch.cat([kc, qc], 1), tc, kel, lnw2, eps_t, c, shared)
+        o, g, st = _minibatch_step(st, kc if shared else torch.cat([kc, qc], 1), tc, kel, lnw2, eps, c, shared)
         attn = torch.bmm(qc, kc.transpose(1, 2)) * (causal * lrc[:, None, :])
         return st, torch.baddbmm(o, attn, g)
 

@@ -34,21 +34,24 @@ from torch import Tensor
 from ..utils import compute_dtype as _cd
 from ..utils import needs_grad as _needs_grad
 from ..utils import no_autocast as _no_autocast  # the scan chooses its own precision (fp32 state)
-from .naive import ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
+from .naive import _ln_grad, ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
            "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
 
 
-def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
-    mu = z.mean(-1, keepdim=True)
-    std = (z.var(-1, keepdim=True, unbiased=False) + eps).sqrt()
-    return (z - mu) / std, std
+def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """x_hat = (z - mean) * rstd over the last dim, with mean and rstd (ATen's fused LayerNorm kernel: one op)."""
+    return torch.native_layer_norm(z, [z.shape[-1]], None, None, eps)
 
 
-def _ln_bwd(dxh: Tensor, xh: Tensor, std: Tensor) -> Tensor:
-    """dz for xh = (z - mean) / std (also the closed-form LN gradient operator itself: it is symmetric)."""
-    return (dxh - dxh.mean(-1, keepdim=True) - xh * (dxh * xh).mean(-1, keepdim=True)) / std
+def _ln_bwd(dxh: Tensor, z: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
+    """dz for x_hat = (z - mean) * rstd given dx_hat (also the closed-form LN gradient operator itself: it is
+    symmetric); ATen's fused LayerNorm backward, one op.  Its CPU kernel reads ``mean`` and ``rstd`` as dense
+    arrays whatever their strides (torch 2.14): a strided slice of them gives wrong values, hence ``contiguous``
+    (free when they already are; pass chunk-major copies in loops)."""
+    return torch.ops.aten.native_layer_norm_backward(dxh, z, [z.shape[-1]], mean.detach().contiguous(),
+                                                     rstd.detach().contiguous(), None, None, [True, False, False])[0]
 
 
 def _seq(x: Tensor, ndir: int, per_dir: bool) -> Tensor:
@@ -89,11 +92,15 @@ def _chunks(n: int, mb: int) -> List[Tuple[int, int]]:
     return [(s, min(s + mb, n)) for s in range(0, n, mb)]
 
 
-def _inner_grad(z: Tensor, t: Tensor, lnw: Tensor, lnb: Tensor, ln_residual: bool, eps: float) -> Tensor:
-    if not ln_residual:
-        return z - t
-    xh, std = _ln(z, eps)
-    return _ln_bwd((lnw * xh + lnb - t) * lnw, xh, std)
+def _grad_consts(ts: Tensor, lnw: Tensor, lnb: Tensor, ln_residual: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """What the inner gradient needs of the targets, for all tokens at once: ``(ln_b - t) * ln_w`` and ``ln_w^2``
+    (the LayerNorm loss), or the targets themselves."""
+    return ((lnb - ts) * lnw, lnw * lnw) if ln_residual else (ts, None)
+
+
+def _inner_grad(z: Tensor, c: Tensor, lnw2: Optional[Tensor], eps: float) -> Tensor:
+    """The per-mini-batch inner gradient (``naive._ln_grad``: three ops) from :func:`_grad_consts`."""
+    return z - c if lnw2 is None else _ln_grad(z, c, lnw2, eps)
 
 
 def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
@@ -114,6 +121,7 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tens
     ts = vs - ks if ln_residual else vs
     tau = tau.to(cd)
     lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
+    gc, lnw2 = _grad_consts(ts, lnw, lnb, ln_residual)
     w, b = _state0(w0, b0, ndir, bsz, cd)
     outs, states = [], []
     n_mb = -(-n // mini_batch)
@@ -126,7 +134,7 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tens
         ws, bs, gs = [], [], []
         for s, e in _chunks(n, mini_batch)[lo:hi]:
             kc, lc = ks[:, :, s:e], lrs[:, :, s:e]
-            g = _inner_grad(kc @ w + b, ts[:, :, s:e], lnw, lnb, ln_residual, eps)
+            g = _inner_grad(torch.matmul(kc, w).add_(b), gc[:, :, s:e], lnw2, eps)
             ws.append(w)
             bs.append(b)
             gs.append(g)
@@ -146,8 +154,7 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tens
             eta = torch.tril(tau[:c, None] * lc)
             zb = qc @ wg + bg - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ gg
             if ln_residual:
-                xh, _ = _ln(zb, eps)
-                zb = qc + xh * lnw[:, :, None] + lnb[:, :, None]
+                zb = torch.addcmul(qc + lnb[:, :, None], _ln(zb, eps)[0], lnw[:, :, None])
             outs.append(zb.reshape(-1, h, s1 - s0, d))
     out = sum(_unseq(torch.cat(outs, 2), ndir)).to(q.dtype)
     st = torch.stack(states, 2) if save_states else q.new_empty(0, dtype=cd)
@@ -187,11 +194,12 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     # recompute the group's forward
     z = kc @ w + b
     if ln_residual:
-        xh, std = _ln(z, eps)
+        xh, mu, rs = _ln(z, eps)
         y = lnw5 * xh + lnb5 - tc
         gx = y * lnw5
-        g = _ln_bwd(gx, xh, std)
+        g = _ln_bwd(gx, z, mu, rs)
         mgx = (gx * xh).mean(-1, keepdim=True)
+        mu_l, rs_l = mu.movedim(2, 0).contiguous(), rs.movedim(2, 0).contiguous()  # mini-batch i: dense [i]
     else:
         g = z - tc
     eta = torch.tril(tu[:, None] * lc[..., None, :])
@@ -200,10 +208,11 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     el = tu[c - 1] * lc
     # output LayerNorm + residual and the dual-form output
     if ln_residual:
-        xh2, std2 = _ln(qc @ w + b - a @ g, eps)
+        zb = qc @ w + b - a @ g
+        xh2, mu2, rs2 = _ln(zb, eps)
         dlnw += (doc * xh2).sum((0, 2, 3))
         dlnb += doc.sum((0, 2, 3))
-        dzb = _ln_bwd(doc * lnw5, xh2, std2)
+        dzb = _ln_bwd(doc * lnw5, zb, mu2, rs2)
         dqc = doc + dzb @ w.transpose(-1, -2)
     else:
         dzb = doc
@@ -226,10 +235,10 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
         dg[:, :, i] = dgi
         dw_out[:, :, i] = dw
         if ln_residual:
-            xi, si = xh[:, :, i], std[:, :, i]
-            dy = _ln_bwd(dgi, xi, si) * lnw
-            dxh = dy * lnw - (mgx[:, :, i] * dgi + gx[:, :, i] * (dgi * xi).mean(-1, keepdim=True)) / si
-            dzi = _ln_bwd(dxh, xi, si) - (dgi * gi).sum(-1, keepdim=True) * xi / (d * si)
+            zi, mi, ri, xi = z[:, :, i], mu_l[i], rs_l[i], xh[:, :, i]
+            dy = _ln_bwd(dgi, zi, mi, ri) * lnw
+            dxh = dy * lnw - (mgx[:, :, i] * dgi + gx[:, :, i] * (dgi * xi).mean(-1, keepdim=True)) * ri
+            dzi = _ln_bwd(dxh, zi, mi, ri) - (dgi * gi).sum(-1, keepdim=True) * xi * (ri / d)
         else:
             dzi = dgi
         dz[:, :, i] = dzi
@@ -237,7 +246,7 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
         db = db + dba[:, :, i] + dzi.sum(-2, keepdim=True)
     dkc = dkc - (el[..., None] * g) @ dw_out.transpose(-1, -2) + dz @ w.transpose(-1, -2)
     if ln_residual:
-        dgx = _ln_bwd(dg, xh, std)
+        dgx = _ln_bwd(dg, z, mu, rs)
         dy = dgx * lnw5
         dlnw += (dgx * y + dy * xh).sum((0, 2, 3))
         dlnb += dy.sum((0, 2, 3))
@@ -276,6 +285,7 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
     ts = vs - ks if ln_residual else vs
     tau_c = tau.to(cd)
     lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
+    gc, lnw2 = _grad_consts(ts, lnw, lnb, ln_residual)
     states = states.to(cd)
     dq, dk, dv, dlr = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs), torch.zeros_like(lrs)
     dtau = torch.zeros_like(tau_c)
@@ -297,7 +307,7 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
             bs.append(b)
             if j < hi - 1:
                 sj, ej = j * mini_batch, (j + 1) * mini_batch
-                g = _inner_grad(ks[:, :, sj:ej] @ w + b, ts[:, :, sj:ej], lnw, lnb, ln_residual, eps)
+                g = _inner_grad(torch.matmul(ks[:, :, sj:ej], w).add_(b), gc[:, :, sj:ej], lnw2, eps)
                 step = (tau_c[mini_batch - 1] * lrs[:, :, sj:ej])[..., None] * g
                 w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
                 b = b - step.sum(-2, keepdim=True)
@@ -387,8 +397,9 @@ def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16,
     Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
     """
     if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
-        return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
-                                    return_grad_norm)
+        with _no_autocast(q.device):  # fp32 state: autocast would run the per-mini-batch GEMMs in half precision
+            return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
+                                        return_grad_norm)
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = single_inputs(q, k, w0, b0)
     return TTTLinearScan.apply(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None
@@ -402,8 +413,9 @@ def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
     Inference (no gradient needed) and the grad-norm map run the reference itself (its forward is the faster one).
     """
     if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
-        return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
-                                return_grad_norm=return_grad_norm)
+        with _no_autocast(q.device):  # as in ttt_linear_torch
+            return ttt_linear_bidir(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
+                                    eps, return_grad_norm=return_grad_norm)
     _check(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
     return TTTLinearScan.apply(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
