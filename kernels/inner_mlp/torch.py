@@ -206,9 +206,17 @@ def last_layer_ttt_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: t
         raise ValueError("loss must be 'dot' or 'mse', got " + loss)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if not torch.jit.is_scripting():  # TorchScript cannot script the autocast helper (and never autocasts)
+        with no_autocast(q.device):  # float32 GEMMs under autocast too (the inner step picks its precision)
+            return _last_layer_step(q, k, v, w, scale, loss, steps)
+    return _last_layer_step(q, k, v, w, scale, loss, steps)
+
+
+def _last_layer_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
+                     loss: str, steps: int) -> torch.Tensor:
     out_dtype = q.dtype
     dt = compute_dtype(q.dtype)
-    q, k, v, w = (t.to(dt) for t in (q, k, v, w))
+    q, k, v, w = q.to(dt), k.to(dt), v.to(dt), w.to(dt)
     c = scale / k.shape[-2]
     kt = _tr(k)
     if loss == "dot":

@@ -15,7 +15,7 @@ carried on, so padding is exact.  Memory per (batch, head): the chunk states, ce
 import torch
 import torch.nn.functional as F
 
-from ..utils import compute_dtype
+from ..utils import compute_dtype, no_autocast
 from .naive import check_la_args
 
 __all__ = ["la_chunk_torch"]
@@ -27,8 +27,15 @@ def _pad_chunks(x: torch.Tensor, n_pad: int) -> torch.Tensor:
 
 def la_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
                    w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16) -> torch.Tensor:
-    """Same arguments and result as ``naive.la_scan_naive``; no loop over the mini-batches."""
+    """Same arguments and result as ``naive.la_scan_naive``; no loop over the mini-batches.  Computed in float32
+    (float64 for float64 inputs) whatever the autocast state, as the Triton path."""
     check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    with no_autocast(q.device):
+        return _la_chunk(q, k, v, lr, tau, w0, b0, mini_batch)
+
+
+def _la_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+              w0: torch.Tensor, b0: torch.Tensor, mini_batch: int) -> torch.Tensor:
     out_dtype = q.dtype
     cd = compute_dtype(q.dtype)
     bsz, h, n, d = q.shape
