@@ -7,6 +7,7 @@ each step; no optimizer step, so the time is the model's alone.
 """
 
 import contextlib
+import os
 from typing import Dict, List, Tuple
 
 import torch
@@ -152,7 +153,8 @@ def bench_model(spec: Dict) -> Dict:
     out = dict(samples_per_sec=round(1e3 * spec["batch_size"] / m["step_time"], 3), step_time=round(m["step_time"], 3),
                batch_size=spec["batch_size"], img_size=h if h == w else f"{h}x{w}",
                param_count=s.param_count / 1e6, peak_mem_mb=None if m["peak_mem_mb"] is None else
-               round(m["peak_mem_mb"], 2), threads=torch.get_num_threads())
+               round(m["peak_mem_mb"], 2), threads=torch.get_num_threads(),
+               malloc_trim=os.environ.get("MALLOC_TRIM_THRESHOLD_") == "0")  # glibc read it at start-up
     if m["cpu_time"] is not None:
         out["cpu_time"] = round(m["cpu_time"], 3)
     try:

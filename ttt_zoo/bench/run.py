@@ -14,6 +14,12 @@ from .ops import OPS
 __all__ = ["BenchConfig", "run_models", "run_profiles", "run_ops", "export_revision"]
 
 
+#: glibc's threshold of free memory at the top of the heap kept from the system; 0 returns it at every free, so the
+#: peak RSS follows the live tensors instead of the heap glibc retains (the CPU counterpart of CUDA's
+#: ``max_memory_allocated``, which counts allocated, not cached, memory)
+MALLOC_TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
+
+
 @dataclasses.dataclass
 class BenchConfig:
     models: Sequence[str] = ("vit3_tiny",)
@@ -42,6 +48,7 @@ class BenchConfig:
     top: int = 12  # profile: operators listed
     imports: Sequence[str] = ()  # modules each child imports first (e.g. one registering a local peer with timm)
     timeout: Optional[float] = None  # seconds per child
+    malloc_trim: bool = False  # glibc returns freed memory at once in every child (MALLOC_TRIM_THRESHOLD_=0)
 
 
 def _configs(cfg: BenchConfig) -> List[Dict]:
@@ -74,6 +81,8 @@ def _env(cfg: BenchConfig, backend: Optional[str]) -> Dict[str, Optional[str]]:
         env["TTT_ZOO_BACKEND"] = backend
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
+    if cfg.malloc_trim:
+        env[MALLOC_TRIM_ENV] = "0"
     return env
 
 

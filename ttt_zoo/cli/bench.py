@@ -153,7 +153,7 @@ def run(args) -> int:
                       runtimes=tuple(dict.fromkeys(args.runtime)),
                       model_kwargs=dict(args.model_kwargs or []),
                       set_attr=dict(args.set_attr or []), saved_mem=args.saved_mem, repeats=args.repeats,
-                      before=before, top=args.profile_top, imports=tuple(args.imports))
+                      before=before, top=args.profile_top, imports=tuple(args.imports), malloc_trim=args.malloc_trim)
     protocol = (f"{'Profile' if args.profile else 'Benchmark'}: every (model, size, phase) in a fresh subprocess, "
                 f"all side by side in this run; {cfg.num_warm_iter} warm-up + {cfg.num_bench_iter} timed steps, "
                 f"step time = median; precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
@@ -163,7 +163,9 @@ def run(args) -> int:
                 f"{f'max(1, {cfg.batch_tokens} tokens / (H/16 x W/16))' if cfg.batch_tokens else cfg.batch_size}. "
                 "Inference: eval, no_grad. Train: forward + cross-entropy + backward (no optimizer step). "
                 "Peak memory: growth over the loaded model and input during the steps ("
-                + ("torch.cuda.max_memory_allocated" if cfg.device.startswith("cuda") else "peak RSS, VmHWM") + "). "
+                + ("torch.cuda.max_memory_allocated" if cfg.device.startswith("cuda") else "peak RSS, VmHWM"
+                   + ("; glibc MALLOC_TRIM_THRESHOLD_=0: freed memory returned at once, so it follows the live tensors"
+                      if cfg.malloc_trim else "")) + "). "
                 "Ratios: this row / each peer's row at the same size, from this one run.")
     if args.profile:
         profiles = run_profiles(cfg)
@@ -244,6 +246,9 @@ def add_parser(sub) -> None:
     g.add_argument("--num-bench-iter", type=_positive, default=10)
     g.add_argument("--repeats", type=_positive, default=1, help="fresh subprocesses per config (median), interleaved")
     g.add_argument("--saved-mem", action="store_true", help="train: also MB of tensors saved for the backward")
+    g.add_argument("--malloc-trim", action="store_true",
+                   help="CPU: glibc returns freed memory at once in every child (MALLOC_TRIM_THRESHOLD_=0), so the "
+                        "peak RSS follows the live tensors, as CUDA's max_memory_allocated, not glibc's retained heap")
     g = p.add_argument_group("modes and outputs")
     g.add_argument("--ops", nargs="*", default=None, metavar="OP",
                    help="op-level benchmark of these TTT ops (none listed: every op) instead of models")
