@@ -353,6 +353,26 @@ def test_recompute_matches_reference_autograd(case, bidir):
             torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("shared_qk", [True, False], ids=["shared_qk", "separate_qk"])
+def test_bidir_rope_scan_saves_inputs_not_rotated_copies(shared_qk):
+    """With in-chunk RoPE the training scan keeps its own inputs and the checkpoint states only: no rotated q/k copy
+    per direction and no cos/sin table (the backward rotates again)."""
+    b, h, n, d, mb = 1, 2, 64, 8, 8
+    leaves = [t.requires_grad_() for t in make_inputs(b, h, n, d, mb, 1)]
+    args = list(leaves)
+    if shared_qk:
+        args[1] = args[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = R.ttt_linear_bidir_torch(*args, mb, True, 10000.0)[0]
+    inputs = {t.data_ptr() for t in args}
+    others = [tuple(t.shape) for t in saved if t.data_ptr() not in inputs]
+    n_ck = -(-(n // mb) // R.ckpt_every(n // mb))
+    assert others == [(2 * b, h, n_ck, d + 1, d)], others  # the states of both directions
+    ref = reference_bidir(*args, mb, True, 10000.0)[0]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("ln_res", [True, False], ids=["ln", "plain"])
 def test_gradcheck_tiny(ln_res):
     inputs = [t.requires_grad_() for t in make_inputs(1, 1, 5, 4, 2, 2)]
