@@ -231,3 +231,14 @@ def test_bench_malloc_trim_reaches_the_children_and_lowers_the_cpu_peak(tmp_path
         assert row["train_malloc_trim"] is bool(flag)
         peaks[bool(flag)] = row["train_peak_mem_mb"]
     assert 0 < peaks[True] < peaks[False], peaks
+
+
+def test_compile_parity_rule_lets_float64_arbitrate():
+    """``parity_ok``: compiled passes when it equals eager fp32, or, where the two fp32 runs part (a ReLU kink),
+    eager fp64; it fails when it is off from both."""
+    from ttt_zoo.bench.compile import parity_ok
+    close = dict(fwd=4e-7, grad=2e-6, fwd_f64=4e-7, grad_f64=2e-6)
+    assert parity_ok(close)
+    assert parity_ok(dict(close, grad=8.2e-4))  # eager fp32 flipped a ReLU gradient; compiled matches fp64
+    assert not parity_ok(dict(close, grad=8.2e-4, grad_f64=7e-4))
+    assert not parity_ok(dict(close, fwd=3e-4, fwd_f64=3e-4))

@@ -29,14 +29,16 @@ def check_family(family: str, full: bool = False) -> Dict:
 
 def table(rows: List[Dict]) -> str:
     lines = ["| family | model (kwargs) | graphs / breaks (explain) | compiled graphs over both sizes | sizes | "
-             "max rel. err. output | max rel. err. grads | compile+run s | break reasons |",
+             "max rel. err. output (vs eager fp32 / fp64) | max rel. err. grads (vs eager fp32 / fp64) | compile+run s | "
+             "break reasons |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['family']} | {r['model']} | error: {r['error']} | | | | | | |")
             continue
         lines.append(f"| {r['family']} | {r['model']} {r['kwargs']} | {r['graphs']} / {r['breaks']} | "
-                     f"{r['c_graphs']} | {', '.join(r['c_sizes'])} | {r['c_fwd']:.1e} | {r['c_grad']:.1e} | "
+                     f"{r['c_graphs']} | {', '.join(r['c_sizes'])} | {r['c_fwd']:.1e} / {r['c_fwd_f64']:.1e} | "
+                     f"{r['c_grad']:.1e} / {r['c_grad_f64']:.1e} | "
                      f"{r['c_seconds']:.0f} | {'; '.join(r['reasons']) or '-'} |")
     return "\n".join(lines)
 
