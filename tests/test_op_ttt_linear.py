@@ -373,6 +373,21 @@ def test_bidir_rope_scan_saves_inputs_not_rotated_copies(shared_qk):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bidir_rope_scan_keeps_low_precision_dtypes(dtype):
+    """Training path in half precision: the output and every gradient keep their input's dtype, and the result is
+    the float64 reference's to half-precision accuracy (the state runs in fp32)."""
+    b, h, n, d, mb = 1, 2, 64, 8, 8
+    leaves = [t.to(dtype).requires_grad_() for t in make_inputs(b, h, n, d, mb, 1)]
+    args = [leaves[0], leaves[0]] + leaves[2:]
+    out = R.ttt_linear_bidir_torch(*args, mb, True, 10000.0)[0]
+    assert out.dtype == dtype
+    grads = torch.autograd.grad(out.float().sum(), [leaves[0]] + leaves[2:])
+    assert [g.dtype for g in grads] == [dtype] * len(grads)
+    ref = reference_bidir(*[a.detach().double() for a in args], mb, True, 10000.0)[0]
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
 @pytest.mark.parametrize("ln_res", [True, False], ids=["ln", "plain"])
 def test_gradcheck_tiny(ln_res):
     inputs = [t.requires_grad_() for t in make_inputs(1, 1, 5, 4, 2, 2)]

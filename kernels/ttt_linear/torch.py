@@ -407,7 +407,7 @@ class TTTLinearRopeScan(torch.autograd.Function):
         out, st = scan_fwd(q2, k2, v, lr, tau, w0, b0, ln_w, ln_b, 2, mini_batch, ln_residual, eps, save)
         ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, st)
         ctx.cfg = (mini_batch, ln_residual, eps, theta, shared_qk)
-        return out
+        return out.to(q.dtype)  # the scan ran on fp32 rotated copies: back to the input's dtype
 
     @staticmethod
     def backward(ctx, do):
