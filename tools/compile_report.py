@@ -29,8 +29,8 @@ def check_family(family: str, full: bool = False) -> Dict:
 
 def table(rows: List[Dict]) -> str:
     lines = ["| family | model (kwargs) | graphs / breaks (explain) | compiled graphs over both sizes | sizes | "
-             "max rel. err. output (vs eager fp32 / fp64) | max rel. err. grads (vs eager fp32 / fp64) | compile+run s | "
-             "break reasons |",
+             "max rel. err. output (vs eager fp32 / fp64) | max rel. err. grads (vs eager fp32 / fp64) | "
+             "compile+run s | break reasons |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:

@@ -36,7 +36,8 @@ from ..utils import needs_grad as _needs_grad
 from ..utils import no_autocast as _no_autocast  # the scan chooses its own precision (fp32 state)
 from .naive import _ln_grad, ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
 
-__all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "TTTLinearRopeScan", "ttt_linear_torch", "ttt_linear_bidir_torch", "rope_at",
+__all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "TTTLinearRopeScan", "ttt_linear_torch", "ttt_linear_bidir_torch",
+           "rope_at",
            "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
 
 
@@ -403,7 +404,8 @@ class TTTLinearRopeScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, theta, shared_qk):
         save = any(ctx.needs_input_grad[:9])
-        q2, k2 = TTTLinearRopeScan._rotated(q, k, mini_batch, theta, shared_qk)
+        qc = q.to(_cd(q.dtype))
+        q2, k2 = TTTLinearRopeScan._rotated(qc, k, _rope_tables(qc, mini_batch, theta), shared_qk)
         out, st = scan_fwd(q2, k2, v, lr, tau, w0, b0, ln_w, ln_b, 2, mini_batch, ln_residual, eps, save)
         ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, st)
         ctx.cfg = (mini_batch, ln_residual, eps, theta, shared_qk)
@@ -413,18 +415,18 @@ class TTTLinearRopeScan(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, lr, tau, w0, b0, ln_w, ln_b, st = ctx.saved_tensors
         mini_batch, ln_residual, eps, theta, shared_qk = ctx.cfg
-        q2, k2 = TTTLinearRopeScan._rotated(q, k, mini_batch, theta, shared_qk)
+        qc = q.to(_cd(q.dtype))
+        tables = _rope_tables(qc, mini_batch, theta)  # one build for the re-rotation and the rotation back
+        q2, k2 = TTTLinearRopeScan._rotated(qc, k, tables, shared_qk)
         dq2, dk2, *rest = scan_bwd(do.contiguous(), q2, k2, v, lr, tau, w0, b0, ln_w, ln_b, st, 2, mini_batch,
                                    ln_residual, eps, shared_qk)  # shared: dq2 holds both gradients, dk2 is None
-        tables = _rope_tables(dq2, mini_batch, theta)
         back = lambda g: sum(_rotate(g[i], c, -s) for i, (c, s) in enumerate(tables)).to(q.dtype)  # noqa: E731
         return (back(dq2), None if dk2 is None else back(dk2), *rest, None, None, None, None, None)
 
     @staticmethod
-    def _rotated(q: Tensor, k: Tensor, mini_batch: int, theta: float, shared_qk: bool) -> Tuple[Tensor, Tensor]:
-        """(2, B, H, N, d) rotated q and k in the compute dtype, one per direction, original token order."""
-        qc = q.to(_cd(q.dtype))
-        tables = _rope_tables(qc, mini_batch, theta)
+    def _rotated(qc: Tensor, k: Tensor, tables: List[Tuple[Tensor, Tensor]], shared_qk: bool) -> Tuple[Tensor, Tensor]:
+        """(2, B, H, N, d) rotated q and k in the compute dtype of ``qc`` (q already cast), one per direction,
+        original token order."""
         q2 = torch.stack([_rotate(qc, c, s) for c, s in tables])
         if shared_qk:
             return q2, q2
