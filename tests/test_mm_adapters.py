@@ -28,11 +28,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(embed_dim=[32, 32, 32, 32], depths=[1, 1, 1, 1])
 
 
+def _without_warnings(text):
+    """stderr without Python's warnings (each a 'file:line: XWarning: ...' line and its indented source line):
+    the libraries' deprecation warnings otherwise fill the tail that a failure report shows."""
+    keep, skip = [], False
+    for line in text.splitlines():
+        if re.search(r":\d+: \w*Warning: ", line):
+            skip = True
+            continue
+        if skip and (line.startswith(" ") or line.startswith(("grad.sizes", "bucket_view"))):
+            continue
+        skip = False
+        keep.append(line)
+    return "\n".join(keep)
+
+
 def _run(args, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(args)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{_without_warnings(proc.stderr)[-6000:]}")
     return proc.stdout + proc.stderr
 
 

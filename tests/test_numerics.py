@@ -132,6 +132,14 @@ def test_scan_paths_at_n3136(stage0):
     true.backward(do)
     for name, a, b in zip(("q", "k", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b"), grad_args, true_args):
         assert NT.rel(a.grad, b.grad) <= TOL, f"d{name} of the recomputing backward: {NT.rel(a.grad, b.grad):.2e}"
+    # Vision-TTT passes k as q itself: one scan-order copy and one gradient buffer, which holds dq + dk
+    qk, *rest = [t.clone().requires_grad_() for t in (a32[0],) + a32[2:]]
+    out = scan_rc.ttt_linear_bidir_torch(qk, qk, *rest, **cfg)[0]
+    assert NT.rel(out, true) <= TOL, f"shared q/k: {NT.rel(out, true):.2e} off float64"
+    out.backward(do.float())
+    want = [true_args[0].grad + true_args[1].grad] + [t.grad for t in true_args[2:]]
+    for name, a, b in zip(("qk", "v", "lr", "tau", "w0", "b0", "ln_w", "ln_b"), [qk] + rest, want):
+        assert NT.rel(a.grad, b) <= TOL, f"d{name} with a shared q/k: {NT.rel(a.grad, b):.2e}"
     # each direction alone: the causal scan forward and over the reversed sequence
     q, k, v, lr, tau, w0, b0, lw, lb = a32
     q6, k6, v6, lr6, tau6, w06, b06, lw6, lb6 = a64

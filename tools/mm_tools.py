@@ -80,9 +80,23 @@ def main(tool: str) -> None:
         from ttt_zoo.adapters import allow_unsafe_checkpoints
         allow_unsafe_checkpoints()
     path = package_tool(argv[0], tool)
+    cpu_distributed = False
     if _launcher(argv) == "pytorch":
         import torch
         if not torch.cuda.is_available():
             argv = _setup_cpu_distributed(argv)
+            cpu_distributed = True
     sys.argv = [path] + argv
     runpy.run_path(path, run_name="__main__")
+    if cpu_distributed:
+        _shutdown_distributed()
+
+
+def _shutdown_distributed() -> None:
+    """Wait for every rank, then tear the gloo group down before the interpreter exits.  Left to interpreter
+    shutdown, gloo's threads were destroyed while joinable: one rank in 4-5 aborted with 'terminate called without
+    an active exception' (SIGABRT) after a finished run, and torchrun reported the whole job as failed."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
