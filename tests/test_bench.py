@@ -242,3 +242,22 @@ def test_compile_parity_rule_lets_float64_arbitrate():
     assert parity_ok(dict(close, grad=8.2e-4))  # eager fp32 flipped a ReLU gradient; compiled matches fp64
     assert not parity_ok(dict(close, grad=8.2e-4, grad_f64=7e-4))
     assert not parity_ok(dict(close, fwd=3e-4, fwd_f64=3e-4))
+
+
+def test_child_error_names_the_signal_that_killed_a_child():
+    """A child killed by a signal leaves some library's log line last on stderr (the profiler's 'ERROR: ...
+    gpuGetDeviceCount failed' here): the report names the signal instead of passing that line off as the cause."""
+    import signal
+    import subprocess
+    import sys
+    from ttt_zoo.bench.measure import child_error
+    code = ("import os, signal, sys; print('ERROR: DeviceProperties.cpp:56] gpuGetDeviceCount failed', "
+            "file=sys.stderr); sys.stderr.flush(); os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL
+    msg = child_error(out.returncode, out.stderr)
+    assert msg.startswith("child killed by SIGKILL") and "out of memory" in msg and "gpuGetDeviceCount" in msg, msg
+    out = subprocess.run([sys.executable, "-c", "raise ValueError('img_size 100 is not a multiple of 16')"],
+                         capture_output=True, text=True)
+    assert child_error(out.returncode, out.stderr) == "ValueError: img_size 100 is not a multiple of 16"
+    assert child_error(3, "") == "child exited with status 3 and printed nothing on stderr"

@@ -106,16 +106,20 @@ def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: float) -
 
 
 def _minibatch_step(state: torch.Tensor, kq: torch.Tensor, tgt: torch.Tensor, kel: torch.Tensor,
-                    lnw2: Optional[torch.Tensor], eps: float, c: int, shared: bool, update: bool = True
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    lnw2: Optional[torch.Tensor], eps: float, c: int, shared: bool, update: bool = True,
+                    inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mini-batch of the dual form (shared by the chunked scan and the export loop): z = k S and q S from one
-    bmm of [k; q] (or of k alone when q = k), the inner gradient g, and the next state S + kel g (``update``)."""
+    bmm of [k; q] (or of k alone when q = k), the inner gradient g, and the next state S + kel g (``update``).
+    ``inplace`` (no autograd; ``state`` is the scan's own buffer): the update accumulates into ``state``."""
     z = torch.bmm(kq, state)
     o = z
     if not shared:
         z, o = z[:, :c], z[:, c:]
     g = _ln_grad(z, tgt, lnw2, eps) if lnw2 is not None else z - tgt
-    return o, g, (torch.baddbmm(state, kel, g) if update else state)
+    if not update:
+        return o, g, state
+    # out=state, not baddbmm_: FlopCounterMode (timm's and our GMAC counts) does not count the in-place overloads
+    return o, g, (torch.baddbmm(state, kel, g, out=state) if inplace else torch.baddbmm(state, kel, g))
 
 
 def _scan_output(q: torch.Tensor, z_bar: torch.Tensor, lnw: torch.Tensor, lnb: torch.Tensor, eps: float,
@@ -149,16 +153,24 @@ def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torc
     kel = (kc * (-tau[c - 1] * lrc).transpose(-1, -2)).transpose(-1, -2).unbind(1)  # (BH, d+1, c) each
     kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
     tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
+    # without autograd the state and the output are the scan's own buffers: update them in place (an out-of-place
+    # baddbmm first copies its input into a new tensor, once per mini-batch)
+    inplace = not (torch.is_grad_enabled() and (qa.requires_grad or ka.requires_grad or tgt.requires_grad
+                                                or lr.requires_grad or tau.requires_grad or state.requires_grad))
+    if inplace:
+        state = state.clone()  # the caller's state (the initial one, or the carried one) is left as it was
     outs: List[torch.Tensor] = []
     grads: List[torch.Tensor] = []
     for i in range(nc):
-        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps, c, shared, carry or i < nc - 1)
+        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps, c, shared, carry or i < nc - 1,
+                                      inplace)
         outs.append(o)
         grads.append(g)
     # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
     gs = torch.stack(grads, 1)
-    z_bar = torch.baddbmm(torch.stack(outs, 1).reshape(bh * nc, c, d), attn.reshape(bh * nc, c, c),
-                          gs.reshape(bh * nc, c, d))
+    qs = torch.stack(outs, 1).reshape(bh * nc, c, d)
+    a2, g2 = attn.reshape(bh * nc, c, c), gs.reshape(bh * nc, c, d)
+    z_bar = torch.baddbmm(qs, a2, g2, out=qs) if inplace else torch.baddbmm(qs, a2, g2)
     return z_bar.reshape(bh, m, d), (gs.reshape(bh, m, d) if keep_grads else None), state
 
 

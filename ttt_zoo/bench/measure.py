@@ -10,6 +10,7 @@ process by X"), it covers every allocator (PyTorch's CPU allocator is plain mall
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,9 +56,13 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return
+        import gc
+        gc.collect()  # garbage freed during the measurement would lower the RSS under the base
         try:
-            self.base = rss_kb() * 1024
+            # reset first, then read: the peak restarts at the RSS of this moment, so it never sits below the base
+            # (read before the reset, a base above the later RSS hid a 64 MiB step behind a growth of 0)
             reset_peak()
+            self.base = rss_kb() * 1024
         except OSError:  # not Linux: no resettable peak RSS
             self.base = None
 
@@ -127,7 +132,21 @@ def run_child(kind: str, spec: Dict, env: Optional[Dict[str, Optional[str]]] = N
     if results:
         return json.loads(results[-1])
     tail = out.stderr.strip().splitlines()[-12:]
-    return dict(error=(tail[-1] if tail else f"child exited with status {out.returncode}"), traceback="\n".join(tail))
+    return dict(error=child_error(out.returncode, out.stderr), traceback="\n".join(tail))
+
+
+def child_error(returncode: int, stderr: str) -> str:
+    """One line on why a child gave no result: the signal that killed it (its last stderr line is then some
+    library's log line, not the cause), else its last stderr line (a Python exception's message)."""
+    tail = stderr.strip().splitlines()
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (SIGKILL: most likely out of memory; try a smaller size or batch)" if name == "SIGKILL" else ""
+        return f"child killed by {name}{hint}" + (f"; its last stderr line: {tail[-1]}" if tail else "")
+    return tail[-1] if tail else f"child exited with status {returncode} and printed nothing on stderr"
 
 
 def _cpu_name() -> str:
