@@ -261,3 +261,22 @@ def test_child_error_names_the_signal_that_killed_a_child():
                          capture_output=True, text=True)
     assert child_error(out.returncode, out.stderr) == "ValueError: img_size 100 is not a multiple of 16"
     assert child_error(3, "") == "child exited with status 3 and printed nothing on stderr"
+
+
+def test_bench_profile_averages_steps_profiled_one_at_a_time(tmp_path, capsys):
+    """--profile: every step is profiled on its own (bounded memory) and the totals are averaged per step, so the
+    calls per step do not depend on how many steps were profiled, and the shares add up over the listed rows."""
+    tables = {}
+    for iters in ("1", "3"):
+        out = tmp_path / iters
+        rc = main(["bench", "--profile", "--model", "vit3_tiny", "--model-kwargs", "depth=2", "--img-size", "64",
+                   "-b", "2", "--bench", "train", "--num-warm-iter", "1", "--num-bench-iter", iters,
+                   "--profile-top", "200", "--threads", "1", "--output", str(out)])
+        assert rc == 0, capsys.readouterr()
+        rows = [line.split("|")[1:-1] for line in (out / "profile.md").read_text().splitlines()
+                if line.startswith("| `")]
+        tables[iters] = {r[0].strip(" `"): (float(r[1]), float(r[2].rstrip("% ")), int(r[3])) for r in rows}
+    one, three = tables["1"], tables["3"]
+    assert "aten::addmm" in one and "aten::mm" in one, sorted(one)
+    assert {k: v[2] for k, v in one.items()} == {k: v[2] for k, v in three.items()}
+    assert abs(sum(v[1] for v in three.values()) - 100) < 0.5

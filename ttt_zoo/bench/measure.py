@@ -144,7 +144,7 @@ def child_error(returncode: int, stderr: str) -> str:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        hint = " (SIGKILL: most likely out of memory; try a smaller size or batch)" if name == "SIGKILL" else ""
+        hint = " (most likely out of memory: try a smaller size or batch)" if name == "SIGKILL" else ""
         return f"child killed by {name}{hint}" + (f"; its last stderr line: {tail[-1]}" if tail else "")
     return tail[-1] if tail else f"child exited with status {returncode} and printed nothing on stderr"
 

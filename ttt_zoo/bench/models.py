@@ -168,21 +168,32 @@ def bench_model(spec: Dict) -> Dict:
 
 
 def profile_model(spec: Dict) -> Dict:
-    """torch.profiler operator breakdown: the ``top`` operators by self time over ``num_bench_iter`` steps."""
+    """torch.profiler operator breakdown: the ``top`` operators by self time, per step, over ``num_bench_iter`` steps.
+
+    Each step is profiled on its own and only its per-operator totals are kept: the profiler holds every event of
+    what it records, and one training step of Vision-TTT at 1024 records ~10^5 operators (the scan's mini-batches),
+    so recording 10 steps at once grew the child past 23 GB and the kernel killed it.
+    """
     from torch.profiler import ProfilerActivity, profile
     s = _Setup(spec)
     for _ in range(max(spec["num_warm_iter"], 1)):
         s.step()
     cuda = s.device.startswith("cuda")
     iters = max(spec["num_bench_iter"], 1)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(iters):
-            s.step()
-        if cuda:
-            torch.cuda.synchronize()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted((e for e in prof.key_averages() if getattr(e, attr) > 0), key=lambda e: -getattr(e, attr))
-    total = sum(getattr(e, attr) for e in events)
-    rows: List = [dict(op=e.key, ms=getattr(e, attr) / iters / 1e3, share=100.0 * getattr(e, attr) / total,
-                       calls=e.count // iters) for e in events[:spec.get("top", 12)]]
+    totals: Dict[str, List] = {}  # operator -> [self time (us), calls] over all steps
+    for _ in range(iters):
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            s.step()
+            if cuda:
+                torch.cuda.synchronize()
+        for e in prof.key_averages():
+            t = totals.setdefault(e.key, [0.0, 0])
+            t[0] += getattr(e, attr)
+            t[1] += e.count
+        del prof
+    ops = sorted(((k, t, n) for k, (t, n) in totals.items() if t > 0), key=lambda x: -x[1])
+    total = sum(t for _, t, _ in ops)
+    rows: List = [dict(op=k, ms=t / iters / 1e3, share=100.0 * t / total, calls=n // iters)
+                  for k, t, n in ops[:spec.get("top", 12)]]
     return dict(total_ms=total / iters / 1e3, ops=rows)
