@@ -37,8 +37,7 @@ from ..utils import no_autocast as _no_autocast  # the scan chooses its own prec
 from .naive import _ln_grad, ttt_linear_bidir, ttt_linear_naive, ttt_linear_reference
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "TTTLinearRopeScan", "ttt_linear_torch", "ttt_linear_bidir_torch",
-           "rope_at",
-           "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
+           "rope_at", "bidir_inputs", "single_inputs", "ttt_linear_bidir_naive", "ckpt_every"]
 
 
 def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
