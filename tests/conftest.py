@@ -23,6 +23,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted kernel is che
 FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test parametrised with the Triton backend runs the kernels: mark it ``triton`` (the kernel stage of
+    ``make test`` runs exactly the ``triton`` tests, in the interpreter; the main stage runs the rest)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v == "triton" for v in params.values()):
+            item.add_marker(pytest.mark.triton)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -265,18 +265,25 @@ def test_child_error_names_the_signal_that_killed_a_child():
 
 def test_bench_profile_averages_steps_profiled_one_at_a_time(tmp_path, capsys):
     """--profile: every step is profiled on its own (bounded memory) and the totals are averaged per step, so the
-    calls per step do not depend on how many steps were profiled, and the shares add up over the listed rows."""
+    calls per step do not depend on how many steps were profiled.  With every operator listed, the unrounded shares
+    in profile.json add up to 100 %, and profile.md shows them rounded to 0.1 %."""
     tables = {}
     for iters in ("1", "3"):
         out = tmp_path / iters
         rc = main(["bench", "--profile", "--model", "vit3_tiny", "--model-kwargs", "depth=2", "--img-size", "64",
                    "-b", "2", "--bench", "train", "--num-warm-iter", "1", "--num-bench-iter", iters,
-                   "--profile-top", "200", "--threads", "1", "--output", str(out)])
+                   "--profile-top", "100000", "--threads", "1", "--output", str(out)])
         assert rc == 0, capsys.readouterr()
         rows = [line.split("|")[1:-1] for line in (out / "profile.md").read_text().splitlines()
                 if line.startswith("| `")]
-        tables[iters] = {r[0].strip(" `"): (float(r[1]), float(r[2].rstrip("% ")), int(r[3])) for r in rows}
-    one, three = tables["1"], tables["3"]
+        (prof,) = json.loads((out / "profile.json").read_text())["results"]
+        assert prof["num_ops"] == len(prof["ops"]) == len(rows)  # every operator is listed
+        # the rounded table shows exactly the unrounded results (the rounding itself is not checked by a sum)
+        assert [(r[0].strip(" `"), r[2].strip()) for r in rows] == [(o["op"], f"{o['share']:.1f}%") for o in prof["ops"]]
+        tables[iters] = prof
+    one, three = ({o["op"]: o for o in t["ops"]} for t in (tables["1"], tables["3"]))
     assert "aten::addmm" in one and "aten::mm" in one, sorted(one)
-    assert {k: v[2] for k, v in one.items()} == {k: v[2] for k, v in three.items()}
-    assert abs(sum(v[1] for v in three.values()) - 100) < 0.5
+    assert {k: v["calls"] for k, v in one.items()} == {k: v["calls"] for k, v in three.items()}
+    for t in tables.values():
+        assert abs(sum(o["share"] for o in t["ops"]) - 100) < 1e-9
+        assert abs(sum(o["ms"] for o in t["ops"]) - t["total_ms"]) <= 1e-9 * t["total_ms"]

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from _ops import TRITON_OK
+from _ops import triton_test
 from ttt_zoo import kernels
 from ttt_zoo.kernels import backend as B
 from ttt_zoo.kernels import get_op, resolve_backend, swiglu_ttt_reference
@@ -114,7 +114,7 @@ def test_wrappers_raise_when_forced_on_cpu_without_interpreter(monkeypatch):
             call()
 
 
-@pytest.mark.skipif(not TRITON_OK, reason="the Triton kernels cannot run here")
+@triton_test
 def test_forced_float64_raises_through_the_wrappers():
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
     w = torch.randn(1, 2, 4, 4, dtype=torch.float64)
@@ -138,3 +138,22 @@ def test_one_decision_point():
             assert "TTT_ZOO_BACKEND\")" not in text and "TRITON_INTERPRET\")" not in text, f
             assert "find_spec(\"triton\")" not in text, f
         assert "na_backend" not in text, f
+
+
+def test_bare_kernels_import_is_the_one_package():
+    """From a source checkout's root (on sys.path under ``python -m pytest``), transformers imports any package named
+    ``kernels`` to read its version.  That import must give ``ttt_zoo.kernels`` itself: a second copy registered the
+    ``ttt_zoo::*`` custom ops again, so the ops ran that copy's kernel modules (the Triton spies of
+    tests/test_op_inner_mlp.py then saw no call whenever a diffusers test file was collected first)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); import ttt_zoo; "
+            "from transformers.utils import import_utils as u; u._is_package_available('kernels', True); "
+            "import kernels; dup = sorted(m for m in sys.modules if m.startswith('kernels.')); "
+            "print(kernels is ttt_zoo.kernels, dup)")
+    r = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, cwd=root,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "True []", r.stdout

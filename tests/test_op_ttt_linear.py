@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _ops import BACKENDS, DEV, TRITON_OK, triton_kernels, triton_test
+from _ops import BACKENDS, DEV, triton_kernels, triton_test
 from ttt_zoo.kernels import BackendError, get_op, ttt_linear, ttt_linear_bidir, ttt_linear_reference
 from ttt_zoo.kernels.backend import MAX_HEAD_DIM
 from ttt_zoo.kernels.ttt_linear import ops, ttt_linear_naive
@@ -439,8 +439,11 @@ def test_dispatch_table():
     assert get_op("ttt_linear_bidir", cpu) is R.ttt_linear_bidir_torch
     assert get_op("ttt_linear_bidir", torch.device("meta")) is R.ttt_linear_bidir_torch
     assert get_op("ttt_linear_bidir", cpu, "torch_naive") is R.ttt_linear_bidir_naive
-    if TRITON_OK:
-        assert get_op("ttt_linear_bidir", cpu, "triton") is ops.ttt_linear_bidir_op
+
+
+@triton_test
+def test_dispatch_table_triton():
+    assert get_op("ttt_linear_bidir", torch.device("cpu"), "triton") is ops.ttt_linear_bidir_op
 
 
 def test_grad_norm_map_runs_reference():

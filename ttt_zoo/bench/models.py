@@ -196,4 +196,4 @@ def profile_model(spec: Dict) -> Dict:
     total = sum(t for _, t, _ in ops)
     rows: List = [dict(op=k, ms=t / iters / 1e3, share=100.0 * t / total, calls=n // iters)
                   for k, t, n in ops[:spec.get("top", 12)]]
-    return dict(total_ms=total / iters / 1e3, ops=rows)
+    return dict(total_ms=total / iters / 1e3, num_ops=len(ops), ops=rows)

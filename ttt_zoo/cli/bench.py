@@ -183,6 +183,7 @@ def run(args) -> int:
             _write_md(os.path.join(args.output, "profile.md"), "Operator profile", cmd, describe_machine(machine),
                       protocol + " The profiler adds overhead per operator: compare shares, not absolute times.",
                       text)
+            write_results(os.path.join(args.output, "profile.json"), profiles, machine)  # unrounded values
         return 1 if any("error" in r for r in profiles) else 0
 
     rows = run_models(cfg)

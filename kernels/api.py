@@ -1,0 +1,180 @@
+"""The TTT op functions that ``ttt_zoo.kernels`` exports: one folder per op with its reference and kernels."""
+from typing import Optional, Tuple
+
+import torch
+from timm.layers import register_notrace_function
+
+from .backend import BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend
+from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
+                        t5_swiglu_ttt_torch)
+from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
+from .key_norm import key_norm_op, key_norm_reference, key_norm_torch
+from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_naive, ttt_linear_bidir_op, ttt_linear_bidir_reference,
+                         ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_reference,
+                         ttt_linear_torch)
+from .vit3_variant import variant_qkv_naive, variant_qkv_torch, variant_qkv_triton
+from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_op, qkv_ttt_torch,
+                       swiglu_ttt_op, swiglu_ttt_reference, swiglu_ttt_torch)
+
+# every op: torch (the lean PyTorch path, any device), triton (the ttt_zoo::* custom op, whose kernels run Triton),
+# torch_naive (the reference under autograd).  ``backend.resolve_backend`` picks one per call.
+register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op, swiglu_ttt_reference)
+register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op, dwconv_ttt_reference)
+register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op, qkv_ttt_naive)
+register_op("vit3_variant_qkv_ttt", variant_qkv_torch, variant_qkv_triton, variant_qkv_naive)
+register_op("dit5_mlp_ttt", mlp_ttt_torch, mlp_ttt_op, mlp_ttt_reference)
+register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference)
+register_op("key_instance_norm", key_norm_torch, key_norm_op, key_norm_reference)
+register_op("ttt_linear", ttt_linear_torch, ttt_linear_op, ttt_linear_naive)
+register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op, ttt_linear_bidir_naive)
+# the variants' fast paths ("TTT with KV Binding Is Secretly Linear Attention", Table 2): the T5/DiT5 V1/V3
+# last-layer step (GEMMs: no Triton kernel, cuBLAS already is one) and the linear-attention Vision-TTT scan
+register_op("last_layer_ttt", last_layer_ttt_torch, None, last_layer_ttt_reference)
+register_op("linear_attention", la_chunk_torch, linear_attention_op, la_scan_naive)
+
+
+def _op(name: str, t: torch.Tensor, backend: Optional[str], head_dim: Optional[int] = None):
+    """The implementation of ``name`` for inputs like ``t`` (device, dtype, head dim = last dim)."""
+    return get_op(name, t.device, backend, t.dtype, t.shape[-1] if head_dim is None else head_dim)
+
+
+def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 SwiGLU inner step + apply; see ``vit3_ttt.naive.swiglu_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return swiglu_ttt_reference(q, k, v, w1, w2, scale, normalize_grad)
+    return _op("vit3_swiglu_ttt", q, backend)(q, k, v, w1, w2, scale, normalize_grad)
+
+
+def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor,
+               scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 3x3 depthwise-conv inner step + apply; see ``vit3_ttt.naive.dwconv_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return dwconv_ttt_reference(q, k, v, w3, scale, normalize_grad)
+    return _op("vit3_dwconv_ttt", q, backend, q.shape[1])(q, k, v, w3, scale, normalize_grad)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def t5_swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor, scale: float, backend: Optional[str] = None) -> torch.Tensor:
+    """T5 3-matrix SwiGLU inner step + apply; see ``inner_mlp.naive.t5_swiglu_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale)
+    return _op("t5_swiglu_ttt", q, backend)(q, k, v, w1, w2, w3, scale)
+
+
+@register_notrace_function  # device dispatch: a leaf for torch.fx
+def mlp_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+            scale: float, backend: Optional[str] = None) -> torch.Tensor:
+    """DiT5 2-layer SiLU-MLP regression inner step + apply; see ``inner_mlp.naive.mlp_ttt_reference``."""
+    if torch.jit.is_scripting():
+        return mlp_ttt_reference(q, k, v, w1, w2, scale)
+    return _op("dit5_mlp_ttt", q, backend)(q, k, v, w1, w2, scale)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def key_instance_norm(k: torch.Tensor, eps: float = 1.0, backend: Optional[str] = None) -> torch.Tensor:
+    """T5 / DiT5 key instance-norm of (B, N, C) tokens over N; see ``key_norm.naive``."""
+    if torch.jit.is_scripting():
+        return key_norm_reference(k, eps)
+    return _op("key_instance_norm", k, backend, 0)(k, eps)
+
+
+def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                 w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
+                 normalize_grad: bool = True, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 mixer core: qkv projection (+ optional RoPE on the SwiGLU q, k), both inner steps, concat.
+
+    (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
+    """
+    if torch.jit.is_scripting():
+        return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
+    op = _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)
+    if op is qkv_ttt_torch and _compiling():
+        op = qkv_ttt_op  # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
+    return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
+
+
+def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
+                         w2: Optional[torch.Tensor], w3: torch.Tensor, feat_size: Tuple[int, int], heads: int,
+                         scale: float, normalize_grad: bool = True, cos: Optional[torch.Tensor] = None,
+                         sin: Optional[torch.Tensor] = None, last_only: bool = False, lr: float = 1.0,
+                         share_qk: bool = False, steps: int = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """ViT3 mixer core with the inner-loop variants of ``vit3_variant.naive`` (``w2=None``: one linear layer)."""
+    if torch.jit.is_scripting():
+        return variant_qkv_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
+                                 last_only, lr, share_qk, steps)
+    return _op("vit3_variant_qkv_ttt", x, backend, x.shape[-1] // heads)(
+        x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
+
+
+def _compiling() -> bool:
+    """Inside torch.compile but not torch.export (export keeps every op traceable, for ONNX)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> bool:
+    """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
+    same kernels: Triton where allowed, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
+    mini-batches into a graph fixed to the traced token count.  (torch.export takes the loop op instead, see
+    ``ttt_linear.naive._scan_loop``.)"""
+    return (not return_grad_norm and _compiling()
+            and resolve_backend(backend, q.device, q.dtype, q.shape[-1], name) != "torch_naive")
+
+
+def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
+               return_grad_norm=False, backend=None):
+    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.naive.ttt_linear_reference``.
+
+    torch: recomputing backward (``ttt_linear.torch``); triton: the fused scan kernels; torch_naive: the plain
+    per-mini-batch scan (``ttt_linear_naive``) under autograd.
+    """
+    if _opaque_scan("ttt_linear", q, backend, return_grad_norm):
+        return ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps)
+    return _op("ttt_linear", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
+                                                    eps, return_grad_norm)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device, the scan loops over mini-batches
+def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                     w0: torch.Tensor, b0: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, mini_batch: int = 16,
+                     ln_residual: bool = True, rope_theta: Optional[float] = 10000.0, eps: float = 1e-6,
+                     return_grad_norm: bool = False, backend: Optional[str] = None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.naive.ttt_linear_bidir``.
+
+    torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
+    torch_naive: the plain per-mini-batch scan under autograd.  ``return_grad_norm=True`` runs a PyTorch scan.
+    TorchScript compiles the reference scan (``ttt_linear.naive.ttt_linear_bidir_reference``).
+    """
+    if torch.jit.is_scripting():
+        return ttt_linear_bidir_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
+                                          eps, return_grad_norm)
+    if _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm):
+        return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
+    return _op("ttt_linear_bidir", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
+                                                          ln_residual, rope_theta, eps, return_grad_norm)
+
+
+def last_layer_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
+                   loss: str = "dot", steps: int = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """T5 / DiT5 variants V1 / V3: ``steps`` inner steps of a linear last layer on fixed features, applied to q;
+    see ``inner_mlp.naive.last_layer_ttt_reference``."""
+    return _op("last_layer_ttt", q, backend)(q, k, v, w, scale, loss, steps)
+
+
+def linear_attention_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
+                           w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16,
+                           rope_theta: Optional[float] = 10000.0, backend: Optional[str] = None) -> torch.Tensor:
+    """Plain linear-attention Vision-TTT scan in both directions, summed; see ``linear_attention.naive``.
+    torch: the chunk-parallel form; triton: the Triton forward (custom op); torch_naive: the recurrent scan."""
+    return la_bidir(_op("linear_attention", q, backend), q, k, v, lr, tau, w0, b0, mini_batch, rope_theta)
+
+
+__all__ = ["last_layer_ttt", "linear_attention_bidir", "mlp_inner_update_reference", "BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",
+           "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
+           "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
+           "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
+           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "ttt_linear_bidir_reference",
+           "inner_rope", "token_tau"]
