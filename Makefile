@@ -11,7 +11,7 @@ TIMM_SUITE := tools/timm_suite/test_models.py
 PYTEST_ARGS ?=
 JOBS ?= 2
 
-.PHONY: demo test test-fast test-slow test-timm test-kernels test-compile venv clean
+.PHONY: demo test test-main test-fast test-slow test-timm test-kernels test-compile venv clean
 
 venv: $(STAMP)
 
@@ -26,30 +26,28 @@ include mk/openmmlab.mk
 demo: venv
 	$(VENV)/bin/ttt-zoo demo
 
-# the default test run: unit + parity tests, the kernel tests, the OpenMMLab tests, then timm's own model tests.
-# - The kernel tests (every file that names Triton) run the kernels in the Triton interpreter, one file per pytest
-#   process: in xdist workers shared with other files, a later custom-op call crashed (SIGSEGV, or `vector::reserve`
-#   errors from the dispatcher) although every interpreted load and store is in bounds (tests/triton_bounds.py).
-#   The main run sets TRITON_INTERPRET=0, so no kernel can run in the interpreter there (forcing it raises).
-# - The whole-model torch.compile tests (marker `compile`) compile every family with inductor: own step.
-# - The OpenMMLab tests train in-process through mmengine's Runner, which changes process-wide state: own process.
-KERNEL_TESTS := $(shell grep -l "triton" tests/test_*.py)
+# the default test run: tools/test_stages.py runs every stage, then prints (and writes to .cache/test-times.txt) each
+# stage's wall time and counts, every skip reason, and the 10 slowest tests.  A skip for a missing fixture or
+# package fails the run.  The stages:
+# - main: unit, parity and numerics tests, TRITON_INTERPRET=0 (forcing the Triton backend raises there);
+# - kernels: the `triton` tests (the Triton interpreter), one pytest process per file: in xdist workers shared with
+#   other files a later custom-op call crashed (SIGSEGV, `vector::reserve` errors from the dispatcher) although
+#   every interpreted load and store is in bounds (tests/triton_bounds.py);
+# - compile: whole-model torch.compile (marker `compile`, inductor, minutes of CPU each);
+# - mm: the OpenMMLab tests train in-process through mmengine's Runner, which changes process-wide state;
+# - timm: timm's own tests/test_models.py on our models.
+STAGES = $(PY) tools/test_stages.py --jobs $(JOBS)
 test: venv $(TIMM_SUITE)
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 $(PY) -m pytest -n $(JOBS) -q tests --ignore=tests/test_mm_adapters.py \
-	  $(addprefix --ignore=,$(KERNEL_TESTS)) -m "not compile" $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-kernels
-	$(MAKE) --no-print-directory test-compile
-	$(MAKE) --no-print-directory test-mm
-	$(MAKE) --no-print-directory test-timm
+	$(STAGES) -- $(PYTEST_ARGS)
+
+test-main: venv
+	$(STAGES) --stages main -- $(PYTEST_ARGS)
 
 test-kernels: venv
-	@for f in $(KERNEL_TESTS); do \
-	  echo "== $$f"; HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider $$f $(PYTEST_ARGS) || exit $$?; \
-	done
+	$(STAGES) --stages kernels -- $(PYTEST_ARGS)
 
-# whole-model inductor compiles (minutes of CPU each): their own step
 test-compile: venv
-	cache=$$(mktemp -d) && HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider -m compile tests/test_compile.py $(PYTEST_ARGS); rc=$$?; rm -rf $$cache; exit $$rc
+	$(STAGES) --stages compile -- $(PYTEST_ARGS)
 
 test-fast: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(JOBS) -q tests --ignore=tests/test_mm_adapters.py -m "not slow" $(PYTEST_ARGS)
@@ -65,7 +63,7 @@ $(TIMM_SUITE): | venv
 	cp .cache/timm-$(TIMM_VERSION)/tests/test_models.py $(TIMM_SUITE)
 
 test-timm: venv $(TIMM_SUITE)
-	cd tools/timm_suite && HF_HUB_OFFLINE=1 ../../$(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider test_models.py $(TIMM_ARGS)
+	$(STAGES) --stages timm -- $(TIMM_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache $(TIMM_SUITE)

@@ -19,4 +19,4 @@ $(OPENMMLAB_STAMP): tools/openmmlab/install.sh | venv
 test: openmmlab
 
 test-mm: venv openmmlab
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_mm_adapters.py $(PYTEST_ARGS)
+	$(STAGES) --stages mm -- $(PYTEST_ARGS)

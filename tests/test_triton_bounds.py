@@ -8,7 +8,9 @@ import triton.language as tl  # noqa: E402
 
 from triton_bounds import TritonOutOfBounds  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's bounds checker")
+# the kernel stage of `make test` runs the `triton` tests with the interpreter on
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's bounds checker")]
 
 
 @triton.jit
