@@ -116,13 +116,118 @@ def test_dit5_matches_official():
     torch.testing.assert_close(out64, t["output"].double(), **tol)
 
 
-def test_dit5_non_square_and_small_latent_error():
+def test_dit5_non_square_and_small_latent():
     model = _tiny5().eval()
     t, y = torch.tensor([3, 700]), torch.tensor([1, 10])
     with torch.no_grad():
         assert model(torch.randn(2, 4, 10, 14), t, y).shape == (2, 8, 10, 14)
+        # 4 x 7 token map < 5 x 5 window: the window is clamped to the 4 rows (attended in full)
+        out = model(torch.randn(2, 4, 8, 14), t, y)
+        assert out.shape == (2, 8, 8, 14) and torch.isfinite(out).all()
+        # dilation 2 is not clamped: a 7-wide map is smaller than its 10-wide window
+        dilated = _tiny5(mixer_kwargs=dict(dilation=2)).eval()
         with pytest.raises(ValueError, match="smaller than the neighbourhood window"):
-            model(torch.randn(2, 4, 8, 14), t, y)  # 4 x 7 token map < 5 x 5 window
+            dilated(torch.randn(2, 4, 14, 14), t, y)
+
+
+def _masked_attention(q, k, v, scale, allowed):
+    """softmax(q k^T * scale) v over the flattened map, keys restricted by allowed (HW, HW); independent of the NA
+    code (no windows, no gathers)."""
+    b, nh, h, w, d = q.shape
+    qf, kf, vf = (x.reshape(b, nh, h * w, d) for x in (q, k, v))
+    logits = (qf * scale) @ kf.transpose(-1, -2)
+    out = logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ vf
+    return out.reshape(b, nh, h, w, d)
+
+
+def _na_paths(q, k, v, ks, scale):
+    """The clamped NA through every PyTorch path: the public function, the tiled form, the gather form."""
+    return {"public": neighborhood_attention_2d(q, k, v, ks, 1, scale, clamp_to_map=True),
+            "tiled": neighborhood_attention_2d_torch(q, k, v, ks, 1, scale, tile=2, clamp_to_map=True),
+            "gather": neighborhood_attention_2d_torch(q, k, v, ks, 1, scale, tile=0, clamp_to_map=True)}
+
+
+@pytest.mark.parametrize("ks,shape", [(5, (4, 4)), (5, (3, 5)), (5, (1, 4)), (7, (2, 6)), (5, (5, 5))])
+def test_clamped_window_equals_full_attention(ks, shape):
+    """A window that covers the map (clamped, or exactly the map's size) is full attention over the map: values and
+    gradients match plain softmax attention in float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, *shape, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    n = shape[0] * shape[1]
+    full = torch.ones(n, n, dtype=torch.bool)
+    ref = _masked_attention(q, k, v, 0.4, full)
+    for name, out in _na_paths(q, k, v, ks, 0.4).items():
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=name)
+    # gradients through the public path
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad(neighborhood_attention_2d(*leaves, ks, 1, 0.4, clamp_to_map=True).sum(), leaves)
+    leaves_ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    grads_ref = torch.autograd.grad(_masked_attention(*leaves_ref, 0.4, full).sum(), leaves_ref)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # not clamping: a map smaller than the window is still an error
+    if min(shape) < ks:
+        with pytest.raises(ValueError, match="smaller than the neighbourhood window"):
+            neighborhood_attention_2d(q, k, v, ks, 1, 0.4)
+
+
+def test_clamp_one_axis_keeps_the_other_window():
+    """4 x 7 map, kernel 5: every row is attended (clamped axis), columns keep natten's 5-wide window."""
+    g = torch.Generator().manual_seed(1)
+    h, w, ks = 4, 7, 5
+    q, k, v = (torch.randn(1, 2, h, w, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    allowed = torch.zeros(h * w, h * w, dtype=torch.bool)
+    for i in range(h):
+        for j in range(w):
+            start = min(max(j - ks // 2, 0), w - ks)  # natten's border rule along the unclamped axis
+            for r in range(h):
+                for c in range(start, start + ks):
+                    allowed[i * w + j, r * w + c] = True
+    assert allowed.sum(1).eq(h * ks).all()
+    ref = _masked_attention(q, k, v, 0.5, allowed)
+    for name, out in _na_paths(q, k, v, ks, 0.5).items():
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=name)
+    assert neighborhood_indices(4, 5, clamp_to_map=True).tolist() == [[0, 1, 2, 3]] * 4
+    with pytest.raises(ValueError, match="clamp_to_map clamps dilation-1 windows only"):
+        neighborhood_attention_2d(q, k, v, 3, 2, 0.5, clamp_to_map=True)  # 4 rows < 3 x 2
+
+
+def test_dit5_mixer_na_half_is_full_attention_on_a_small_map():
+    """The mixer's NA half at a 4 x 4 map (kernel 5): full softmax attention over the 16 tokens, per head."""
+    from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention
+    torch.manual_seed(0)
+    mixer = DiT5MixedAttention(16, num_heads=2).double().eval()
+    assert mixer.kernel_size == 5
+    q, k, v = (torch.randn(2, 16, 16, dtype=torch.float64) for _ in range(3))
+    out = mixer._na(q, k, v, (4, 4))
+    heads = lambda x: x.reshape(2, 16, 2, 8).transpose(1, 2)  # noqa: E731
+    ref = ((heads(q) @ heads(k).transpose(-1, -2)) * mixer.scale).softmax(-1) @ heads(v)
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(2, 16, 16), rtol=1e-12, atol=1e-12)
+
+
+DIT5_8 = [f"dit5_{s}_8" for s in DIT5_PARAMS]
+
+
+def test_dit5_8_list_is_the_registry():
+    assert sorted(DIT5_8) == sorted(n for n in timm.list_models("dit5_*_8"))
+
+
+@pytest.mark.parametrize("name", DIT5_8)
+def test_dit5_8_runs_at_its_pretrained_input_size(name):
+    """Each dit5_*_8 at its own pretrained_cfg input size (32x32 latents: a 4 x 4 token map, smaller than the 5 x 5
+    window), at a small width (the spatial size is the point); dit5_s_8 also at its full default width."""
+    cfg = timm.get_pretrained_cfg(name).to_dict()
+    c, hh, ww = cfg["input_size"]
+    small = dict(hidden_size=32, depth=1, num_heads=2)
+    torch.manual_seed(0)
+    for kw in ([small, {}] if name == "dit5_s_8" else [small]):
+        model = timm.create_model(name, **kw).eval()
+        assert model.grid_size == (hh // 8, ww // 8) == (4, 4)
+        assert model.blocks[0].attn.kernel_size == 5 > model.grid_size[0]
+        x = torch.randn(2, c, hh, ww)
+        with torch.no_grad():
+            out = model(x, torch.tensor([1, 999]), torch.tensor([0, 7]))
+        assert out.shape == (2, 2 * c, hh, ww) and torch.isfinite(out).all()
 
 
 def _softmax_tiny():

@@ -118,3 +118,112 @@ def test_train_config_takes_a_recipe_name():
     assert args.model == recipe["model"] and args.batch_size == recipe["batch_size"] and args.epochs == 3
     with pytest.raises(SystemExit, match="recipes: .*vit3_tiny"):
         parse_args(["-c", "no_such_recipe"])
+
+
+# ----- every shipped recipe runs: a few optimizer steps of `ttt-zoo train -c RECIPE` on real images -----
+# Only the size is overridden: image size, class count, batch, epochs (one), the model's width (--model-kwargs)
+# and, for the fine-tuning recipes, a tiny source checkpoint (--initial-checkpoint, as the recipes say to add).
+# The recipe's own optimizer, scheduler, augmentation (rand-m9-mstd0.5-inc1, random erasing), mixup / cutmix,
+# label smoothing, clipping, drop path, EMA and AMP stay on.  AMP runs in bfloat16 here: float16 autocast on the
+# CPU pays a one-off cost per new depthwise-conv shape (~0.1-1 s each; H-ViT3-T's 2 steps took over a minute);
+# float16 + GradScaler is covered by tests/test_train.py's exact-resume test.
+
+#: tiny widths per model family (longest matching prefix of the recipe's model / linearize_from)
+TINY_KWARGS = {
+    "vit3_": dict(depth=1, embed_dim=16, num_heads=2, patch_size=4),
+    "hvit3_": dict(embed_dim=(16, 16, 16, 16), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)),
+    "visionttt_h_": dict(embed_dim=8, depths=(1, 1, 1, 1), head_dim=(8, 8, 8, 8)),
+    "visionttt_": dict(depth=1, embed_dim=16, head_dim=8, patch_size=4),
+    "deit_": dict(depth=1, embed_dim=16, num_heads=2, patch_size=4),
+    "dit": dict(depth=1, hidden_size=16, num_heads=2),
+}
+RUN_IMG, RUN_DIT_IMG, RUN_BATCH, RUN_PER_CLASS = 32, 8, 4, 1  # 10 train images: 2 optimizer steps
+OVERRIDDEN = ("img_size", "num_classes", "batch_size", "epochs")
+
+
+def _tiny_kwargs(name):
+    keys = sorted((k for k in TINY_KWARGS if name.startswith(k)), key=len)
+    assert keys, f"no tiny model width for {name!r}: add its family to TINY_KWARGS"
+    return TINY_KWARGS[keys[-1]]
+
+
+def _kw_flags(kw):
+    return ["--model-kwargs", *(f"{k}={v!r}".replace(" ", "") for k, v in kw.items())]
+
+
+@pytest.fixture(scope="module")
+def digits32(tmp_path_factory):
+    from _train_data import make_tiny_digits
+    return make_tiny_digits(str(tmp_path_factory.mktemp("digits32")), train_per_class=RUN_PER_CLASS,
+                            val_per_class=1, img_size=RUN_IMG)
+
+
+def _source_checkpoint(cfg, kw, folder):
+    """A tiny randomly initialised softmax source for --linearize-from (seeded), saved as safetensors."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    size = dict(input_size=RUN_DIT_IMG, in_chans=3) if cfg.get("task") == "diffusion" else dict(img_size=RUN_IMG)
+    src = timm.create_model(cfg["linearize_from"], num_classes=10, **size, **kw)
+    path = os.path.join(folder, "source.safetensors")
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_runs_a_few_steps(name, digits32, tmp_path):
+    import csv
+    import math
+
+    import torch
+    import yaml
+
+    from ttt_zoo.train import checkpointing as ckpt
+    from ttt_zoo.train.trainer import main
+    cfg = load_recipe(name)
+    diffusion = cfg.get("task") == "diffusion"
+    kw = _tiny_kwargs(cfg.get("model") or cfg["linearize_from"])
+    argv = ["-c", name, "--data-dir", digits32, "--val-split", "val", "--img-size",
+            str(RUN_DIT_IMG if diffusion else RUN_IMG), "--num-classes", "10", "-b", str(RUN_BATCH), "--epochs", "1",
+            *_kw_flags(kw), "--workers", "0", "--device", "cpu", "--seed", "0", "--log-interval", "100",
+            "--output", str(tmp_path), "--experiment", "run"]
+    if cfg.get("linearize_from"):
+        argv += ["--initial-checkpoint", _source_checkpoint(cfg, kw, str(tmp_path))]
+    if cfg.get("amp"):
+        argv += ["--amp-dtype", "bfloat16"]
+    assert main(argv) == 0
+    folder = tmp_path / "run"
+    # the run used the recipe as written, except the overridden sizes
+    used = yaml.safe_load((folder / "args.yaml").read_text())
+    for key, value in cfg.items():
+        if key not in OVERRIDDEN:
+            assert used[key] == value, key
+    assert used["model_kwargs"] == yaml.safe_load(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v
+                                                                   for k, v in kw.items()}))
+    rows = list(csv.DictReader(open(folder / "summary.csv")))
+    assert len(rows) == 1 and math.isfinite(float(rows[0]["train_loss"]))
+    metric = "eval_loss" if diffusion else "eval_top1"
+    assert math.isfinite(float(rows[0][metric]))
+    if cfg.get("model_ema"):
+        assert (folder / "last_ema.safetensors").exists() and math.isfinite(float(rows[0][metric.replace(
+            "eval_", "eval_ema_")]))
+    state = ckpt.load_state(ckpt.state_path(str(folder), "last"))
+    steps = RUN_PER_CLASS * 10 // RUN_BATCH
+    assert state["num_updates"] == steps
+    opt = state["optimizer"]["state"]
+    assert opt and all(int(s["step"]) == steps for s in opt.values() if "step" in s)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.slow
+def test_zero_bit_posterize_inside_ttt_zoo_train(digits32, tmp_path):
+    """`ttt-zoo train` with a policy that posterizes every image at magnitude 10 (0 bits): it trains (before the
+    fix Pillow raised on the first batch)."""
+    from ttt_zoo.train.trainer import main
+    argv = ["-c", "vit3_tiny", "--aa", "rand-m10-n30-p1.0-inc1", "--data-dir", digits32, "--val-split", "",
+            "--img-size", str(RUN_IMG), "--num-classes", "10", "-b", str(RUN_BATCH), "--epochs", "1",
+            *_kw_flags(TINY_KWARGS["vit3_"]), "--workers", "0", "--device", "cpu", "--output", str(tmp_path),
+            "--experiment", "p", "--log-interval", "100"]
+    assert main(argv) == 0

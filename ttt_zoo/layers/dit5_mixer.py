@@ -29,13 +29,17 @@ class DiT5MixedAttention(TTTMixer):
     TTT path: per-channel affine on q and k (``qk_scale_ttt``/``qk_offset_ttt``, (1, 1, C, 2), [..., 0] for q),
     key instance-norm over the tokens (eps 1.0, no affine), residual depthwise 3x3 convs on q and k, then one
     inner step of a per-head 2-layer SiLU MLP (``w1``, ``w2``) on the regression loss with scale d^-0.5 (raw v).
-    NA path: neighbourhood attention on the raw q, k, v (``kernel_size`` 5, natten's border rule).
+    NA path: neighbourhood attention on the raw q, k, v (``kernel_size`` 5, natten's border rule).  On a map side
+    shorter than the window the window is clamped to the map (``min(kernel_size, side)``, dilation 1), so that side
+    is attended in full, NATTEN's kernel_size == input size case: ``dit5_*_8`` runs at its default 32x32 latent
+    (a 4x4 token map).  See :mod:`ttt_zoo.layers.neighborhood`.
 
     Args:
         dim: channels C.
         num_heads: heads (head dim d = C / heads) of both paths.
         qkv_bias: bias of the qkv projection.
-        kernel_size, dilation: neighbourhood window (the map must be at least kernel_size * dilation per side).
+        kernel_size, dilation: neighbourhood window; with dilation 1 it is clamped to a smaller map, with dilation
+            > 1 the map must be at least kernel_size * dilation per side.
         use_natten: neighbourhood attention through natten: ``None`` if installed and verified, else PyTorch;
             ``True`` requires it, ``False`` never.
         backend: backend of the TTT ops (``auto`` | ``torch`` | ``torch_naive`` | ``triton``, see
@@ -131,7 +135,8 @@ class DiT5MixedAttention(TTTMixer):
         q = q.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         k = k.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         v = v.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
-        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.use_natten)
+        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.use_natten,
+                                        clamp_to_map=True)  # a window larger than the map covers the map
         return out.permute(0, 2, 3, 1, 4).reshape(b, n, c)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:

@@ -6,6 +6,12 @@ shifted inside the map (natten's rule): along an axis of length L the window of 
 ordered row-major in the window.  With dilation D the axis is split into the D interleaved sub-grids
 ``i % D`` and the same rule applies inside each sub-grid.
 
+Maps smaller than the window (``clamp_to_map=True``, dilation 1): the window is clamped to the map, per axis
+``min(kernel_size, L)``.  NATTEN treats a window as large as the map as plain self attention, and its op refuses a
+larger one; clamping extends that case, so an axis shorter than the window is attended in full (every query sees
+the whole axis).  Off by default (a too-small map raises); DiT5 turns it on, so ``dit5_*_8`` runs at its 4x4
+latent token map.  A clamped window always runs in PyTorch (natten is not asked: the clamped axis is < kernel_size).
+
 With dilation 1 (T5+) the PyTorch path runs by query tiles: a tile x tile block of queries attends with two
 batched GEMMs to the key region that holds all its windows, the keys outside each query's window masked (9x faster
 than gathering every query's 25 keys at 64x64 tokens on the CPU, and ~2.25x the map in gathered keys instead of
@@ -23,20 +29,32 @@ import torch
 from timm.layers import register_notrace_function
 
 __all__ = ["neighborhood_indices", "neighborhood_attention_2d", "neighborhood_attention_2d_torch",
-           "natten_available"]
+           "natten_available", "window_size"]
 
 
-def neighborhood_indices(length: int, kernel_size: int, dilation: int = 1,
-                         device: Optional[torch.device] = None) -> torch.Tensor:
-    """(length, kernel_size) key positions of every query position along one axis (natten's border rule)."""
+def window_size(length: int, kernel_size: int, dilation: int = 1, clamp_to_map: bool = False) -> int:
+    """The window along an axis of ``length``: ``kernel_size``, or with ``clamp_to_map`` (dilation 1)
+    ``min(kernel_size, length)``; validates the arguments (a too-small map without clamping is an error)."""
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"neighbourhood attention needs an odd kernel_size >= 1, got {kernel_size}")
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
     if length < kernel_size * dilation:
+        if clamp_to_map and dilation == 1 and length >= 1:
+            return length  # the whole axis (NATTEN's kernel_size == input size: self attention)
+        hint = " (clamp_to_map clamps dilation-1 windows only)" if clamp_to_map else ""
         raise ValueError(
             f"feature map side {length} is smaller than the neighbourhood window (kernel_size {kernel_size} x "
-            f"dilation {dilation} = {kernel_size * dilation}); use a larger input or a smaller kernel_size/dilation.")
+            f"dilation {dilation} = {kernel_size * dilation}){hint}; use a larger input or a smaller "
+            f"kernel_size/dilation.")
+    return kernel_size
+
+
+def neighborhood_indices(length: int, kernel_size: int, dilation: int = 1,
+                         device: Optional[torch.device] = None, clamp_to_map: bool = False) -> torch.Tensor:
+    """(length, window) key positions of every query position along one axis (natten's border rule); the window is
+    ``kernel_size``, or ``min(kernel_size, length)`` with ``clamp_to_map`` (see :func:`window_size`)."""
+    kernel_size = window_size(length, kernel_size, dilation, clamp_to_map)
     i = torch.arange(length, device=device)
     residue, j = i % dilation, i // dilation
     group_len = (length - residue + dilation - 1) // dilation  # size of the sub-grid of residue i % dilation
@@ -76,15 +94,15 @@ def _gather_tiles(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> to
     return t.reshape(b, nh, n_h, r_h, n_w, r_w, d).transpose(3, 4).reshape(b, nh, n_h, n_w, r_h * r_w, d)
 
 
-def _na2d_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, scale: float,
+def _na2d_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_h: int, kernel_w: int, scale: float,
                 tile: int) -> torch.Tensor:
     """Dilation-1 NA by query tiles: each tile x tile block of queries attends densely (two batched GEMMs) to the
     (tile + kernel_size - 1)^2 key region that holds all its windows, with the keys outside a query's window masked.
     The key regions overlap by kernel_size - 1 rows and columns, so the gathered keys are about
     ((tile + kernel_size - 1) / tile)^2 times the map (2.25x at tile 8, kernel 5), not kernel_size^2 times."""
     b, nh, h, w, d = q.shape
-    qh, kh, mh = _axis_tiles(h, kernel_size, tile, q.device)
-    qw, kw, mw = _axis_tiles(w, kernel_size, tile, q.device)
+    qh, kh, mh = _axis_tiles(h, kernel_h, tile, q.device)  # per-axis windows (they differ only when clamped)
+    qw, kw, mw = _axis_tiles(w, kernel_w, tile, q.device)
     th, tw, rh, rw = qh.shape[0], qw.shape[0], kh.shape[1], kw.shape[1]
     # (B, heads, tiles_h, tiles_w, tile*tile, d) queries and (..., R_h*R_w, d) key / value regions
     qt = _gather_tiles(q * scale, qh, qw)
@@ -98,11 +116,11 @@ def _na2d_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: 
 
 
 def _na2d_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, dilation: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, clamp_to_map: bool = False) -> torch.Tensor:
     """Any dilation: every query's kernel_size^2 keys and values gathered (kernel_size^2 copies of k and v)."""
     h, w = q.shape[2], q.shape[3]
-    ih = neighborhood_indices(h, kernel_size, dilation, q.device)
-    iw = neighborhood_indices(w, kernel_size, dilation, q.device)
+    ih = neighborhood_indices(h, kernel_size, dilation, q.device, clamp_to_map)
+    iw = neighborhood_indices(w, kernel_size, dilation, q.device, clamp_to_map)
     rows, cols = ih[:, None, :, None], iw[None, :, None, :]  # -> (H, W, ks, ks) windows
     kwin = k[:, :, rows, cols].flatten(4, 5)  # (B, heads, H, W, ks*ks, d)
     vwin = v[:, :, rows, cols].flatten(4, 5)
@@ -113,11 +131,12 @@ def _na2d_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size:
 @register_notrace_function
 def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int,
                                     dilation: int = 1, scale: Optional[float] = None,
-                                    tile: int = 8) -> torch.Tensor:
+                                    tile: int = 8, clamp_to_map: bool = False) -> torch.Tensor:
     """Pure-PyTorch 2-D NA.  q, k, v: (B, heads, H, W, d) -> (B, heads, H, W, d).  ``scale`` defaults to d^-0.5.
 
     Dilation 1 runs by query tiles of ``tile`` x ``tile`` queries (``tile=0``: the gather form), any other dilation
-    gathers every query's window."""
+    gathers every query's window.  ``clamp_to_map``: a map side shorter than the window is attended in full
+    (module docstring); otherwise it is an error."""
     if not torch.jit.is_scripting():
         if q.dim() != 5 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
             raise ValueError(f"neighbourhood attention expects q, k, v of shape (B, heads, H, W, d), got "
@@ -125,10 +144,12 @@ def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.T
     h, w = q.shape[2], q.shape[3]
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
-    neighborhood_indices(min(h, w), kernel_size, dilation)  # validates the window against the map (clear error)
+    # per-axis windows; validates them against the map (clear error)
+    kernel_h = window_size(h, kernel_size, dilation, clamp_to_map)
+    kernel_w = window_size(w, kernel_size, dilation, clamp_to_map)
     if dilation == 1 and tile > 0:
-        return _na2d_tiled(q, k, v, kernel_size, scale, tile)
-    return _na2d_gather(q, k, v, kernel_size, dilation, scale)
+        return _na2d_tiled(q, k, v, kernel_h, kernel_w, scale, tile)
+    return _na2d_gather(q, k, v, kernel_size, dilation, scale, clamp_to_map)
 
 
 def _natten_na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int, dilation: int,
@@ -180,20 +201,22 @@ def natten_available(device: torch.device, dtype: torch.dtype, kernel_size: int 
 @register_notrace_function
 def neighborhood_attention_2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int,
                               dilation: int = 1, scale: Optional[float] = None,
-                              use_natten: Optional[bool] = None) -> torch.Tensor:
+                              use_natten: Optional[bool] = None, clamp_to_map: bool = False) -> torch.Tensor:
     """2-D NA on (B, heads, H, W, d).  ``use_natten``: ``None`` uses natten when it is installed and verified on this
     device/dtype, ``True`` requires it (error if unusable), ``False`` runs the PyTorch implementation.
+    ``clamp_to_map``: a map side shorter than the window is attended in full, in PyTorch (module docstring).
 
     natten is a third-party accelerator of this one function, not a TTT op backend (``ttt_zoo.kernels.backend``)."""
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     if not torch.jit.is_scripting():
-        if use_natten is None or use_natten:
-            # validates the sizes with a clear error before natten sees them
-            neighborhood_indices(min(q.shape[2], q.shape[3]), kernel_size, dilation)
+        # validates the sizes with a clear error before natten sees them
+        clamped = (window_size(q.shape[2], kernel_size, dilation, clamp_to_map) != kernel_size
+                   or window_size(q.shape[3], kernel_size, dilation, clamp_to_map) != kernel_size)
+        if (use_natten is None or use_natten) and not clamped:
             if natten_available(q.device, q.dtype, kernel_size, dilation):
                 return _natten_na2d(q, k, v, kernel_size, dilation, scale)
             if use_natten:
                 raise RuntimeError("use_natten=True was requested but natten is not installed or does not match "
                                    "the PyTorch neighbourhood attention on this device/dtype; use use_natten=None.")
-    return neighborhood_attention_2d_torch(q, k, v, kernel_size, dilation, scale)
+    return neighborhood_attention_2d_torch(q, k, v, kernel_size, dilation, scale, clamp_to_map=clamp_to_map)

@@ -171,11 +171,13 @@ class ClassificationTask(Task):
 
     def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
         from timm.data import Mixup, create_transform, resolve_data_config
+        from .augment import create_train_transform
         a, d = self.args, self.dist
         train_ds, eval_ds = self._datasets()
         self.data_config = cfg = resolve_data_config(vars(a), model=self._model_for_config)
-        train_ds.transform = create_transform(
-            cfg["input_size"], is_training=True, no_aug=a.no_aug, scale=a.scale, ratio=a.ratio, hflip=a.hflip,
+        # timm's transform with posterize's 0 bits = a black image (Pillow 13 refuses 0; see .augment)
+        train_ds.transform = create_train_transform(
+            cfg["input_size"], no_aug=a.no_aug, scale=a.scale, ratio=a.ratio, hflip=a.hflip,
             vflip=a.vflip, color_jitter=a.color_jitter, auto_augment=a.aa, interpolation=a.train_interpolation,
             mean=cfg["mean"], std=cfg["std"], re_prob=a.reprob, re_mode=a.remode, re_count=a.recount)
         # one permutation per epoch from (seed, epoch), split over ranks: same samples for any world size
