@@ -4,7 +4,7 @@ Every op wrapper (``kernels/__init__.py``) asks :func:`resolve_backend` which pa
 :func:`use_triton` (the same rule) whether its kernel may run Triton.  Values, the same for every op and layer:
 
 - ``auto`` (default): the Triton kernels for CUDA tensors where they can run (Triton installed, float32 / float16 /
-  bfloat16, head dim within the kernel's limit), else ``torch``;
+  bfloat16, head dim within the kernel's limit) and only for ops verified on a GPU (below), else ``torch``;
 - ``torch``: the lean PyTorch path with an analytic, recomputing backward (any device and dtype);
 - ``torch_naive``: the plain reference, differentiated by autograd (stores every intermediate);
 - ``triton``: the fused kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``, and the meta device for shapes).
@@ -12,18 +12,35 @@ Every op wrapper (``kernels/__init__.py``) asks :func:`resolve_backend` which pa
 
 The process-wide default comes from the ``TTT_ZOO_BACKEND`` environment variable, read here only (at every call,
 so benchmarks can switch it); an explicit ``backend=`` argument wins.
+
+GPU verification: ``auto`` picks an op's kernel on CUDA only if ``gpu_verified.json`` (next to this file, or the
+file ``TTT_ZOO_GPU_RECORDS`` names) holds a record for the op whose ``sha256`` equals the hash of the op's current
+kernel sources (its folder's ``triton.py`` and every package module that imports, transitively; see
+:func:`kernel_sources`).  Editing a kernel changes the hash, so its record no longer matches.  ``tools/gpu_check.py``
+writes the records after the kernel tests pass on a GPU.  Forcing ``triton`` ignores the records.
 """
+import ast
+import hashlib
 import importlib.util
+import json
 import os
-from typing import Callable, Dict, Optional
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "TRITON_DTYPES", "available_ops",
-           "default_backend", "get_op", "register_op", "resolve_backend", "triton_unsupported", "use_triton"]
+__all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
+           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "get_op", "gpu_verified",
+           "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path", "register_op",
+           "resolve_backend", "triton_unsupported", "use_triton"]
 
-BACKENDS = ("auto", "torch", "torch_naive", "triton")
+TRITON_BACKEND = "triton"
+BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
 ENV_VAR = "TTT_ZOO_BACKEND"
+RECORDS_ENV = "TTT_ZOO_GPU_RECORDS"  # path of the GPU verification records (default: gpu_verified.json here)
+KERNELS_DIR = Path(__file__).resolve().parent  # the installed ttt_zoo.kernels folder
+_PACKAGE = "ttt_zoo.kernels"
 # Triton is optional and imported lazily by each op's ``triton.py`` (CPU users never pay for it; tests set
 # TRITON_INTERPRET=1 before it is first imported)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -77,6 +94,99 @@ def triton_unsupported(device: torch.device, dtype: Optional[torch.dtype] = None
     return None
 
 
+# ------------------------------------------------------------------------------------------- GPU verification
+_HASHES: Dict[tuple, Optional[str]] = {}  # (kernels dir, op folder) -> sha256, once per process
+_RECORDS: Dict[str, List[dict]] = {}      # records file -> its records, read once per process
+_CUDA_FOLDERS: Set[str] = set()           # op folders whose custom ops run the kernels on CUDA in this process
+
+
+def kernel_folder(op: Optional[str]) -> Optional[str]:
+    """The folder under ``kernels/`` of ``op``'s Triton kernel (from the module of its registered implementation),
+    or None (unknown op, no kernel, or registered from outside this package)."""
+    impl = _OPS.get(op or "", {}).get(TRITON_BACKEND)
+    parts = (getattr(impl, "__module__", None) or "").split(".")
+    return parts[2] if parts[:2] == _PACKAGE.split(".") and len(parts) > 2 else None
+
+
+def _imported_files(path: Path, root: Path) -> List[Path]:
+    """The package's files that ``path`` imports relatively (``from .x import a``, ``from .. import y``)."""
+    pkg = list(path.relative_to(root).parent.parts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        target = root.joinpath(*pkg[:len(pkg) - node.level + 1], *(node.module.split(".") if node.module else []))
+        if target.with_suffix(".py").is_file():
+            found.append(target.with_suffix(".py"))
+        elif target.is_dir():  # `from package import module`
+            found += [target / f"{a.name}.py" for a in node.names if (target / f"{a.name}.py").is_file()]
+    return found
+
+
+def kernel_sources(op: str, root: Optional[Path] = None) -> List[Path]:
+    """The files ``op``'s kernel is built from: its folder's ``triton.py`` and every module of the package it
+    imports, transitively (``triton_utils.py``, the folder's ``torch.py`` glue, ...); empty without a kernel."""
+    root = Path(root) if root is not None else KERNELS_DIR
+    folder = kernel_folder(op)
+    todo = [root / folder / "triton.py"] if folder and (root / folder / "triton.py").is_file() else []
+    seen = set()
+    while todo:
+        f = todo.pop()
+        if f not in seen and f.name not in ("__init__.py", "backend.py"):
+            seen.add(f)
+            todo += _imported_files(f, root)
+    return sorted(seen, key=lambda f: f.relative_to(root).as_posix())
+
+
+def kernel_source_hash(op: str, root: Optional[Path] = None) -> Optional[str]:
+    """sha256 over the relative paths and bytes of :func:`kernel_sources` (once per process), None without."""
+    root = Path(root) if root is not None else KERNELS_DIR
+    key = (str(root), kernel_folder(op))
+    if key not in _HASHES:
+        files = kernel_sources(op, root)
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        _HASHES[key] = h.hexdigest() if files else None
+    return _HASHES[key]
+
+
+def records_path() -> Path:
+    """The GPU verification records: ``$TTT_ZOO_GPU_RECORDS``, else ``gpu_verified.json`` in the kernels folder."""
+    return Path(os.environ.get(RECORDS_ENV) or KERNELS_DIR / "gpu_verified.json")
+
+
+def load_gpu_records(path: Optional[Path] = None) -> List[dict]:
+    """The records, a JSON list of objects (read once per process); a missing file holds none, an unreadable one
+    warns and holds none (so ``auto`` runs PyTorch)."""
+    path = Path(path) if path is not None else records_path()
+    if str(path) not in _RECORDS:
+        records: List[dict] = []
+        if path.is_file():
+            try:
+                records = json.loads(path.read_text())
+                if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+                    raise ValueError("not a JSON list of objects")
+            except ValueError as e:
+                warnings.warn(f"ignoring the GPU verification records in {path}: {e}")
+                records = []
+        _RECORDS[str(path)] = records
+    return _RECORDS[str(path)]
+
+
+def gpu_verified(op: Optional[str]) -> bool:
+    """A record for ``op`` matches its current kernel sources."""
+    digest = kernel_source_hash(op) if op else None
+    return digest is not None and any(r.get("op") == op and r.get("sha256") == digest for r in load_gpu_records())
+
+
+def clear_verification_cache() -> None:
+    """Forget the cached hashes, records and kernel choices (for tests: a new process starts this way)."""
+    _HASHES.clear()
+    _RECORDS.clear()
+    _CUDA_FOLDERS.clear()
+
+
 def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optional[torch.dtype] = None,
                     head_dim: Optional[int] = None, op: Optional[str] = None) -> str:
     """The path to run: ``torch``, ``torch_naive`` or ``triton``, from the argument, the environment default, the
@@ -88,19 +198,26 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
     if requested in ("torch", "torch_naive"):
         return requested
     reason = triton_unsupported(device, dtype, head_dim, op)
-    if requested == "triton":
+    if requested == TRITON_BACKEND:
         if reason is not None:
             what = f"op {op!r}" if op else "this op"
             raise BackendError(f"backend='triton' cannot run {what}: {reason}. Use backend='auto' (falls back to "
                                f"PyTorch) or backend='torch'.")
-        return "triton"
-    return "triton" if reason is None and device.type == "cuda" else "torch"
+    elif reason is not None or device.type != "cuda" or not gpu_verified(op):
+        return "torch"  # auto: the kernels only on CUDA, and only where verified there
+    if device.type == "cuda" and kernel_folder(op):
+        _CUDA_FOLDERS.add(kernel_folder(op))  # this op's custom ops (and their backward) run the kernels from now on
+    return TRITON_BACKEND
 
 
 def use_triton(t: torch.Tensor, op: Optional[str] = None) -> bool:
     """Inside a custom op: run the Triton kernel for these inputs (same rule as :func:`resolve_backend`; an empty
-    batch needs no kernel launch, the meta device only the fake impl)."""
-    return t.numel() > 0 and t.device.type != "meta" and triton_unsupported(t.device, t.dtype, t.shape[-1], op) is None
+    batch needs no kernel launch, the meta device only the fake impl).  On CUDA only for a verified op, an op whose
+    kernel :func:`resolve_backend` chose in this process (forced), or under ``TTT_ZOO_BACKEND=triton``."""
+    if t.numel() == 0 or t.device.type == "meta" or triton_unsupported(t.device, t.dtype, t.shape[-1], op):
+        return False
+    return (t.device.type != "cuda" or default_backend() == TRITON_BACKEND or kernel_folder(op) in _CUDA_FOLDERS
+            or gpu_verified(op))
 
 
 def get_op(name: str, device: torch.device, backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,

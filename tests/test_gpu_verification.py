@@ -1,0 +1,179 @@
+"""Verified-only kernel defaults (``kernels/backend.py``) and the dry run of ``tools/gpu_check.py``.
+
+On CUDA, ``auto`` picks an op's kernel only where a GPU verification record matches the op's current kernel
+sources; forcing the kernel ignores the records; the CPU never reads them.  Checked without a GPU: the decision
+reads only the device type (``torch.cuda`` is never initialised).
+"""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttt_zoo.kernels import available_ops
+from ttt_zoo.kernels import backend as B
+
+KERNEL = B.TRITON_BACKEND
+KERNEL_OPS = sorted(op for op, impls in available_ops().items() if impls[KERNEL])
+CUDA = torch.device("cuda")
+_use_kernel = getattr(B, f"use_{KERNEL}")  # the custom ops' rule
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    """Fresh caches (as in a new process), the kernels 'installed', no forced backend."""
+    monkeypatch.setattr(B, "HAS_TRITON", True)
+    monkeypatch.delenv(B.ENV_VAR, raising=False)
+    monkeypatch.delenv(B.RECORDS_ENV, raising=False)
+    B.clear_verification_cache()
+    yield
+    B.clear_verification_cache()
+
+
+def _records(monkeypatch, tmp_path, records):
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(records))
+    monkeypatch.setenv(B.RECORDS_ENV, str(path))
+    B.clear_verification_cache()
+
+
+def _record(op, root=None):
+    return dict(op=op, sha256=B.kernel_source_hash(op, root), gpu="test", torch="x", cuda="x", date="2000-01-01",
+                command="pytest", **{KERNEL: "x"})
+
+
+def _fake_cuda_tensor(d=32):
+    """What the custom ops' rule reads of a tensor, on CUDA, without a GPU."""
+    return types.SimpleNamespace(numel=lambda: 1, device=CUDA, dtype=torch.float32, shape=(1, 4, d))
+
+
+def test_every_kernel_op_has_sources():
+    assert KERNEL_OPS and "last_layer_ttt" not in KERNEL_OPS
+    for op in KERNEL_OPS:
+        names = [f.relative_to(B.KERNELS_DIR).as_posix() for f in B.kernel_sources(op)]
+        assert f"{B.kernel_folder(op)}/{KERNEL}.py" in names, op
+        assert len(B.kernel_source_hash(op)) == 64
+
+
+def test_repository_records_file_is_valid_and_decides():
+    records = json.loads((B.KERNELS_DIR / "gpu_verified.json").read_text())
+    assert isinstance(records, list)
+    keys = {"op", "sha256", "files", "gpu", "torch", KERNEL, "cuda", "date", "command"}
+    assert all(keys <= set(r) for r in records)
+    for op in KERNEL_OPS:  # auto takes the kernel on CUDA exactly where a record matches (today: none)
+        expected = KERNEL if B.gpu_verified(op) else "torch"
+        assert B.resolve_backend("auto", CUDA, torch.float32, 32, op) == expected, op
+
+
+@pytest.mark.parametrize("records", [[], [dict(op="x", sha256="0")]], ids=["empty", "other"])
+def test_no_matching_record_means_pytorch_on_cuda(records, monkeypatch, tmp_path):
+    _records(monkeypatch, tmp_path, records + [dict(_record(op), sha256="0" * 64) for op in KERNEL_OPS])
+    for op in KERNEL_OPS:
+        assert B.resolve_backend("auto", CUDA, torch.float16, 32, op) == "torch", op
+        assert B.resolve_backend(None, CUDA, torch.float32, 32, op) == "torch", op
+        assert not _use_kernel(_fake_cuda_tensor(), op), op
+    assert not torch.cuda.is_initialized()
+
+
+def test_matching_record_selects_the_kernel(monkeypatch, tmp_path):
+    for op in KERNEL_OPS:
+        _records(monkeypatch, tmp_path, [_record(op)])
+        assert B.resolve_backend("auto", CUDA, torch.float16, 32, op) == KERNEL, op
+        assert _use_kernel(_fake_cuda_tensor(), op), op
+        assert B.resolve_backend("auto", CUDA, torch.float64, 32, op) == "torch", op  # no fp64 kernels
+        assert B.resolve_backend("auto", torch.device("cpu"), torch.float32, 32, op) == "torch", op
+        others = [o for o in KERNEL_OPS if o != op and B.kernel_folder(o) != B.kernel_folder(op)]
+        assert all(B.resolve_backend("auto", CUDA, torch.float32, 32, o) == "torch" for o in others), op
+    assert not torch.cuda.is_initialized()
+
+
+def test_editing_a_kernel_invalidates_its_record(monkeypatch, tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(B.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(B, "KERNELS_DIR", copy)
+    _records(monkeypatch, tmp_path, [_record(op) for op in KERNEL_OPS])
+    assert all(B.gpu_verified(op) for op in KERNEL_OPS)
+    (copy / "README.md").write_text("edited\n")  # not a kernel source
+    (copy / "key_norm" / f"{KERNEL}.py").write_text((copy / "key_norm" / f"{KERNEL}.py").read_text() + "# edit\n")
+    B.clear_verification_cache()  # the hashes are computed once per process: a new process
+    for op in KERNEL_OPS:
+        edited = any(f.name == f"{KERNEL}.py" and f.parent.name == "key_norm" for f in B.kernel_sources(op))
+        assert B.gpu_verified(op) is not edited, op
+        assert B.resolve_backend("auto", CUDA, torch.float32, 32, op) == ("torch" if edited else KERNEL), op
+    assert not B.gpu_verified("key_instance_norm")
+    shared = copy / f"{KERNEL}_utils.py"  # a module every other kernel imports
+    shared.write_text(shared.read_text() + "# edit\n")
+    B.clear_verification_cache()
+    assert [op for op in KERNEL_OPS if B.gpu_verified(op)] == []
+
+
+def test_forced_kernel_ignores_records(monkeypatch, tmp_path):
+    _records(monkeypatch, tmp_path, [])
+    assert not any(_use_kernel(_fake_cuda_tensor(), op) for op in KERNEL_OPS)
+    for op in KERNEL_OPS:
+        assert B.resolve_backend(KERNEL, CUDA, torch.float32, 32, op) == KERNEL, op
+        assert _use_kernel(_fake_cuda_tensor(), op), op  # its custom ops (and backward) follow the choice
+    B.clear_verification_cache()
+    monkeypatch.setenv(B.ENV_VAR, KERNEL)
+    for op in KERNEL_OPS:
+        assert B.resolve_backend(None, CUDA, torch.float32, 32, op) == KERNEL, op
+        assert _use_kernel(_fake_cuda_tensor(), op), op
+    assert not torch.cuda.is_initialized()
+
+
+def test_cpu_ignores_records(monkeypatch, tmp_path):
+    _records(monkeypatch, tmp_path, [_record(op) for op in KERNEL_OPS])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for op in KERNEL_OPS:
+        assert B.resolve_backend("auto", torch.device("cpu"), torch.float32, 16, op) == "torch"
+        assert B.resolve_backend(KERNEL, torch.device("cpu"), torch.float32, 16, op) == KERNEL
+
+
+def test_unreadable_records_warn_and_mean_pytorch(monkeypatch, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    monkeypatch.setenv(B.RECORDS_ENV, str(path))
+    with pytest.warns(UserWarning, match="ignoring the GPU verification records"):
+        assert B.resolve_backend("auto", CUDA, torch.float32, 32, KERNEL_OPS[0]) == "torch"
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # timm registers its models by module
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_rejects_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.delitem(sys.modules, "gpu_check", raising=False)
+    gc = _gpu_check()
+    for argv, msg in ((["--dry-run", "--only-ops", "nope"], "no kernel op nope"),
+                      (["--dry-run", "--records", str(B.KERNELS_DIR / "gpu_verified.json")], "never writes")):
+        with pytest.raises(SystemExit):
+            gc.main(argv + ["--output", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "error:" in err[-1] and msg in err[-1], err
+
+
+def test_gpu_check_dry_run(tmp_path):
+    repo_records = (B.KERNELS_DIR / "gpu_verified.json").read_bytes()
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--output", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    for step in ("tests", "bench", "profile", "records"):
+        assert f"| {step} |" in summary, summary
+    assert (out / "tests" / "test_kernels_cuda.xml").is_file() and (out / "bench" / "bench.md").is_file()
+    assert (out / "profile" / "profile.md").is_file()
+    records = json.loads((out / "gpu_verified.json").read_text())
+    assert [r["op"] for r in records] == ["key_instance_norm"]
+    assert records[0]["sha256"] == B.kernel_source_hash("key_instance_norm") and "pytest" in records[0]["command"]
+    assert (B.KERNELS_DIR / "gpu_verified.json").read_bytes() == repo_records  # the repository's file untouched

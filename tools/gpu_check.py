@@ -1,0 +1,280 @@
+"""The GPU run in one command (``make gpu-check``): verify, time and profile the kernels, then record what passed.
+
+    python tools/gpu_check.py --output gpu_check_out            # on a CUDA machine, about 20 minutes
+    python tools/gpu_check.py --dry-run --output /tmp/gc         # the same path on the CPU, tiny, about a minute
+
+Steps, each writing into its own folder of ``--output`` (``summary.md`` lists them with their command and status):
+1. ``tests``: every kernel test file (the files that name Triton, one pytest process each, as ``make test-kernels``)
+   on CUDA (``tests/_ops.py`` picks CUDA when there is one; ``TRITON_INTERPRET=0``: real compilation), then
+   ``tests/test_kernels_cuda.py`` (marker ``cuda``: fp32/fp16/bf16, large head dims, N of 20000, non-contiguous
+   inputs, every launch-config class);
+2. ``bench_classification`` / ``bench_diffusion``: ``ttt-zoo bench`` of every family against DeiT-T (timm SDPA) at
+   224..2048 px, and of DiT3/DiT5-S/2 against DiT-S/2 on the latents of 224..2048 px images (28..256), inference and
+   training, bf16 autocast;
+3. ``profile``: ``ttt-zoo bench --profile`` of ViT3-T training at 224 and 2048 (DeiT-T alongside);
+4. ``records``: a GPU verification record (``kernels/gpu_verified.json``, see ``kernels/backend.py``) for every op
+   whose folder's test file and whose ``cuda`` tests all passed.
+
+``--dry-run``: the CPU, Triton in the interpreter, a tiny subset (one op's tests, one model and peer at 32 px), and
+records written into the output folder, never the repository's file.  Also imported by ``ttt-zoo bench --import
+gpu_check`` (with ``tools`` on ``PYTHONPATH``): it registers ``gpucheck_<dit model>``, DiT models that take an
+image only (fixed timesteps and labels), so that the benchmark can run them.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+CUDA_TESTS = TESTS / "test_kernels_cuda.py"
+CLASSIFIERS = ["vit3_tiny", "hvit3_tiny", "visionttt_tiny", "visionttt_h_tiny", "t5_tiny"]
+DIFFUSION = ["dit3_s_2", "dit5_s_2"]
+DIT_PEER = "dit_s_2"
+SIZES = [224, 512, 1024, 2048]
+LATENTS = [28, 64, 128, 256]  # 224..2048 px images through the 8x VAE: the same tokens at patch 2 as at patch 16
+WRAPPED = "gpucheck_"  # prefix of the image-only DiT models this module registers
+DRY_RUN_TESTS = "kernels and fp32"  # the dry run: the fp32 kernel cases of the op's test file
+
+
+# ------------------------------------------------------------------------ image-only DiT models for ttt-zoo bench
+def _register_dit_wrappers():
+    import torch
+    import timm
+    from timm.models import register_model
+
+    class ImageOnly(torch.nn.Module):
+        """A DiT called with an image only: timestep 500 and label 0 for every sample."""
+
+        def __init__(self, name, img_size=None, **kwargs):
+            super().__init__()
+            size = tuple(img_size) if img_size is not None else None
+            self.dit = timm.create_model(name, **kwargs, **({"input_size": size} if size else {}))
+            self.in_chans, self.num_classes = self.dit.in_chans, 0
+
+        def forward(self, x):
+            t = torch.full((x.shape[0],), 500, device=x.device)
+            return self.dit(x, t, torch.zeros(x.shape[0], dtype=torch.long, device=x.device))
+
+    import ttt_zoo  # noqa: F401  (registers the DiT models)
+    for name in DIFFUSION + [DIT_PEER]:
+        def make(pretrained=False, _name=name, **kwargs):
+            return ImageOnly(_name, **kwargs)
+        make.__name__ = make.__qualname__ = WRAPPED + name
+        if WRAPPED + name not in timm.list_models(WRAPPED + name):
+            register_model(make)
+
+
+if __name__ != "__main__":
+    _register_dit_wrappers()
+
+
+# --------------------------------------------------------------------------------------------------- the steps
+def _run(cmd, out_dir: Path, log_name: str, env=None, timeout=None):
+    """Run ``cmd`` with its output in ``out_dir/log_name``; (return code, seconds)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(out_dir / log_name, "w") as log:
+        log.write("$ " + " ".join(map(str, cmd)) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\nerror: timed out after {timeout} s\n")
+            rc = 124
+    return rc, time.time() - t0
+
+
+def kernel_test_files():
+    """The test files that name Triton (``make test-kernels``' list) and the ``cuda`` file."""
+    files = [f for f in sorted(TESTS.glob("test_*.py")) if "triton" in f.read_text() and f != CUDA_TESTS]
+    return files + [CUDA_TESTS]
+
+
+def _junit(path: Path):
+    """{test id: 'passed' | 'failed' | 'skipped'} from a pytest junit file (empty if there is none)."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kids = {c.tag for c in case}
+        out[case.get("name")] = ("failed" if kids & {"failure", "error"} else "skipped" if "skipped" in kids
+                                 else "passed")
+    return out
+
+
+def _test_env(dry_run: bool):
+    env = {"HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1" if dry_run else "0"}
+    if dry_run:
+        env["TTT_ZOO_CUDA_TESTS_DEVICE"] = "cpu"
+    return env
+
+
+def step_tests(args, out: Path, files, log):
+    """Each file in its own pytest process; {file name: (rc, junit results, command shown in the records)}."""
+    env = _test_env(args.dry_run)
+    prefix = " ".join(f"{k}={v}" for k, v in env.items() if k != "HF_HUB_OFFLINE")
+    results = {}
+    for f in files:
+        xml = out / f"{f.stem}.xml"
+        sel = []
+        if f == CUDA_TESTS and args.subset:  # test ids start with the op
+            sel = ["-k", " or ".join(args.only_ops)]
+        elif args.dry_run:  # the interpreter is slow: one quick case of the op's own file
+            sel = ["-k", DRY_RUN_TESTS]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f.relative_to(ROOT), *sel]
+        rc, secs = _run(cmd + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.step_timeout)
+        log(f"tests {f.name}: rc {rc}, {secs:.0f} s")
+        shown = " ".join([prefix, "python"] + [repr(c) if " " in str(c) else str(c) for c in cmd[1:]])
+        results[f.name] = (rc, _junit(xml), shown)
+    return results
+
+
+def passed_ops(results, dry_run: bool):
+    """{op: commands that passed}: its folder's test file(s) had no failure and some passes, and every ``cuda``
+    test of the op passed (skips allowed only in the dry run, where the folder file runs a subset)."""
+    from ttt_zoo.kernels import available_ops
+    from ttt_zoo.kernels.backend import TRITON_BACKEND, kernel_folder
+    cuda_rc, cuda_cases, cuda_cmd = results.get(CUDA_TESTS.name, (1, {}, ""))
+    ok = {}
+    for op, impls in available_ops().items():
+        folder = kernel_folder(op)
+        if not impls[TRITON_BACKEND] or folder is None:
+            continue
+        files = [name for name in results if name.startswith(f"test_op_{folder}")]
+        cases = {k: v for k, v in cuda_cases.items() if f"[{op}-" in k}
+        folder_ok = files and all(results[n][0] == 0 and "passed" in results[n][1].values() for n in files)
+        cuda_ok = (cases and "failed" not in cases.values()
+                   and (dry_run or all(v == "passed" for v in cases.values())))
+        if folder_ok and cuda_ok:
+            ok[op] = "; ".join([results[n][2] for n in files] + [cuda_cmd])
+    return ok
+
+
+def write_records(ops, path: Path, dry_run: bool):
+    """Add a record per op (replacing that op's records from the same GPU); the list written."""
+    import torch
+    from ttt_zoo.kernels.backend import KERNELS_DIR, kernel_source_hash, kernel_sources
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = "cpu (Triton interpreter, dry run)" if dry_run else torch.cuda.get_device_name()
+    old = json.loads(path.read_text()) if path.is_file() else []
+    if not isinstance(old, list):
+        raise ValueError(f"{path} is not a JSON list of records")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    new = [dict(op=op, sha256=kernel_source_hash(op),
+                files=[f.relative_to(KERNELS_DIR).as_posix() for f in kernel_sources(op)], gpu=gpu,
+                torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, date=date, command=cmd)
+           for op, cmd in sorted(ops.items())]
+    records = [r for r in old if not (r.get("op") in ops and r.get("gpu") == gpu)] + new
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return new
+
+
+def _bench_cmds(args, out: Path):
+    """(step name, command, extra env) of the benchmark and profile runs."""
+    bench = [sys.executable, "-c", "import sys; from ttt_zoo.cli import main; sys.exit(main())", "bench"]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1" if args.dry_run else "0"}
+    if args.dry_run:  # a wrapped DiT3 and the DeiT-T peer, ViT3-T's profile: one tiny size, training only
+        how = ["--device", "cpu", "--threads", "1", "-b", "1", "--num-warm-iter", "0", "--num-bench-iter", "1"]
+        return [("bench", bench + ["--import", "gpu_check", "--model", WRAPPED + DIFFUSION[0], "--peers",
+                                   "deit_tiny_patch16_224", "--bench", "train", "--img-size", "16"] + how
+                 + ["--output", out / "bench"], env),
+                ("profile", bench + ["--profile", "--model", "vit3_tiny", "--bench", "train", "--img-size", "32"]
+                 + how + ["--output", out / "profile"], env)]
+    how = ["--device", "cuda", "--amp", "--amp-dtype", "bfloat16", "--num-warm-iter", "3", "--num-bench-iter", "10"]
+    cmds = [("bench_classification", bench + ["--model", *args.models, "--peers", "deit_tiny_patch16_224", "--bench",
+                                              "both", "--img-size", *map(str, SIZES), "--batch-tokens", "12544"]
+             + how + ["--output", out / "bench_classification"], env)]
+    for latent in LATENTS:  # --batch-tokens counts patch-16 tokens: the same 12544 tokens at patch 2, size by size
+        batch = max(1, 12544 // (latent // 2) ** 2)
+        cmds.append((f"bench_diffusion_{latent}", bench + [
+            "--import", "gpu_check", "--model", *[WRAPPED + m for m in DIFFUSION], "--peers", WRAPPED + DIT_PEER,
+            "--bench", "both", "--img-size", str(latent), "-b", str(batch)] + how
+            + ["--output", out / f"bench_diffusion_{latent}"], env))
+    return cmds + [("profile", bench + ["--profile", "--model", "vit3_tiny", "--peers", "deit_tiny_patch16_224",
+                                        "--bench", "train", "--img-size", "224", "2048", "--batch-tokens", "12544"]
+                    + how + ["--output", out / "profile"], env)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--output", default="gpu_check_out", help="folder for every step's results")
+    p.add_argument("--dry-run", action="store_true", help="the CPU and the interpreter, tiny, records in --output")
+    p.add_argument("--records", help="records file to update (default: the repository's kernels/gpu_verified.json; "
+                                     "dry run: OUTPUT/gpu_verified.json)")
+    p.add_argument("--steps", nargs="+", default=["tests", "bench", "profile", "records"],
+                   choices=["tests", "bench", "profile", "records"])
+    p.add_argument("--models", nargs="+", default=CLASSIFIERS, help="classifiers benchmarked against DeiT-T")
+    p.add_argument("--only-ops", nargs="+", default=None, help="ops whose tests run (dry run: key_instance_norm)")
+    p.add_argument("--step-timeout", type=int, default=1800, help="seconds per subprocess")
+    args = p.parse_args(argv)
+    from ttt_zoo.kernels.backend import KERNELS_DIR, TRITON_BACKEND, kernel_folder
+    from ttt_zoo.kernels import available_ops
+    kernel_ops = sorted(op for op, i in available_ops().items() if i[TRITON_BACKEND])
+    args.subset = args.only_ops is not None or args.dry_run
+    args.only_ops = args.only_ops or (["key_instance_norm"] if args.dry_run else kernel_ops)
+    unknown = sorted(set(args.only_ops) - set(kernel_ops))
+    if unknown:
+        p.error(f"--only-ops: no kernel op {', '.join(unknown)}; choose from {', '.join(kernel_ops)}")
+    out = Path(args.output).resolve()
+    repo_records = (KERNELS_DIR / "gpu_verified.json").resolve()
+    records = Path(args.records).resolve() if args.records else out / "gpu_verified.json" if args.dry_run \
+        else repo_records
+    if args.dry_run and records == repo_records:
+        p.error("--dry-run never writes the repository's records; give another --records file")
+    if not args.dry_run:
+        import torch
+        if not torch.cuda.is_available():
+            p.error("no CUDA device here; run with --dry-run on the CPU")
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# gpu_check {'(dry run) ' if args.dry_run else ''}{datetime.date.today()}", "",
+             "| step | status | seconds | results |", "|---|---|---:|---|"]
+
+    def log(msg):
+        print(msg, flush=True)
+
+    failed = False
+    results = {}
+    if "tests" in args.steps:
+        folders = {kernel_folder(op) for op in args.only_ops}
+        own = [f for f in kernel_test_files() if any(f.stem.startswith(f"test_op_{d}") for d in folders)]
+        files = own + [CUDA_TESTS] if args.subset else kernel_test_files()
+        t0 = time.time()
+        results = step_tests(args, out / "tests", files, log)
+        bad = [n for n, (rc, _, _) in results.items() if rc != 0]
+        failed |= bool(bad)
+        lines.append(f"| tests | {'failed: ' + ', '.join(bad) if bad else 'passed'} | {time.time() - t0:.0f} | "
+                     f"tests/ |")
+    for name, cmd, env in _bench_cmds(args, out):
+        if ("profile" if name == "profile" else "bench") not in args.steps:
+            continue
+        rc, secs = _run(cmd, out / name, "log.txt", env, args.step_timeout)
+        log(f"{name}: rc {rc}, {secs:.0f} s")
+        failed |= rc != 0
+        lines.append(f"| {name} | {'passed' if rc == 0 else f'failed (rc {rc})'} | {secs:.0f} | {name}/ |")
+    if "records" in args.steps:
+        ops = passed_ops(results, args.dry_run)
+        ops = {op: c for op, c in ops.items() if op in args.only_ops}
+        new = write_records(ops, records, args.dry_run)
+        (out / "records.json").write_text(json.dumps(new, indent=1) + "\n")
+        lines.append(f"| records | {len(new)} written to {records} | | records.json |")
+        log(f"records: {', '.join(r['op'] for r in new) or 'none'} -> {records}")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    log(f"wrote {out / 'summary.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
