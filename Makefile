@@ -22,6 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 include mk/openmmlab.mk
+include mk/gpu.mk
 
 demo: venv
 	$(VENV)/bin/ttt-zoo demo
