@@ -174,3 +174,54 @@ def test_image_maps_layers_and_errors():
         image_attention_maps(model, img, (0, 0), layers=[3])
     with pytest.raises(ValueError, match="outside the 32 x 32 image"):
         image_attention_maps(model, img, (32, 0))
+
+
+# --------------------------------------------------- every variant option: the maps go through the mixer's form
+from test_linear_attention import VARIANTS, VFS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_maps(name):
+    """Each variant's implicit map through its own code equals the one through its form, and its explicit map
+    (from its form) has the same shape; where q_hat, k_hat and the gates do not depend on v (V6: o = q (w1 + s k^T
+    v); the dot-loss Vision-TTT: z_bar linear in v) the explicit map is the implicit one."""
+    torch.manual_seed(0)
+    m = VARIANTS[name]()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    m = m.double().eval()
+    x = torch.randn(1, VFS[0] * VFS[1], 16, dtype=torch.float64)
+    if getattr(m, "proj_per_direction", False):  # its backward v is projected outside proj: form only
+        with pytest.raises(ValueError, match="use via='form'"):
+            implicit_attention_map(m, x, VFS, [9], via="mixer")
+        m.proj_per_direction = False  # the same outputs
+    a = implicit_attention_map(m, x, VFS, [9, (7, 6)], via="mixer", reduce="probe")
+    b = implicit_attention_map(m, x, VFS, [9, (7, 6)], via="form", reduce="probe")
+    assert _rel(a, b) <= TOL
+    exp = explicit_attention_map(m, x, VFS, [9, (7, 6)])
+    assert exp.shape == a.shape and torch.isfinite(exp).all()
+    if name in ("vit3_v6", "visionttt_la"):
+        assert _rel(exp, implicit_attention_map(m, x, VFS, [9, (7, 6)])) <= TOL
+
+
+def test_softmax_has_no_explicit_map():
+    m = SoftmaxAttention(32, 4).double().eval()
+    with pytest.raises(NotImplementedError, match="SoftmaxAttention has no exact linear-attention form"):
+        explicit_attention_map(m, _x(), FS, [0])
+    with pytest.raises(NotImplementedError, match="SoftmaxAttention has no exact linear-attention form"):
+        implicit_attention_map(m, _x(), FS, [0], via="form")
+
+
+@pytest.mark.parametrize("model,extra", [("vit3_tiny_v3", []), ("vit3_tiny_v1", ["--map", "explicit"]),
+                                         ("visionttt_tiny_la", ["--via", "form"])])
+def test_cli_variant_models(tmp_path, model, extra):
+    """The issue's crashes: ``attention-map --model vit3_tiny_v3`` (implicit map), and V1 / Vision-TTT-LA's forms."""
+    from ttt_zoo.cli import main
+    from ttt_zoo.cli.demo import ASSET_IMAGE
+    out = tmp_path / "map.png"
+    kw = ["--model-kwargs", "embed_dim=32", "depth=1", "num_heads=2"] if model.startswith("vit3") else \
+        ["--model-kwargs", "embed_dim=32", "depth=1", "head_dim=16"]
+    assert main(["attention-map", "--model", model, *kw, "--image", ASSET_IMAGE, "--query-pixel", "40", "50",
+                 "--img-size", "64", "--out", str(out), *extra]) == 0
+    assert out.is_file()

@@ -18,11 +18,12 @@ What V and O are (the token-mixing core, before the output projection and the ou
 - Vision-TTT: v is ``u_v`` (the last third of ``proj``'s output), o is Z = Z_forth + flip(Z_back), the input of the
   post-norm (the post-norm and the GELU gate act per token on top of it).
 
-``via='mixer'`` takes the VJP through the mixer's own code: forward hooks make v a leaf (replacing the slice of the
-``qkv`` / ``proj`` output) and catch o (a pre-hook on ``proj`` / ``post_norm``); ViT3, whose projection is fused into
-its op, instead runs its own inner-step ops (``ttt_zoo.kernels.swiglu_ttt`` / ``dwconv_ttt``, its backend) on q, k
-and a leaf v.  ``via='form'`` takes it through the linear-attention form (``mixer_inputs`` -> ``form_from_inputs``),
-which is exact and differentiable, so both give the same map.
+``via='mixer'`` takes the VJP through the mixer's own code, ``mixer.implicit_map_io``: by default forward hooks make v
+a leaf (replacing the slice of the ``qkv`` / ``proj`` output) and catch o (a pre-hook on ``proj`` / ``post_norm``);
+ViT3, whose projection is fused into its op, instead runs its own inner-step ops (``ttt_zoo.kernels.swiglu_ttt`` /
+``dwconv_ttt``, or the variant reference) on q, k and a leaf v.  ``via='form'`` takes it through the mixer's
+linear-attention form (``mixer.linear_attention_inputs`` -> ``linear_attention_form_from_inputs``), which is exact
+and differentiable, so both give the same map.
 """
 
 import copy
@@ -31,8 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ttt_zoo.layers import SoftmaxAttention, T5TTT, DiT5MixedAttention, TTTLinearMixer, TTTMixer, ViT3TTT
-from .linear_attention import _heads, _merge, form_from_inputs, linear_attention, mixer_inputs
+from ttt_zoo.layers import TTTMixer
+from .linear_attention import form_from_inputs, linear_attention, mixer_inputs
 
 __all__ = ["implicit_attention_map", "explicit_attention_map", "image_attention_maps", "query_index", "find_mixers",
            "capture_mixer_inputs"]
@@ -56,60 +57,6 @@ def query_index(q: Query, feat_size: Tuple[int, int]) -> int:
 
 def _head_dim(mixer) -> int:
     return mixer.head_dim
-
-
-def _vit3_core(mixer: ViT3TTT, x: Tensor, fs: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-    """ViT3 through its own inner-step ops on an explicit v."""
-    from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
-    c, d, h = mixer.dim, mixer.head_dim, mixer.num_heads
-    with torch.no_grad():
-        t = mixer_inputs(mixer, x, fs)
-    v = t["v"].detach().requires_grad_()
-    b, n = x.shape[:2]
-    with torch.enable_grad():
-        o1 = swiglu_ttt(_heads(t["q"][..., :c], h), _heads(t["k"][..., :c], h), _heads(v[..., :c], h), mixer.w1,
-                        mixer.w2, mixer.scale, mixer.normalize_grad, backend=mixer.backend)
-        grid = [z[..., c:].transpose(1, 2).reshape(b, d, fs[0], fs[1]) for z in (t["q"], t["k"], v)]
-        o2 = dwconv_ttt(*grid, mixer.w3, mixer.scale, mixer.normalize_grad, backend=mixer.backend)
-        o = torch.cat([_merge(o1), o2.flatten(2).transpose(1, 2)], -1)
-    return v, o
-
-
-def _hooked_core(mixer, x: Tensor, fs: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-    """v made a leaf by a forward hook on the projection that produces it, o caught before the output module."""
-    if isinstance(mixer, TTTLinearMixer):
-        if mixer.proj_per_direction:
-            raise ValueError("via='mixer' needs proj_per_direction=False (the backward direction's v is projected "
-                             "outside the proj module); use via='form'")
-        src_mod, out_mod = mixer.proj, mixer.post_norm
-    elif isinstance(mixer, (T5TTT, DiT5MixedAttention, SoftmaxAttention)):
-        src_mod, out_mod = mixer.qkv, mixer.proj
-    else:
-        raise TypeError(f"via='mixer' does not know where v and o are in {type(mixer).__name__}; use via='form'")
-    seen: Dict[str, Tensor] = {}
-
-    def make_v(mod, args, out):
-        c = out.shape[-1] // 3
-        seen["v"] = out[..., 2 * c:].detach().requires_grad_()
-        return torch.cat([out[..., :2 * c], seen["v"]], -1)
-
-    def catch_o(mod, args):
-        seen["o"] = args[0]
-    hooks = [src_mod.register_forward_hook(make_v), out_mod.register_forward_pre_hook(catch_o)]
-    recompute = getattr(mixer, "recompute", None)
-    try:
-        if recompute is not None:
-            mixer.recompute = False  # torch.utils.checkpoint would re-run the hook in the backward
-        with torch.enable_grad():
-            mixer(x, fs)
-    finally:
-        for hk in hooks:
-            hk.remove()
-        if recompute is not None:
-            mixer.recompute = recompute
-    if "v" not in seen or "o" not in seen:
-        raise RuntimeError(f"{type(mixer).__name__}: the v / o hooks did not fire; use via='form'")
-    return seen["v"], seen["o"]
 
 
 def _form_core(mixer, x: Tensor, fs: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
@@ -140,7 +87,7 @@ def implicit_attention_map(mixer: TTTMixer, x: Tensor, feat_size: Tuple[int, int
     if via == "form":
         v, o = _form_core(mixer, x, fs)
     elif via == "mixer":
-        v, o = _vit3_core(mixer, x, fs) if isinstance(mixer, ViT3TTT) else _hooked_core(mixer, x, fs)
+        v, o = mixer.implicit_map_io(x, fs)
     else:
         raise ValueError(f"via must be 'mixer' or 'form', got {via!r}")
     d = _head_dim(mixer)

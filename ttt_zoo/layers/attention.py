@@ -29,5 +29,8 @@ class SoftmaxAttention(TTTMixer):
         x = x.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
+    def linear_attention_unsupported(self) -> str:
+        return "softmax attention is not a linear attention (its exp kernel has no finite feature map)"
+
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}"

@@ -17,7 +17,7 @@ from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_as_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import init_plain_step_variant, silu_gate_features
+from .t5_ttt import dit5_form, init_plain_step_variant, qkv_inputs, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -150,3 +150,15 @@ class DiT5MixedAttention(TTTMixer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, dilation={self.dilation}"
+
+    # the exact linear-attention form (every option), written in ttt_zoo.layers.t5_ttt.dit5_form
+    def linear_attention_unsupported(self) -> Optional[str]:
+        return None
+
+    @torch.jit.unused
+    def linear_attention_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]):
+        return qkv_inputs(self, x)
+
+    @torch.jit.unused
+    def linear_attention_form_from_inputs(self, t, feat_size: Tuple[int, int]):
+        return dit5_form(self, t, feat_size)

@@ -7,13 +7,15 @@ mixer as a model kwarg (``timm.create_model(name, mixer='my_mixer', mixer_kwargs
 :func:`create_mixer`; see docs/adding_a_mixer.md.
 """
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from timm.layers import register_notrace_module
 
-__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers", "family_mixer_kwargs", "set_inner_steps"]
+__all__ = ["TTTMixer", "register_mixer", "create_mixer", "list_mixers", "family_mixer_kwargs", "set_inner_steps",
+           "check_kwargs", "hooked_value_output"]
 
 _MIXERS: Dict[str, Callable[..., "TTTMixer"]] = {}
 
@@ -50,6 +52,93 @@ class TTTMixer(nn.Module):
     def ttt_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if n.split(".")[0] in self.inner_param_names]
 
+    # ---- the exact linear-attention form ("TTT with KV Binding Is Secretly Linear Attention"), per mixer class
+    def linear_attention_unsupported(self) -> Optional[str]:
+        """Why this mixer (with its options) has no exact linear-attention form; None when it has one."""
+        return "no exact form is implemented for this mixer"
+
+    def linear_attention_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """Stage 1, the projections: q, k, v (B, N, channels) in token order (+ what the form needs); ``v`` is the
+        value every attention map is taken against."""
+        raise NotImplementedError(self._no_form_message())
+
+    def linear_attention_form_from_inputs(self, inputs: Dict[str, torch.Tensor], feat_size: Tuple[int, int]):
+        """Stage 2: the form from :meth:`linear_attention_inputs` (differentiable in them)."""
+        raise NotImplementedError(self._no_form_message())
+
+    def linear_attention_form(self, x: torch.Tensor, feat_size: Tuple[int, int]):
+        """The exact linear-attention form on tokens ``x`` (B, N, C) of a ``feat_size`` map (``form.output()`` equals
+        the mixer's output, eval mode).  Raises NotImplementedError (one line) where the mixer has none."""
+        self._no_form_message(check=True)
+        fs = (int(feat_size[0]), int(feat_size[1]))
+        if x.dim() != 3 or x.shape[1] != fs[0] * fs[1]:
+            raise ValueError(f"x must be (B, N, C) tokens with N = H * W = {fs[0] * fs[1]} for feat_size={fs}, "
+                             f"got shape {tuple(x.shape)}")
+        return self.linear_attention_form_from_inputs(self.linear_attention_inputs(x, fs), fs)
+
+    def _no_form_message(self, check: bool = False) -> str:
+        why = self.linear_attention_unsupported()
+        msg = f"{type(self).__name__} has no exact linear-attention form: {why}"
+        if check and why is not None:
+            raise NotImplementedError(msg)
+        return msg
+
+    def implicit_map_io(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(v, o) through the mixer's own code, for the implicit attention map dO/dV: v (B, N, Cv) a leaf (the
+        last ``dim`` channels of ``qkv``'s output), o (B, N, Cv) the input of ``proj``.  Mixers laid out otherwise
+        override it."""
+        return hooked_value_output(self, x, feat_size, getattr(self, "qkv", None), getattr(self, "proj", None))
+
+
+def hooked_value_output(mixer: nn.Module, x: torch.Tensor, feat_size: Tuple[int, int], src: Optional[nn.Module],
+                        out: Optional[nn.Module]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run ``mixer`` with its value (the last ``mixer.dim`` channels of ``src``'s output) made a leaf by a forward
+    hook and catch the input of ``out``: (v, o)."""
+    if src is None or out is None:
+        raise TypeError(f"{type(mixer).__name__}: no value projection / output module to hook; override "
+                        f"implicit_map_io or use via='form'")
+    seen: Dict[str, torch.Tensor] = {}
+    c = mixer.dim
+
+    def make_v(mod, args, y):
+        seen["v"] = y[..., -c:].detach().requires_grad_()
+        return torch.cat([y[..., :-c], seen["v"]], -1)
+
+    def catch_o(mod, args):
+        seen["o"] = args[0]
+    hooks = [src.register_forward_hook(make_v), out.register_forward_pre_hook(catch_o)]
+    recompute = getattr(mixer, "recompute", None)
+    try:
+        if recompute is not None:
+            mixer.recompute = False  # torch.utils.checkpoint would re-run the hook in the backward
+        with torch.enable_grad():
+            mixer(x, feat_size)
+    finally:
+        for hk in hooks:
+            hk.remove()
+        if recompute is not None:
+            mixer.recompute = recompute
+    if "v" not in seen or "o" not in seen:
+        raise RuntimeError(f"{type(mixer).__name__}: the v / o hooks did not fire; use via='form'")
+    return seen["v"], seen["o"]
+
+
+def check_kwargs(where: str, fn: Callable, kwargs: Dict[str, Any], extra: Tuple[str, ...] = ()) -> None:
+    """Raise TypeError naming every key of ``kwargs`` that ``fn`` (a class: its ``__init__`` chain through
+    ``**kwargs``) does not accept, and the accepted ones."""
+    accepted, open_ended = set(extra), False
+    for f in ([c.__dict__["__init__"] for c in fn.__mro__ if "__init__" in c.__dict__] if inspect.isclass(fn)
+              else [fn]):
+        params = inspect.signature(f).parameters.values()
+        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    else:
+        open_ended = True
+    unknown = sorted(k for k in kwargs if k not in accepted)
+    if unknown and not open_ended:
+        raise TypeError(f"{where}: unknown keyword argument(s) {unknown}; accepted: {sorted(accepted)}")
+
 
 def register_mixer(name: str):
     """Register a mixer class under ``name``.  Mixers are torch.fx leaves (their inner loops branch on shapes)."""
@@ -64,6 +153,7 @@ def register_mixer(name: str):
 def create_mixer(name: str, dim: int, **kwargs) -> TTTMixer:
     if name not in _MIXERS:
         raise ValueError(f"Unknown TTT mixer {name!r}; available: {sorted(_MIXERS)}")
+    check_kwargs(f"mixer {name!r} ({_MIXERS[name].__name__}, mixer_kwargs)", _MIXERS[name], kwargs)
     return _MIXERS[name](dim, **kwargs)
 
 

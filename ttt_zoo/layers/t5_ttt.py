@@ -5,7 +5,7 @@ T5 keeps a softmax ViT's ``qkv`` / ``proj`` and replaces softmax attention by on
 T5+ averages that with 2-D neighbourhood attention on the same q, k, v (paper Eq. 15).
 """
 
-from typing import Final, Optional, Tuple
+from typing import Callable, Dict, Final, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +16,13 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
-from .block import map_to_tokens, tokens_as_map
+from . import la_forms as laf
+from .block import map_to_tokens, tokens_as_map, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 
-__all__ = ["T5TTT", "key_instance_norm", "check_variant_options", "init_plain_step_variant"]
+__all__ = ["T5TTT", "key_instance_norm", "check_variant_options", "init_plain_step_variant", "kernel_ttt_form",
+           "qkv_inputs", "dit5_form"]
 
 INNER_UPDATES = ("all", "last")
 
@@ -60,6 +62,71 @@ def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Ten
     """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
     h = F.silu(x @ w1)
     return h * (x @ w2) if w2 is not None else h
+
+
+def kernel_ttt_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Callable[..., torch.Tensor],
+                    hidden_ws: Sequence[torch.Tensor], last: torch.Tensor, scale: float, loss: str,
+                    update_hidden: bool, steps: int, graph: bool) -> laf.KernelForm:
+    """The T5 / DiT5 inner step(s) as linear attention, q, k, v (B, h, N, d): inner model ``hidden(x, *ws) @ last``
+    with the last layer linear; per step t the last layer gains ``phi_t(k)^T v_hat_t`` (one key block per step):
+    ``v_hat = s v`` for the dot loss -(s/N) sum <f(k), v> (T5), ``s (v - f_t(k))`` for the regression loss
+    (s/2N) sum ||f(k) - v||^2 (DiT5), s = scale / N (negative: ascent).  Hidden weights step by autograd of the loss
+    (not with ``update_hidden`` False: V1; none for V3).  The read is ``phi_final(q) (last + sum_t ...)``."""
+    s = scale / k.shape[2]
+    ws, w = list(hidden_ws), last
+    keys, vals = [], []
+    for _ in range(steps):
+        phi = hidden(k, *ws)
+        e = s * v if loss == "dot" else s * (v - phi @ w)
+        keys.append(phi)
+        vals.append(e)
+        if ws and update_hidden:  # all gradients at the current weights, then all steps
+            if loss == "dot":
+                fn = lambda *a, w=w: -(s * (hidden(k, *a) @ w) * v).sum()  # noqa: E731
+            else:
+                fn = lambda *a, w=w: 0.5 * s * (hidden(k, *a) @ w - v).pow(2).sum()  # noqa: E731
+            gs = laf.inner_grads(fn, ws, k.shape[0], graph)
+            ws = [wi - g for wi, g in zip(ws, gs)]
+        w = w + phi.transpose(-2, -1) @ e
+    return laf.KernelForm(hidden(q, *ws), torch.cat(keys, 2), torch.cat(vals, 2), last, s)
+
+
+def qkv_inputs(m: nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """q, k, v (B, N, C) of a fused ``qkv`` projection (q is k where it projects [k, v] only, ``share_qk``)."""
+    if m.share_qk:
+        k, v = m.qkv(x).chunk(2, dim=-1)
+        return dict(q=k, k=k, v=v)
+    q, k, v = m.qkv(x).chunk(3, dim=-1)
+    return dict(q=q, k=k, v=v)
+
+
+def _grid(t: Sequence[torch.Tensor], h: int, fs: Tuple[int, int]) -> Tuple[torch.Tensor, ...]:
+    """(B, N, C) tensors -> (B, h, H, W, d) for neighbourhood attention."""
+    return tuple(laf.heads(z, h).reshape(z.shape[0], h, fs[0], fs[1], -1) for z in t)
+
+
+def _dwconv_res(z: torch.Tensor, conv: nn.Module, fs: Tuple[int, int]) -> torch.Tensor:
+    return z + map_to_tokens(conv(tokens_to_map(z, fs)))
+
+
+def dit5_form(m: nn.Module, t: Dict[str, torch.Tensor], fs: Tuple[int, int]) -> laf.T5Form:
+    """:class:`~ttt_zoo.layers.DiT5MixedAttention`'s form: f(x) = silu(x W1) W2 on the regression loss, W2 the
+    last layer (the one-step delta-rule values ``s (v - f(k))``); its NA half on the raw q, k, v."""
+    h = m.num_heads
+    q, k, v = t["q"], t["k"], t["v"]
+    graph = torch.is_grad_enabled() and any(z.requires_grad for z in (q, k, v))
+    sc, of = m.qk_scale_ttt, m.qk_offset_ttt
+    k2 = _dwconv_res(laf.key_norm(k * sc[..., 1] + of[..., 1], 1.0), m.k_conv2d, fs)
+    q2 = k2 if m.share_qk else _dwconv_res(q * sc[..., 0] + of[..., 0], m.q_conv2d, fs)
+    dt = q.dtype
+    hidden_ws = [] if m.linear else [m.w1.to(dt)]
+    hidden = (lambda x: x) if m.linear else (lambda x, w1: F.silu(x @ w1))  # noqa: E731
+    ttt = kernel_ttt_form(laf.heads(q2, h), laf.heads(k2, h), laf.heads(v, h), hidden, hidden_ws, m.w2.to(dt),
+                          -m.scale if m.gradient_ascent else m.scale, "mse", m.inner_update == "all",
+                          m.inner_steps, graph)
+    clamp = m.dilation == 1 and min(fs) < m.kernel_size  # the mixer clamps its window to a smaller map
+    return laf.T5Form(ttt, m.proj.weight, m.proj.bias, _grid((q, k, v), h, fs), m.kernel_size, m.scale, m.dilation,
+                      clamp)
 
 
 @register_mixer("t5")
@@ -207,6 +274,34 @@ class T5TTT(TTTMixer):
             out = self._core_recompute(x, feat_size)
         out = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(out))
+
+    # ---- the exact linear-attention form (every option: T5+, V1, V3, ascent, Q := K, k steps)
+    def linear_attention_unsupported(self) -> Optional[str]:
+        return None
+
+    @torch.jit.unused
+    def linear_attention_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """The raw q, k, v of ``qkv`` (q is k with ``share_qk``)."""
+        return qkv_inputs(self, x)
+
+    @torch.jit.unused
+    def linear_attention_form_from_inputs(self, t: Dict[str, torch.Tensor], feat_size: Tuple[int, int]
+                                          ) -> laf.T5Form:
+        """f(x) = (silu(x W1) * (x W2)) W3 on the dot-product loss, W3 the last layer: ``q_hat = phi'(q)``,
+        ``k_hat = phi_t(k)`` per step, ``v_hat = s v``, ``S0 = w3``, on the key-normed, DWC-enhanced q, k."""
+        h = self.num_heads
+        q, k, v = t["q"], t["k"], t["v"]
+        graph = torch.is_grad_enabled() and any(z.requires_grad for z in (q, k, v))
+        k2 = _dwconv_res(laf.key_norm(k, self.key_norm_eps), self.k_conv2d, feat_size)
+        q2 = k2 if self.share_qk else _dwconv_res(q, self.q_conv2d, feat_size)
+        dt = q.dtype
+        hidden_ws = [] if self.linear else [self.w1.to(dt), self.w2.to(dt)]
+        hidden = (lambda x: x) if self.linear else silu_gate_features  # noqa: E731
+        ttt = kernel_ttt_form(laf.heads(q2, h), laf.heads(k2, h), laf.heads(v, h), hidden, hidden_ws,
+                              self.w3.to(dt), -self.scale if self.gradient_ascent else self.scale, "dot",
+                              self.inner_update == "all", self.inner_steps, graph)
+        na = _grid((q, k, v), h, feat_size) if self.na_kernel > 0 else None
+        return laf.T5Form(ttt, self.proj.weight, self.proj.bias, na, self.na_kernel, self.scale)
 
     def extra_repr(self) -> str:
         r = f"dim={self.dim}, num_heads={self.num_heads}, na_kernel={self.na_kernel}"

@@ -7,7 +7,7 @@ the mini-batch dual form over the raster order and over the flipped order (both 
 Items the paper does not state are constructor options with the spec's proposed defaults.
 """
 
-from typing import Final, Optional, Tuple
+from typing import Dict, Final, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,9 @@ from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
-from .block import map_to_tokens, tokens_as_map
-from .mixer import TTTMixer, register_mixer
+from . import la_forms as laf
+from .block import map_to_tokens, tokens_as_map, tokens_to_map
+from .mixer import TTTMixer, hooked_value_output, register_mixer
 from .recompute import can_recompute, linear_of_recomputed
 from .t5_ttt import check_variant_options
 
@@ -268,6 +269,78 @@ class TTTLinearMixer(TTTMixer):
         q, k, v, lr, _ = self.inner_inputs(x, feat_size)
         _, gn = self._scan(q, k, v, lr, return_grad_norm=True)
         return gn.pow(2).sum(2).sqrt()
+
+    # ---- the exact linear-attention form (every option: both inner losses, W0 modes, q/k modes, RoPE, ascent, steps)
+    def linear_attention_unsupported(self) -> Optional[str]:
+        return None
+
+    @torch.jit.unused
+    def linear_attention_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """q, k, v (B, N, C) in token order, the gate input u_g and the per-token lr (B, N, heads), unsigned."""
+        c = x.shape[2]
+
+        def conv(t):
+            return map_to_tokens(F.conv2d(tokens_to_map(t, feat_size), self.conv.weight, None, padding=1, groups=c))
+        src = conv(x) if self.qk_mode == "shared" else x
+        u_qk, u_g, u_v = torch.split(F.linear(src, self.proj.weight, self.proj.bias), [c, c, c], dim=-1)
+        q = conv(u_qk) if self.qk_mode == "conv_q" else u_qk
+        lr = (self.base_lr / self.head_dim) * torch.sigmoid(F.linear(src, self.lr_proj.weight, self.lr_proj.bias))
+        return dict(q=q, k=u_qk, v=u_v, u_g=u_g, lr=lr)
+
+    @torch.jit.unused
+    def linear_attention_form_from_inputs(self, t: Dict[str, torch.Tensor], feat_size: Tuple[int, int]
+                                          ) -> laf.VisionTTTForm:
+        """Each scan direction as :class:`~ttt_zoo.layers.la_forms.ScanForm`; ``lr`` signed (ascent) and, for
+        the dot loss, times the inner steps (its gradient -v does not depend on the state)."""
+        h, d = self.num_heads, self.head_dim
+        q, k, v = laf.heads(t["q"], h), laf.heads(t["k"], h), laf.heads(t["v"], h)
+        lr = t["lr"].transpose(1, 2) * ((-1.0 if self.gradient_ascent else 1.0) * self._inner_steps)
+        dt = q.dtype
+        tau = token_tau(self.tau_offset).to(dt)
+        lnw = lnb = None
+        if self.inner_ln_residual or not self.dot_loss:
+            lnw, lnb = self.ttt_norm_weight.to(dt).reshape(1, h, 1, d), self.ttt_norm_bias.to(dt).reshape(1, h, 1, d)
+        s0 = torch.cat([self.w0, self.b0], 2).to(dt)  # (1 | 2, heads, d + 1, d)
+        flip = lambda z: z.flip(2)  # noqa: E731
+        fwd = self._scan_form(q, k, v, lr, s0[:1], tau, lnw, lnb)
+        bwd = self._scan_form(flip(q), flip(k), flip(v), flip(lr), s0[-1:], tau, lnw, lnb)
+        pn = self.post_norm
+        return laf.VisionTTTForm((fwd, bwd), self.inner_ln_residual, lnw, lnb, 1e-6, t["u_g"],
+                                 (pn.weight, pn.bias, pn.eps), (self.o_proj.weight, self.o_proj.bias))
+
+    @torch.jit.unused
+    def _scan_form(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, s0: torch.Tensor,
+                   tau: torch.Tensor, lnw: Optional[torch.Tensor], lnb: Optional[torch.Tensor]) -> laf.ScanForm:
+        """One direction's sum form: the state per mini-batch from the earlier v' = -lr g (g = dl/df at the state
+        entering the mini-batch: f - v, the LayerNorm residual's gradient, or -v for the dot loss)."""
+        bsz, h, n, d = q.shape
+        if self.inner_rope:
+            q, k = laf.rope_half(q, self.mini_batch, self.rope_theta), laf.rope_half(k, self.mini_batch, self.rope_theta)
+        one = torch.ones_like(q[..., :1])
+        qa, ka = torch.cat([q, one], -1), torch.cat([k, one], -1)
+        state = s0.expand(bsz, h, d + 1, d)
+        vps, states = [], []
+        for st in range(0, n, self.mini_batch):
+            sl = slice(st, min(st + self.mini_batch, n))
+            if self.dot_loss:  # l = -<f(k), v>
+                g = -v[:, :, sl]
+            elif self.inner_ln_residual:  # f(x) = x + LN(x W + b), target v - k
+                g = laf.ln_grad(ka[:, :, sl] @ state, v[:, :, sl] - k[:, :, sl], lnw, lnb, 1e-6)
+            else:  # f(x) = x W + b, target v
+                g = ka[:, :, sl] @ state - v[:, :, sl]
+            vp = -lr[:, :, sl, None] * g
+            states.append(state)
+            vps.append(vp)
+            state = state + tau[-1] * ka[:, :, sl].transpose(-2, -1) @ vp
+        return laf.ScanForm(qa, ka, torch.cat(vps, 2), s0, tau, lr, torch.stack(states, 2))
+
+    @torch.jit.unused
+    def implicit_map_io(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(u_v made a leaf by a hook on ``proj``, Z caught before ``post_norm``)."""
+        if self.proj_per_direction:
+            raise ValueError("via='mixer' needs proj_per_direction=False (the backward direction's v is projected "
+                             "outside the proj module); use via='form'")
+        return hooked_value_output(self, x, feat_size, self.proj, self.post_norm)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, mini_batch={self.mini_batch}, "

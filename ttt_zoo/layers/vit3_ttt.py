@@ -3,12 +3,15 @@
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from timm.layers import register_notrace_function, trunc_normal_
 
 from ttt_zoo.kernels import vit3_qkv_ttt, vit3_variant_qkv_ttt
+from . import la_forms as laf
+from .block import tokens_to_map
 from .mixer import TTTMixer, register_mixer
-from .rope import rope_2d_tables
+from .rope import apply_rope_2d, rope_2d_tables
 
 __all__ = ["ViT3TTT", "variant_state_dict"]
 
@@ -58,7 +61,7 @@ class ViT3TTT(TTTMixer):
                  normalize_grad: bool = True, rope: bool = False, rope_base: float = 10000.0,
                  proj_drop: float = 0.0, backend: Optional[str] = None, inner_update: str = "all",
                  inner_model: str = "swiglu", gradient_ascent: bool = False, share_qk: bool = False,
-                 inner_steps: int = 1, **kwargs):
+                 inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
         if inner_update not in INNER_UPDATES:
@@ -122,6 +125,92 @@ class ViT3TTT(TTTMixer):
             y = vit3_qkv_ttt(x, self.qkv.weight, self.qkv.bias, self.w1, w2, self.w3, feat_size,
                              self.num_heads, self.scale, self.normalize_grad, cos, sin, backend=self.backend)
         return self.proj_drop(self.proj(y))
+
+    # ---- the exact linear-attention form (every option: V1, V3, V6, ascent, Q := K, k steps)
+    def linear_attention_unsupported(self) -> Optional[str]:
+        return None
+
+    def linear_attention_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Dict[str, torch.Tensor]:
+        """q, k, v (B, N, C + d): the SwiGLU heads (q, k rotated with RoPE) then the conv head; q is k with
+        ``share_qk``."""
+        b, n, c = x.shape
+        d = self.head_dim
+        y = self.qkv(x)
+        if self.share_qk:
+            k1, v1, k2, v2 = torch.split(y, [c, c, d, d], dim=-1)
+            q1, q2 = k1, k2
+        else:
+            q1, k1, v1, q2, k2, v2 = torch.split(y, [c, c, c, d, d, d], dim=-1)
+        if self.use_rope:
+            cos, sin = rope_2d_tables(feat_size, c, self.rope_base, device=x.device)
+            rot = lambda t: apply_rope_2d(t.reshape(b, feat_size[0], feat_size[1], c), cos, sin).reshape(b, n, c)  # noqa: E731
+            k1 = rot(k1)
+            q1 = k1 if self.share_qk else rot(q1)
+        return dict(q=torch.cat([q1, q2], -1), k=torch.cat([k1, k2], -1), v=torch.cat([v1, v2], -1))
+
+    def linear_attention_form_from_inputs(self, t: Dict[str, torch.Tensor], feat_size: Tuple[int, int]
+                                          ) -> laf.ViT3Form:
+        """The last inner layer w1 is linear in its steps: ``S = w1 + k^T v_hat`` with one key block per step,
+        ``v_hat_t = lr (s/N) v * silu(k w2_t) / ||.||`` (the gate of step t; none for the linear inner model);
+        the read gate is ``silu(q w2_final)`` (w2 stepped by autograd of the inner loss, fixed with V1).  The conv
+        head's gradient does not depend on w3: k steps are one step of k times the (normalised) update."""
+        c, d, h = self.dim, self.head_dim, self.num_heads
+        b, n = t["q"].shape[:2]
+        q, k, v = (laf.heads(t[s][..., :c], h) for s in "qkv")
+        graph = torch.is_grad_enabled() and any(t[s].requires_grad for s in "qkv")
+        s = self.scale / n
+        lr = -1.0 if self.gradient_ascent else 1.0
+        w1 = self.w1.to(q.dtype)
+        w2 = None if self.w2 is None else self.w2.to(q.dtype)
+        v_hats, coefs = [], []
+        for _ in range(self.inner_steps):
+            gate_k = torch.ones_like(k) if w2 is None else F.silu(k @ w2)
+            coef = s * gate_k  # -dL/dW1 = k^T (coef * v), L = -(s/N) sum <f(k), v>
+            norm = laf.col_norm(k.transpose(-2, -1) @ (coef * v), [-2]) if self.normalize_grad else 1.0
+            v_hats.append(lr * coef * v / norm)
+            coefs.append(lr * coef / norm)
+            if w2 is not None and self.inner_update == "all":  # the gate's own step, at the current w1
+                w1_now = w1 + sum(k.transpose(-2, -1) @ vh for vh in v_hats[:-1])
+                g2, = laf.inner_grads(lambda w, w1n=w1_now: -(s * (k @ w1n) * F.silu(k @ w) * v).sum(), [w2], b,
+                                      graph)
+                w2 = w2 - lr * (g2 / laf.col_norm(g2, [-2]) if self.normalize_grad else g2)
+        kk = k.repeat(1, 1, self.inner_steps, 1)
+        gate = torch.ones_like(q) if w2 is None else F.silu(q @ w2)
+        swiglu = laf.SwiGLUForm(q, kk, torch.cat(v_hats, 2), w1, gate, torch.cat(coefs, 2))
+
+        def patches(z):  # (B, N, d) tokens -> (B, d, N, 9) zero-padded 3x3 patches, in w3's (row, col) order
+            return F.unfold(tokens_to_map(z, feat_size), 3, padding=1).reshape(b, d, 9, n).transpose(2, 3)
+        qc, kc, vc = patches(t["q"][..., c:]), patches(t["k"][..., c:]), t["v"][..., c:].transpose(1, 2)
+        uc = torch.einsum("bcnt,bcn->bct", kc, vc * s)
+        normc = laf.col_norm(uc, [-1]) if self.normalize_grad else torch.ones_like(uc[..., :1])
+        coef_c = lr * self.inner_steps * s / normc
+        conv = laf.PatchForm(qc, kc, vc * coef_c, self.w3.to(q.dtype).reshape(d, 9), coef_c)
+        return laf.ViT3Form(swiglu, conv, self.proj.weight, self.proj.bias)
+
+    def implicit_map_io(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(v, o) through ViT3's own inner-step ops (its backend; the variant reference for the variants) on q, k
+        and a leaf v: the projection is fused into the mixer's op, so it cannot be hooked."""
+        from ttt_zoo.kernels import dwconv_ttt, swiglu_ttt
+        from ttt_zoo.kernels.vit3_variant.naive import dwconv_variant_reference, swiglu_variant_reference
+        c, d, h = self.dim, self.head_dim, self.num_heads
+        with torch.no_grad():
+            t = self.linear_attention_inputs(x, feat_size)
+        v = t["v"].detach().requires_grad_()
+        b, n = x.shape[:2]
+        q1, k1, v1 = (laf.heads(z[..., :c], h) for z in (t["q"], t["k"], v))
+        grid = [z[..., c:].transpose(1, 2).reshape(b, d, feat_size[0], feat_size[1]) for z in (t["q"], t["k"], v)]
+        with torch.enable_grad():
+            if self.is_variant:
+                lr = -1.0 if self.gradient_ascent else 1.0
+                o1 = swiglu_variant_reference(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad,
+                                              self.inner_update == "last", lr, self.inner_steps)
+                o2 = dwconv_variant_reference(*grid, self.w3, self.scale, self.normalize_grad, lr, self.inner_steps)
+            else:
+                assert self.w2 is not None
+                o1 = swiglu_ttt(q1, k1, v1, self.w1, self.w2, self.scale, self.normalize_grad, backend=self.backend)
+                o2 = dwconv_ttt(*grid, self.w3, self.scale, self.normalize_grad, backend=self.backend)
+            o = torch.cat([laf.merge(o1), o2.flatten(2).transpose(1, 2)], -1)
+        return v, o
 
     def extra_repr(self) -> str:
         r = f"dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}, rope={self.use_rope}"

@@ -1,6 +1,7 @@
 """Helpers shared by the model files: input validation, building (checkpoints: :mod:`ttt_zoo.checkpoint`)."""
 
 import contextlib
+import inspect
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -11,6 +12,7 @@ from timm.models import build_model_with_cfg
 from timm.models._features import feature_take_indices
 
 # checkpoint loading lives in ttt_zoo.checkpoint; re-exported for the model files' checkpoint_filter_fn
+from ttt_zoo.layers.mixer import check_kwargs
 from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_filter_fn, load_checkpoint_file,
                                 resolve_pretrained, safe_torch_load, unwrap_checkpoint, validate_state_dict,
                                 with_hub_ids)
@@ -48,12 +50,20 @@ def check_image(x: torch.Tensor, in_chans: int, multiple: int, min_size: int, mo
             + str(h) + "x" + str(w) + ". Resize or pad to e.g. " + str(fix_h) + "x" + str(fix_w) + ".")
 
 
+#: what timm's create_model / build_model_with_cfg and this builder take besides the model's own arguments
+_BUILD_KWARGS = tuple(n for n in inspect.signature(build_model_with_cfg).parameters
+                      if n not in ("kwargs", "model_cls", "variant", "pretrained")) + (
+    "pruned", "features_only", "out_indices", "feature_cls", "device", "dtype")
+
+
 def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indices: Any = None,
                     **kwargs) -> nn.Module:
     """``build_model_with_cfg`` plus safe loading of official checkpoints (no arbitrary pickles).
 
     ``default_out_indices``: for backbones, the ``features_only`` outputs (timm's getter over
     ``forward_intermediates``) unless the caller passes ``out_indices``."""
+    # a misspelled option raises (naming it and the accepted ones) instead of building the default model
+    check_kwargs(f"{variant} ({model_cls.__name__})", model_cls, kwargs, extra=_BUILD_KWARGS)
     if default_out_indices is not None:
         out_indices = kwargs.pop("out_indices", default_out_indices)
         kwargs["feature_cfg"] = dict(out_indices=out_indices, feature_cls="getter")
