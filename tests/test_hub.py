@@ -482,10 +482,8 @@ def test_convert_force_killed_mid_write_keeps_the_old_folder(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 120
-        while not os.path.exists(ready):
+        while not os.path.exists(ready):  # a hang is caught by pytest-timeout (pyproject.toml), not a deadline here
             assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.time() < deadline, "the conversion never reached the weights write"
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -216,10 +216,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(data, tmp_path, stage):
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TTT_ZOO_TEST_SAVE_PAUSE=f"2:{stage}")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     marker = tmp_path / "k" / "SAVE_PAUSED"
-    deadline = time.time() + 600
-    while not marker.exists():
+    while not marker.exists():  # a hang is caught by pytest-timeout (pyproject.toml), not a deadline here
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.time() < deadline, "the save pause was never reached"
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
