@@ -9,7 +9,6 @@ Triton kernels have no ONNX form), and the export runs on the CPU.
 import inspect
 import math
 import os
-import tempfile
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -42,12 +41,13 @@ def _dynamic_shapes(model: torch.nn.Module, max_side: int):
 
 
 def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[int]] = None,
-                max_side: int = MAX_SIDE, opset: Optional[int] = None) -> Tuple[int, int]:
+                max_side: int = MAX_SIDE, opset: Optional[int] = None, overwrite: bool = True) -> Tuple[int, int]:
     """Export ``model`` (a ttt-zoo / timm classifier) to the ONNX file ``out`` (replaced only when complete).
 
     ``img_size`` (H, W) is the example input the graph is traced at (default: the model's ``default_cfg``); the
     graph itself takes any batch and any multiple of :func:`input_multiple` between the returned minimum side and
-    ``max_side``.  Returns (multiple, min side).
+    ``max_side``.  Returns (multiple, min side).  ``overwrite=False`` refuses an existing ``out`` (checked
+    before the export runs).
     """
     required = [p for p in inspect.signature(model.forward).parameters.values()
                 if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
@@ -63,21 +63,15 @@ def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[in
     if h % mult or w % mult or min(h, w) < min_side or max(h, w) > max_side:
         raise ExportError(f"--img-size {h}x{w}: the example size must be multiples of {mult} between {min_side} "
                           f"and {max_side} for {type(model).__name__} (the exported graph takes every such size).")
+    if not overwrite and os.path.exists(out):
+        raise ExportError(f"--out {out} already exists; add --force to replace it, or choose another --out")
     x = torch.randn(2, getattr(model, "in_chans", 3), h, w)
     with torch.no_grad():
         program = torch.onnx.export(model, (x,), dynamo=True, dynamic_shapes=dyn, input_names=["image"],
                                     output_names=["output"], opset_version=opset, verbose=False)
     if program is None:
         raise ExportError("torch.onnx.export returned no program (dynamo exporter unavailable?)")
-    folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".onnx")
-    os.close(fd)
-    try:
+    from ttt_zoo.bench.measure import atomic_path
+    with atomic_path(out) as tmp:  # fsynced, renamed when complete, the normal file mode
         program.save(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return mult, min_side

@@ -189,16 +189,9 @@ def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 
 
 def save_image_grid(images: torch.Tensor, path: str, nrow: Optional[int] = None, padding: int = 2,
                     value_range: Optional[Tuple[float, float]] = None) -> str:
-    """Write ``images`` (B, C, H, W) as one PNG grid (to a temporary file, then renamed); returns the path."""
+    """Write ``images`` (B, C, H, W) as one PNG grid (atomically: temp file, fsync, rename); returns the path."""
     from PIL import Image
     grid = Image.fromarray(image_grid(images, nrow, padding, value_range).numpy())
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.partial-{os.getpid()}"
-    try:
-        grid.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    from ttt_zoo.bench.measure import atomic_write
+    atomic_write(path, lambda f: grid.save(f, format="PNG"), binary=True)
     return path

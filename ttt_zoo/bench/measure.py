@@ -7,6 +7,7 @@ on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated``; on the C
 process by X"), it covers every allocator (PyTorch's CPU allocator is plain malloc) and needs no tracing hooks.
 """
 
+import contextlib
 import json
 import os
 import platform
@@ -14,12 +15,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, Optional
 
 __all__ = ["rss_kb", "reset_peak", "peak_kb", "PeakMemory", "measure_steps", "run_child", "machine_info",
-           "describe_machine", "atomic_write", "RESULT_TAG"]
+           "describe_machine", "atomic_write", "atomic_path", "RESULT_TAG"]
 
 RESULT_TAG = "@@ttt-zoo-bench@@ "  # prefixes the one result line a child prints
 
@@ -188,16 +188,53 @@ def describe_machine(info: Dict[str, str]) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def atomic_write(path: str, data, binary: bool = False) -> None:
-    """Write ``data`` (str or bytes, or a callable writing to a file object) next to ``path``, then os.replace."""
+def _sibling_temp(path: str) -> str:
+    base, ext = os.path.splitext(os.path.basename(path))
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yield a temporary sibling path for a writer that needs a file name (ONNX, savefig); on success it is
+    fsynced and renamed onto ``path``, on failure removed. The file gets the process's normal mode (umask)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    tmp = _sibling_temp(path)
     try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else dict(newline=""))) as f:
-            data(f) if callable(data) else f.write(data)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+        _fsync_dir(folder)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: str, data, binary: bool = False) -> None:
+    """Write ``data`` (str or bytes, or a callable writing to a file object) to a temporary sibling, fsync it, then
+    os.replace it onto ``path``. The file gets the process's normal mode (0644 under umask 022; mkstemp's 0600
+    was not)."""
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else dict(newline=""))) as f:
+            data(f) if callable(data) else f.write(data)
+            f.flush()
+            os.fsync(f.fileno())

@@ -13,6 +13,8 @@ COMMANDS = ("list", "demo", "data", "train", "validate", "sample", "attention_ma
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ttt-zoo", description="Test-Time-Training vision backbones for timm.")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error (also accepted anywhere after the command)")
     sub = p.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"{__name__}.{name}").add_parser(sub)
@@ -20,8 +22,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command. A user error prints one ``error: <what>; <how to fix>`` line on stderr and exits with
+    status 2 (``SystemExit``; some commands return 2); ``--debug`` (anywhere) prints the traceback too."""
+    from ._common import run_command
+    argv = [*(sys.argv[1:] if argv is None else argv)]  # (`list` here is the list command module)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+
+    def go() -> int:
+        args = build_parser().parse_args(argv)
+        args.debug = debug
+        return args.func(args)
+    return run_command(go, debug=debug)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,23 @@
-"""What several ``ttt-zoo`` commands share: the model-constructor flags and one-line errors."""
+"""What several ``ttt-zoo`` commands share: the model-constructor flags, output checks and the error boundary."""
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import sys
-from typing import Any, Dict
+import tempfile
+import traceback
+from typing import Any, Dict, Iterable, Optional
 
-__all__ = ["add_model_kwargs", "model_kwargs", "cli_errors"]
+__all__ = ["add_model_kwargs", "model_kwargs", "cli_errors", "UsageError", "UserExit", "run_command",
+           "check_out", "check_out_folder", "error_line"]
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ttt_zoo/
+
+
+class UsageError(ValueError):
+    """A mistake in the command line: printed as one ``error:`` line, exit status 2."""
 
 
 def _json_object(text: str) -> Dict[str, Any]:
@@ -33,16 +45,119 @@ def model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(args.model_args or {}, **dict(args.model_kwargs or {}))
 
 
+# ----- outputs: never overwritten without --force, and checked before the work -----
+
+def _probe_folder(folder: str, flag: str, path: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write to {folder} ({e.strerror or e}); choose another {flag}")
+
+
+def check_out(path: str, force: bool, flag: str = "--out") -> None:
+    """Refuse an existing ``path`` without ``--force``, and a folder we cannot write to, before any work."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
+    if os.path.exists(path) and not force:
+        raise UsageError(f"{flag} {path} already exists; add --force to replace it, or choose another {flag}")
+    _probe_folder(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def check_out_folder(folder: str, names: Iterable[str], force: bool, flag: str = "--output") -> None:
+    """Like :func:`check_out` for a folder that will receive ``names``."""
+    there = [n for n in names if os.path.exists(os.path.join(folder, n))]
+    if there and not force:
+        raise UsageError(f"{flag} {folder} already holds {', '.join(there)}; add --force to replace them, or "
+                         f"choose another {flag}")
+    _probe_folder(os.path.abspath(folder), flag, folder)
+
+
+# ----- the boundary: one line per user error, a traceback only with --debug -----
+
+def _raised_in_zoo(e: BaseException) -> bool:
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_PKG + os.sep)
+
+
+def error_line(e: BaseException) -> Optional[str]:
+    """The one-line message of a user error, or None for a crash (a bug: keep the traceback)."""
+    from ttt_zoo.checkpoint import CheckpointError
+    from ttt_zoo.export import ExportError
+    from ttt_zoo.hub import HubFolderError
+    if isinstance(e, SystemExit):
+        if not isinstance(e.code, str):
+            return None
+        msg = e.code
+    elif isinstance(e, (UsageError, CheckpointError, HubFolderError, ExportError)):
+        msg = str(e)
+    elif isinstance(e, OSError) and e.filename is not None:
+        msg = f"{e.filename}: {e.strerror or e}; check the path and its permissions"
+    elif isinstance(e, (ValueError, OSError)) and _raised_in_zoo(e):  # our own clear messages
+        msg = str(e)
+    else:
+        return None
+    msg = " ".join(msg.split())  # one line
+    msg = re.sub(r"^(?:ttt-zoo[\w\- ]*: )?error: ", "", msg)  # "ttt-zoo train: error: ..." -> "..."
+    return f"error: {msg}"
+
+
+def _usage_error(self, message):  # argparse's error(): one line instead of usage + message
+    raise UsageError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
+@contextlib.contextmanager
+def _one_line_parser_errors():
+    old = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _usage_error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = old
+
+
+class UserExit(SystemExit):
+    """Exit status 2 after the one ``error:`` line was printed; ``str()`` is that line."""
+
+    def __init__(self, line: str):
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def run_command(fn, *args, debug: bool = False) -> int:
+    """Call ``fn(*args)``; a user error prints one ``error:`` line on stderr (``debug``: the traceback first) and
+    raises :class:`UserExit` (exit status 2, no traceback). Crashes (bugs) keep their traceback."""
+    try:
+        with _one_line_parser_errors():
+            return fn(*args)
+    except UserExit:
+        raise
+    except (Exception, SystemExit) as e:
+        if isinstance(e, SystemExit) and not isinstance(e.code, str):
+            raise
+        line = error_line(e)
+        if line is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        print(line, file=sys.stderr)
+        raise UserExit(line) from None
+
+
 def cli_errors(fn):
-    """Print ttt-zoo's clear errors (bad checkpoints, hub folders, exports) as one line and exit with status 2
-    instead of a traceback."""
+    """A command that returns 2 (instead of raising :class:`UserExit`) after its one-line error."""
     def run(args) -> int:
-        from ttt_zoo.checkpoint import CheckpointError
-        from ttt_zoo.export import ExportError
-        from ttt_zoo.hub import HubFolderError
         try:
-            return fn(args)
-        except (CheckpointError, HubFolderError, ExportError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            return run_command(fn, args, debug=getattr(args, "debug", False))
+        except UserExit:
             return 2
     return run

@@ -77,6 +77,8 @@ def run(args) -> int:
     y0, x0 = args.query_pixel
     if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
         raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
+    from ._common import check_out
+    check_out(args.out, args.force)
     if args.checkpoint:
         from ttt_zoo.checkpoint import CheckpointError
         from ttt_zoo.hub.folder import build_from_checkpoint
@@ -125,4 +127,5 @@ def add_parser(sub) -> None:
                    help="implicit score per head: mean diagonal of dO_i/dV_j (d VJPs, exact) or its one-VJP "
                         "Rademacher probe (exact where the Jacobian is diagonal)")
     p.add_argument("--out", required=True, help="output PNG")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=run)

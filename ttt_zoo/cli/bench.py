@@ -87,6 +87,18 @@ def _write_md(path: str, title: str, cmd: str, machine: str, protocol: str, body
     atomic_write(path, f"# {title}\n\n`{cmd}`\n\nMachine: {machine}.\n\n{protocol}\n\n{body}\n")
 
 
+def _check_outputs(args) -> None:
+    """Refuse to overwrite --results-file or the files of --output without --force, before measuring."""
+    from ._common import check_out, check_out_folder
+    if args.results_file:
+        check_out(args.results_file, args.force, "--results-file")
+    if args.output:
+        names = (["profile.md", "profile.json"] if args.profile else ["ops.md"] if args.ops is not None
+                 else ["bench.md", "bench.png"])
+        check_out_folder(args.output, names + ([] if args.results_file or args.profile else ["results.csv"]),
+                         args.force)
+
+
 def run(args) -> int:
     from ttt_zoo.bench import (BenchConfig, format_ops_table, format_table, plot_results, run_models, run_ops,
                                run_profiles, write_results)
@@ -100,6 +112,7 @@ def run(args) -> int:
     cmd = "ttt-zoo bench " + " ".join(shlex.quote(a) for a in args._argv)
     machine = machine_info("cpu" if args.dry_run else args.device, args.threads)
     results_file = args.results_file or (os.path.join(args.output, "results.csv") if args.output else None)
+    _check_outputs(args)
 
     if args.ops is not None:
         from ttt_zoo.bench.ops import OPS
@@ -259,6 +272,7 @@ def add_parser(sub) -> None:
     g.add_argument("--profile-top", type=_positive, default=12)
     g.add_argument("--results-file", default=None, metavar="FILE", help=".csv or .json (timm's infer_/train_ keys)")
     g.add_argument("--output", default=None, metavar="DIR", help="folder for bench.md, bench.png, results.csv")
+    g.add_argument("--force", action="store_true", help="replace an existing --results-file or --output files")
     p.set_defaults(func=_main, _parser=p)
 
 

@@ -9,7 +9,7 @@ import sys
 
 from ttt_zoo.checkpoint import CheckpointError
 
-from ._common import add_model_kwargs, model_kwargs
+from ._common import add_model_kwargs, check_out, model_kwargs
 
 __all__ = ["add_parser", "run"]
 
@@ -18,11 +18,12 @@ def run(args) -> int:
     import ttt_zoo
     from ttt_zoo.export import ExportError, export_onnx
     try:
+        check_out(args.out, True)  # the folder must be writable; an existing --out is refused before the export
         kwargs = model_kwargs(args)
         if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
             kwargs["pretrained_cfg_overlay"] = dict(file=args.checkpoint)
         model = ttt_zoo.create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
-        mult, min_side = export_onnx(model, args.out, args.img_size)
+        mult, min_side = export_onnx(model, args.out, args.img_size, overwrite=args.force)
     except (CheckpointError, ExportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -41,5 +42,6 @@ def add_parser(sub) -> None:
     p.add_argument("--img-size", nargs=2, type=int, metavar=("H", "W"),
                    help="example size the graph is traced at (default: the model's); the graph takes others too")
     add_model_kwargs(p)
-    p.add_argument("--out", required=True, help="the .onnx file (replaced only once the export is complete)")
+    p.add_argument("--out", required=True, help="the .onnx file (written only once the export is complete)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=run)

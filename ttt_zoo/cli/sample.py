@@ -67,10 +67,19 @@ def _shape_kwargs(sd, model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _check_diffusion(name: str) -> None:
+    import ttt_zoo
+    if not (name.split(".")[0] in ttt_zoo.list_zoo_models(include_diffusion=True)
+            and ttt_zoo.is_diffusion_model(name)):
+        raise ValueError(f"--model {name} is not a diffusion model (forward(x, t, y)); sample takes a DiT-family "
+                         f"model, e.g. dit3_s_2, dit5_s_2 or dit_s_2")
+
+
 def _tiny(args) -> Tuple[Any, Any, List[int]]:
     import timm
     import torch
     from diffusers import AutoencoderKL
+    _check_diffusion(args.model)
     torch.manual_seed(args.seed)
     model = timm.create_model(args.model, input_size=16, patch_size=2, hidden_size=64, depth=2, num_heads=2,
                               num_classes=10, **args.model_kwargs)
@@ -99,6 +108,7 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
         raise ValueError("give --model (e.g. dit3_b_2), or --checkpoint with a `ttt-zoo train` folder.")
     if not timm.is_model(model_name):
         raise ValueError(f"--model {model_name!r} is not a registered model; `ttt-zoo list` shows the zoo.")
+    _check_diffusion(model_name)
     vae_dir = args.vae or run_args.get("vae")
     vae = load_vae(vae_dir) if vae_dir else None
     same_run = not args.model or args.model == run_args.get("model")  # else only the folder's weights are used
@@ -127,8 +137,10 @@ def run(args) -> int:
     import torch
     from ttt_zoo.checkpoint import CheckpointError
     from ttt_zoo.sampling import sample, save_image_grid
+    from ._common import UsageError, check_out
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
+        check_out(args.out, args.force)
         if args.tiny:
             model, vae, labels = _tiny(args)
         else:
@@ -138,7 +150,7 @@ def run(args) -> int:
             bad = [lab for lab in labels if not 0 <= lab < n]
             if bad:
                 raise ValueError(f"--labels {bad} are outside the model's {n} classes (0..{n - 1}).")
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, UsageError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model = model.to(device).eval()
@@ -178,4 +190,5 @@ def add_parser(sub) -> None:
     p.add_argument("--nrow", type=int, default=None, help="images per grid row (default: about square)")
     p.add_argument("--tiny", action="store_true", help="tiny random model and VAE (no files; a smoke test)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=run)

@@ -5,23 +5,64 @@
         --checkpoint output/train/run1/best.safetensors --img-size 32 --results-file results.csv
     ttt-zoo validate --data-dir /data/imagenet --model vit3_tiny --pretrained --results-file vit3.json
     ttt-zoo validate --data-dir data/digits32 --model vit3_tiny --checkpoint output/train/run1 --use-ema
+    ttt-zoo validate --checkpoint output/train/run1     # a `ttt-zoo train` folder: its args.yaml gives the rest
+
+With a training folder (or a file in one) as ``--checkpoint``, the folder's ``args.yaml`` supplies ``--model``,
+``--model-kwargs``, ``--img-size``, ``--num-classes``, ``--crop-pct``, ``--data-dir`` and the split; flags given on
+the command line override it.
 """
+import os
 
 __all__ = ["add_parser", "run"]
 
 
-def run(args) -> int:
-    from ttt_zoo.checkpoint import CheckpointError
-    from ttt_zoo.train.validate import _results_format, validate, write_results
+# validate flag -> args.yaml key of a `ttt-zoo train` folder
+_FROM_RUN = {"model": "model", "model_kwargs": "model_kwargs", "img_size": "img_size", "num_classes": "num_classes",
+             "crop_pct": "crop_pct", "data_dir": "data_dir", "split": "val_split"}
+
+
+def _is_number(text) -> bool:
     try:
-        if args.results_file:
-            _results_format(args.results_file)  # a bad extension fails before the evaluation, not after it
-        rows = validate(args.model, args.data_dir, checkpoint=args.checkpoint, pretrained=args.pretrained,
-                        use_ema=args.use_ema, batch_size=args.batch_size, img_size=args.img_size,
-                        crop_pct=args.crop_pct, amp=args.amp, num_classes=args.num_classes, split=args.split,
-                        workers=args.workers, device=args.device, model_kwargs=args.model_kwargs)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"ttt-zoo validate: error: {e}")
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _apply_run_args(args) -> None:
+    """Fill the flags not given on the command line from the run folder's args.yaml (as `ttt-zoo sample` does)."""
+    from .sample import load_run_args
+    from ._common import UsageError
+    ck = args.checkpoint or ""
+    folder = ck if os.path.isdir(ck) else os.path.dirname(os.path.abspath(ck)) if ck else ""
+    run = load_run_args(folder) if folder else {}
+    same_model = not args.model or args.model == run.get("model")  # another model: only the data is shared
+    for flag, key in _FROM_RUN.items():
+        if (same_model or flag in ("data_dir", "split")) and getattr(args, flag) in (None, {}, "") \
+                and run.get(key) not in (None, {}, ""):
+            setattr(args, flag, run[key])
+    if _is_number(args.split):
+        raise UsageError(f"the run held out --val-split {args.split} of its training images, which validate does "
+                         f"not rebuild; give --split (e.g. val) with a folder of held-out images")
+    args.split = args.split or "validation"
+    if not args.model:
+        raise UsageError("no model given; give --model NAME, or --checkpoint with a `ttt-zoo train` folder (its args.yaml "
+                         "names the model)")
+    if not args.data_dir:
+        raise UsageError("no data given; give --data-dir DIR (an image folder with a val/ split)")
+
+
+def run(args) -> int:
+    from ttt_zoo.train.validate import _results_format, validate, write_results
+    from ._common import check_out
+    _apply_run_args(args)
+    if args.results_file:
+        _results_format(args.results_file)  # a bad extension fails before the evaluation, not after it
+        check_out(args.results_file, args.force, "--results-file")
+    rows = validate(args.model, args.data_dir, checkpoint=args.checkpoint, pretrained=args.pretrained,
+                    use_ema=args.use_ema, batch_size=args.batch_size, img_size=args.img_size,
+                    crop_pct=args.crop_pct, amp=args.amp, num_classes=args.num_classes, split=args.split,
+                    workers=args.workers, device=args.device, model_kwargs=args.model_kwargs)
     for r in rows:
         print(f"{r['model']} {r['checkpoint']}: top1 {r['top1']:.3f} top5 {r['top5']:.3f} "
               f"({r['param_count']:.2f}M params, {r['img_size']}px, crop_pct {r['crop_pct']})")
@@ -34,9 +75,13 @@ def run(args) -> int:
 def add_parser(sub) -> None:
     from timm.utils import ParseKwargs
     p = sub.add_parser("validate", help="top-1/top-5 of a model (a checkpoint, a folder of them, or pretrained)")
-    p.add_argument("--data-dir", required=True, metavar="DIR", help="image folder with a val/ (or validation/) split")
-    p.add_argument("--split", default="validation", help="subfolder to evaluate ('validation' also finds 'val')")
-    p.add_argument("--model", required=True, help="model name (timm registry, ttt-zoo models included)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="image folder with a val/ (or validation/) split (default: a training folder's)")
+    p.add_argument("--split", default=None,
+                   help="subfolder to evaluate ('validation' also finds 'val'; default: a training folder's, "
+                        "else validation)")
+    p.add_argument("--model", default=None,
+                   help="model name (timm registry, ttt-zoo models included; default: a training folder's)")
     p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
                    help="extra model constructor arguments, as given to ttt-zoo train")
     p.add_argument("--checkpoint", default="", metavar="PATH",
@@ -52,4 +97,5 @@ def add_parser(sub) -> None:
     p.add_argument("-j", "--workers", type=int, default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--results-file", default="", metavar="FILE", help="write the rows as .csv or .json")
+    p.add_argument("--force", action="store_true", help="replace an existing --results-file")
     p.set_defaults(func=run)

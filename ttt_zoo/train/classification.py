@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -29,6 +30,13 @@ def _read_weights(path: str) -> Dict[str, torch.Tensor]:
 
 def _load_weights(model: nn.Module, path: str, sd: Optional[Dict[str, torch.Tensor]] = None) -> None:
     sd = _read_weights(path) if sd is None else sd
+    own = model.state_dict()
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items()
+           if k in own and hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: {len(bad)} shape "
+                         f"mismatch(es), e.g. {bad[0]} (checkpoint vs model); give the --model / --num-classes / "
+                         f"--model-kwargs / --img-size the weights were trained with")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: missing "
@@ -66,6 +74,18 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
         return model, list(new)
     if not args.model:
         raise ValueError("No model: give --model NAME (or --linearize-from NAME).")
+    if not timm.is_model(args.model):
+        raise ValueError(f"--model {args.model!r} is not a registered model; `ttt-zoo list` shows the zoo's "
+                         f"models (timm's are accepted too)")
+    try:
+        return _create(args, kw, num_classes)
+    except TypeError as e:  # a misspelled or mistyped --model-kwargs entry, e.g. depth=four
+        raise ValueError(f"--model {args.model} --model-kwargs {dict(args.model_kwargs or {})}: {e}; check the "
+                         f"argument names and values (e.g. depth=4)") from e
+
+
+def _create(args: argparse.Namespace, kw: Dict[str, Any], num_classes: Optional[int]) -> Tuple[nn.Module, List[str]]:
+    import timm
     if num_classes is not None:
         kw["num_classes"] = num_classes
     if args.img_size and "img_size" not in kw:
@@ -80,6 +100,12 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
     if args.initial_checkpoint:
         _load_weights(model, args.initial_checkpoint)
     return model, []
+
+
+def _has_split(root: str, split: str) -> bool:
+    """Whether timm's folder lookup finds ``split`` itself (it falls back to the whole root otherwise)."""
+    from timm.data.dataset_factory import _search_split
+    return os.path.abspath(_search_split(root, split)) != os.path.abspath(root)
 
 
 def _num_classes(ds) -> Optional[int]:
@@ -123,6 +149,9 @@ class ClassificationTask(Task):
         g.add_argument("--mixup-prob", type=float, default=1.0)
         g.add_argument("--mixup-switch-prob", type=float, default=0.5)
         g.add_argument("--mixup-mode", default="batch", choices=("batch", "pair", "elem"))
+        g.add_argument("--no-eval", action="store_true",
+                       help="no evaluation: no best checkpoint is picked (last.* only); for data without a "
+                            "validation split, or give --val-split FRACTION")
         g = parser.add_argument_group("linearize (T5)")
         g.add_argument("--linearize-from", default="", metavar="MODEL",
                        help="softmax ViT/DeiT to linearize into T5 before training (needs --pretrained or "
@@ -139,24 +168,63 @@ class ClassificationTask(Task):
 
     # ----- data -----
     def _datasets(self):
+        """The train and eval data sets (transforms set later); with ``--val-split FRACTION`` both read the
+        training split and :meth:`build_loaders` takes disjoint seeded subsets."""
         if self._train_ds is None:
             from timm.data import create_dataset
             a = self.args
             if not a.data_dir and not a.dataset:
                 raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
                                  "or --dataset NAME.")
+            if not a.dataset and not os.path.isdir(a.data_dir):
+                raise ValueError(f"--data-dir {a.data_dir!r} is not a folder; give an image folder with train/ and "
+                                 f"val/ class folders (e.g. `ttt-zoo data digits`)")
+            eval_on = not getattr(a, "no_eval", False) and bool(a.val_split)
+            if eval_on and self.val_fraction is None and not a.dataset and not _has_split(a.data_dir, a.val_split):
+                raise ValueError(f"--data-dir {a.data_dir} has no {a.val_split!r} (or 'val') folder, so a best "
+                                 f"checkpoint would be picked on the training images; give --val-split 0.1 (a "
+                                 f"seeded fraction of the training images held out) or --no-eval")
             self._train_ds = create_dataset(a.dataset, root=a.data_dir, split=a.train_split, is_training=True,
                                             batch_size=a.batch_size, seed=a.seed)
-            if a.val_split:
-                self._eval_ds = create_dataset(a.dataset, root=a.data_dir, split=a.val_split, is_training=False,
+            n = _num_classes(self._train_ds)
+            if n is not None and n < 2:
+                raise ValueError(f"--data-dir {a.data_dir}: the training data has {n} class; classification needs "
+                                 f"at least 2 class folders (top-1 of one class is always 100)")
+            if eval_on:
+                split = a.train_split if self.val_fraction is not None else a.val_split
+                self._eval_ds = create_dataset(a.dataset, root=a.data_dir, split=split, is_training=False,
                                                batch_size=a.validation_batch_size or a.batch_size)
         return self._train_ds, self._eval_ds
+
+    @property
+    def val_fraction(self) -> Optional[float]:
+        """``--val-split 0.1``: that fraction of the training images is held out for evaluation."""
+        try:
+            f = float(self.args.val_split)
+        except (TypeError, ValueError):
+            return None
+        if not 0.0 < f < 1.0:
+            raise ValueError(f"--val-split {self.args.val_split}: a fraction must be between 0 and 1 (e.g. 0.1); "
+                             f"or give a split folder name such as val")
+        return f
+
+    def _holdout(self, n: int) -> Tuple[List[int], List[int]]:
+        """(train, eval) indices: a permutation seeded by --seed, its first round(fraction * n) held out."""
+        g = torch.Generator().manual_seed(int(self.args.seed))
+        perm = torch.randperm(n, generator=g).tolist()
+        k = min(max(1, round(self.val_fraction * n)), n - 1)
+        return sorted(perm[k:]), sorted(perm[:k])
 
     def build_model(self) -> nn.Module:
         a = self.args
         num_classes = a.num_classes
-        if num_classes is None and (a.data_dir or a.dataset):
-            num_classes = _num_classes(self._datasets()[0])
+        if a.data_dir or a.dataset:
+            found = _num_classes(self._datasets()[0])
+            if num_classes is None:
+                num_classes = found
+            elif found is not None and num_classes < found:
+                raise ValueError(f"--num-classes {num_classes}, but --data-dir {a.data_dir} has {found} classes; "
+                                 f"give --num-classes {found} or leave it out")
         model, self.new_param_names = build_classifier(a, num_classes)
         self._model_for_config = model
         if self.new_param_names:
@@ -174,12 +242,18 @@ class ClassificationTask(Task):
         from .augment import create_train_transform
         a, d = self.args, self.dist
         train_ds, eval_ds = self._datasets()
+        base_train = train_ds
         self.data_config = cfg = resolve_data_config(vars(a), model=self._model_for_config)
         # timm's transform with posterize's 0 bits = a black image (Pillow 13 refuses 0; see .augment)
         train_ds.transform = create_train_transform(
             cfg["input_size"], no_aug=a.no_aug, scale=a.scale, ratio=a.ratio, hflip=a.hflip,
             vflip=a.vflip, color_jitter=a.color_jitter, auto_augment=a.aa, interpolation=a.train_interpolation,
             mean=cfg["mean"], std=cfg["std"], re_prob=a.reprob, re_mode=a.remode, re_count=a.recount)
+        if eval_ds is not None and self.val_fraction is not None:  # disjoint subsets of the one training split
+            keep, held = self._holdout(len(base_train))
+            train_ds = Subset(base_train, keep)
+            _logger.info(f"--val-split {a.val_split}: {len(held)} of {len(base_train)} training images held out "
+                         f"for evaluation (seed {a.seed})")
         # one permutation per epoch from (seed, epoch), split over ranks: same samples for any world size
         sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
         common = dict(num_workers=a.workers, pin_memory=a.pin_mem and d.device.type == "cuda")
@@ -205,7 +279,8 @@ class ClassificationTask(Task):
             eval_ds.transform = create_transform(cfg["input_size"], is_training=False,
                                                  interpolation=cfg["interpolation"], mean=cfg["mean"],
                                                  std=cfg["std"], crop_pct=cfg["crop_pct"])
-            part = Subset(eval_ds, range(d.rank, len(eval_ds), d.world_size))  # disjoint, no padding duplicates
+            ids = self._holdout(len(base_train))[1] if self.val_fraction is not None else range(len(eval_ds))
+            part = Subset(eval_ds, list(ids)[d.rank::d.world_size])  # disjoint, no padding duplicates
             evaluate = DataLoader(part, batch_size=a.validation_batch_size or a.batch_size, shuffle=False, **common)
         return train, evaluate
 

@@ -18,12 +18,9 @@ _logger = logging.getLogger("ttt_zoo.train")
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``text`` to ``path`` through a temporary sibling, fsync and rename, with the process's normal file mode."""
+    from ttt_zoo.bench.measure import atomic_write
+    atomic_write(path, text)
 
 
 def setup_logging(log_file: Optional[str], is_primary: bool) -> logging.Logger:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -36,6 +37,94 @@ def _resolve_lr(args: argparse.Namespace, world_size: int) -> None:
     ratio = args.batch_size * world_size * args.grad_accum_steps / args.lr_base_size
     scale = args.lr_base_scale or ("sqrt" if any(o in args.opt.lower() for o in ("ada", "lamb")) else "linear")
     args.lr = args.lr_base * (ratio ** 0.5 if scale == "sqrt" else ratio)
+
+
+def _usage(msg: str) -> SystemExit:
+    return SystemExit(f"ttt-zoo train: error: {msg}")
+
+
+def _check_flags(a: argparse.Namespace) -> None:
+    """Numbers that would only fail deep inside timm or torch (or train on NaN), refused before anything starts."""
+    if a.epochs < 1:
+        raise _usage(f"--epochs {a.epochs}: a run needs at least one epoch; give --epochs 1 or more")
+    if a.batch_size < 1 or a.grad_accum_steps < 1:
+        raise _usage("--batch-size and --grad-accum-steps must be at least 1; give positive values")
+    if a.img_size is not None and a.img_size < 1:
+        raise _usage(f"--img-size {a.img_size}: not a positive size; give e.g. --img-size 224, or leave it out "
+                     f"for the model's own")
+    for flag in ("lr", "lr_base", "weight_decay", "momentum", "warmup_lr", "min_lr"):
+        v = getattr(a, flag, None)
+        if v is not None and not math.isfinite(v):
+            raise _usage(f"--{flag.replace('_', '-')} {v}: not a finite number; give a finite value, e.g. "
+                         f"--lr 0.001")
+
+
+# flags that fix the model's shape or the optimizer's state: a resumed run must keep them
+_SAME_ON_RESUME = ("task", "model", "linearize_from", "model_kwargs", "num_classes", "img_size", "opt",
+                   "layer_decay", "sched", "sched_on_epochs", "grad_accum_steps")
+# args.yaml keys that belong to one invocation and are not inherited by --resume
+_NOT_INHERITED = ("config", "world_size", "sched_on_updates", "resume", "stop_after", "experiment", "output",
+                  "initial_checkpoint", "pretrained")
+
+
+def _recorded_args(folder: str) -> Dict[str, Any]:
+    """The arguments a run folder was trained with: args.yaml, updated by its newest args.resume-epoch*.yaml."""
+    import re
+    import yaml
+    names = [n for n in os.listdir(folder) if re.fullmatch(r"args\.resume-epoch\d+\.yaml", n)]
+    names.sort(key=lambda n: int(re.findall(r"\d+", n)[-1]))
+    out: Dict[str, Any] = {}
+    for name in ["args.yaml"] + names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+            if isinstance(data, dict):
+                out.update(data)
+    return out
+
+
+def _explicit(argv: Sequence[str], task_cls: type, prog: str) -> set:
+    """The dest names given on the command line itself (not by defaults or -c)."""
+    from .args import build_parser
+    p = build_parser(task_cls, prog)
+    for act in p._actions:
+        act.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(list(argv))))
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _parse_with_run_args(argv: Sequence[str], prog: str):
+    """``parse_args``; with ``--resume RUN`` the run's recorded arguments are the defaults (the command line
+    overrides them), and a changed model shape or optimizer is refused, naming the flag."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--resume", default="")
+    pre.add_argument("--task", default=None)
+    first, _ = pre.parse_known_args(list(argv))
+    if not first.resume:
+        return parse_args(argv, prog)
+    state_file = ckpt.resolve_resume(first.resume)
+    recorded = _recorded_args(os.path.dirname(os.path.abspath(state_file)))
+    if not recorded:
+        return parse_args(argv, prog)
+    argv = list(argv)
+    if first.task is None and recorded.get("task"):
+        argv = ["--task", str(recorded["task"])] + argv
+    args, task_cls = parse_args(argv, prog)
+    given = _explicit(argv, task_cls, prog)
+    for k in _SAME_ON_RESUME:
+        if k in given and k in recorded and getattr(args, k, None) != recorded[k] and not (
+                k == "model_kwargs" and dict(args.model_kwargs or {}) == dict(recorded[k] or {})):
+            raise _usage(f"--resume {first.resume}: {_flag(k)} {getattr(args, k)!r} differs from the run's "
+                         f"{recorded[k]!r}; leave out {_flag(k)} (the run's own is used), or start a new run "
+                         f"with --initial-checkpoint")
+    for k, v in recorded.items():
+        if k not in given and k not in _NOT_INHERITED and hasattr(args, k):
+            setattr(args, k, v)
+    return args, task_cls
 
 
 def _first_error(fn) -> Optional[str]:
@@ -70,15 +159,18 @@ class Trainer:
         folder = broadcast_object(os.path.abspath(os.path.join(a.output, name)))
 
         def create():
+            self.created_folder = folder
             if os.path.exists(folder):
+                self.created_folder = None
                 raise ValueError(f"Experiment folder {folder} already exists; nothing was changed in it. To continue "
                                  f"that run use --resume {folder}; to start a new one give a fresh --experiment NAME "
                                  f"(or another --output).")
             try:
                 os.makedirs(folder)
             except OSError as e:
+                self.created_folder = None
                 raise OSError(f"Cannot create the experiment folder {folder} ({e.strerror or e}): --output "
-                              f"{a.output!r} is not writable. Choose another --output.") from e
+                              f"{a.output!r} is not writable; choose another --output") from e
         _raise_everywhere(_first_error(create) if d.is_primary else None, d)
         return folder
 
@@ -87,7 +179,10 @@ class Trainer:
         self.dist = d = init_distributed(a.device)
         from timm.utils import random_seed
         random_seed(a.seed, d.rank)
+        _check_flags(a)
         _resolve_lr(a, d.world_size)
+        if not math.isfinite(a.lr):
+            raise _usage(f"--lr {a.lr}: not a finite number; give a finite --lr, e.g. --lr 0.001")
         self.resume_file = None
         self.folder = self._experiment_folder()
         self.log = setup_logging(os.path.join(self.folder, "log.txt"), d.is_primary)
@@ -158,14 +253,34 @@ class Trainer:
                       f"output {self.folder}")
 
     def _resume(self, path: str) -> None:
-        d = self.dist
+        d, a = self.dist, self.args
         s = ckpt.load_state(path)
-        self.model.load_state_dict(s["model"])
+        saved = s.get("args") or {}
+        for k in _SAME_ON_RESUME:  # also when args.yaml is missing
+            if k in saved and hasattr(a, k) and saved[k] != getattr(a, k):
+                raise _usage(f"--resume {path}: {_flag(k)} {getattr(a, k)!r} differs from the run's {saved[k]!r}; "
+                             f"resume with the run's own {_flag(k)}, or start a new run with --initial-checkpoint")
+        try:
+            self.model.load_state_dict(s["model"])
+        except RuntimeError as e:
+            first = str(e).split("\n\t")[1:2] or [str(e)[:200]]
+            raise _usage(f"--resume {path}: the checkpoint does not fit the model built from these flags "
+                         f"({first[0].strip()}); resume with the run's own --model / --model-kwargs / "
+                         f"--num-classes / --img-size") from None
         if self.ema is not None:
             if s.get("ema") is None:
                 raise SystemExit(f"ttt-zoo train: error: {path} has no EMA state; resume without --model-ema.")
             self.ema.load_state_dict(s["ema"])
-        self.optimizer.load_state_dict(s["optimizer"])
+        try:
+            self.optimizer.load_state_dict(s["optimizer"])
+        except ValueError as e:
+            raise _usage(f"--resume {path}: the optimizer state does not fit ({e}); resume with the run's own "
+                         f"--opt / --layer-decay / --weight-decay") from None
+        old_keys = {k for g in s["optimizer"].get("param_groups", []) for k in g}
+        new_keys = {k for g in self.optimizer.param_groups for k in g}
+        if old_keys and old_keys != new_keys:
+            raise _usage(f"--resume {path}: the run's optimizer differs from --opt {a.opt} (its settings "
+                         f"{sorted(old_keys ^ new_keys)} differ); resume with the run's own --opt")
         self.scheduler.load_state_dict(s["scheduler"])
         if self.scaler is not None and s.get("scaler"):
             self.scaler.load_state_dict(s["scaler"])
@@ -239,6 +354,8 @@ class Trainer:
             if (i + 1) % a.log_interval == 0 or i == n_batches - 1:
                 now = time.perf_counter()
                 rate = (seen - seen_log) * d.world_size / max(now - t_log, 1e-9)
+                if not d.distributed and not math.isfinite(loss.item()):
+                    raise self._non_finite(epoch, loss.item())
                 msg = dict(loss=f"{loss.item():.4f}", lr=f"{self._base_lr():.3g}", img_s=f"{rate:.0f}",
                            **{k: f"{v:.4g}" for k, v in extras.items()})
                 if bar is not None:
@@ -253,8 +370,14 @@ class Trainer:
         if bar is not None:
             bar.close()
         total_loss, total_seen = all_reduce_sum([loss_sum.item(), seen], d.device)
+        if not math.isfinite(total_loss):
+            raise self._non_finite(epoch, total_loss)
         return {"loss": total_loss / max(total_seen, 1), "img_per_sec": total_seen / max(elapsed, 1e-9),
                 "time": elapsed}
+
+    def _non_finite(self, epoch: int, value: float) -> SystemExit:
+        return _usage(f"the training loss of epoch {epoch} is {value} (not finite); nothing of this epoch was saved "
+                      f"and best.* is unchanged; lower --lr, add --clip-grad 1.0, or check the data and --amp")
 
     def _evaluate(self) -> Dict[str, float]:
         if self.eval_loader is None:
@@ -271,7 +394,7 @@ class Trainer:
         return out
 
     def _is_better(self, metric: Optional[float]) -> bool:
-        if metric is None:
+        if metric is None or not math.isfinite(metric):
             return False
         if self.best_metric is None:
             return True
@@ -296,8 +419,22 @@ class Trainer:
         if better:
             ckpt.copy_checkpoint(self.folder, "last", "best")
 
+    def _remove_failed_start(self) -> None:
+        """A run that failed before saving anything removes the folder it created (so the same command works)."""
+        folder = getattr(self, "created_folder", None)
+        if not folder or self.saved or not os.path.isdir(folder):
+            return
+        import shutil
+        log = getattr(self, "log", None)
+        for h in list(getattr(log, "handlers", [])):
+            if isinstance(h, logging.FileHandler):
+                log.removeHandler(h)
+                h.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
     def run(self) -> Dict[str, Any]:
         a = self.args
+        self.created_folder, self.saved = None, False
         try:
             self.setup()
             d = self.dist
@@ -314,6 +451,10 @@ class Trainer:
                 lr = self._base_lr()
                 train = self.train_one_epoch(epoch)
                 evals = self._evaluate()
+                bad = {k: v for k, v in evals.items() if not math.isfinite(v)}
+                if bad:
+                    raise _usage(f"epoch {epoch}: evaluation gave non-finite {bad}; nothing of this epoch was saved "
+                                 f"and best.* is unchanged; lower --lr, add --clip-grad 1.0, or check --amp")
                 metric = evals.get(self.eval_metric)
                 if not a.sched_on_updates:
                     self.scheduler.step(epoch + 1, metric)
@@ -321,6 +462,7 @@ class Trainer:
                 if better:
                     self.best_metric, self.best_epoch = metric, epoch
                 self._save(epoch + 1, metric, better)
+                self.saved = True
                 row = {"epoch": epoch, "train_loss": train["loss"], **{f"eval_{k}": v for k, v in evals.items()},
                        "lr": lr, "train_img_per_sec": train["img_per_sec"], "epoch_time": train["time"]}
                 if d.is_primary:
@@ -335,11 +477,15 @@ class Trainer:
                 self.log.info(f"best eval_{self.eval_metric} {self.best_metric:.4f} at epoch {self.best_epoch}")
             return {"folder": self.folder, "best_metric": self.best_metric, "best_epoch": self.best_epoch,
                     "last": row}
+        except BaseException:
+            if getattr(self, "dist", None) is None or self.dist.is_primary:
+                self._remove_failed_start()
+            raise
         finally:
             destroy_distributed()
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train") -> int:
-    args, task_cls = parse_args(argv, prog)
+    args, task_cls = _parse_with_run_args(argv, prog)
     Trainer(args, task_cls).run()
     return 0

@@ -1,0 +1,264 @@
+"""Bad invocations of `ttt-zoo`: one `error: <what>; <how to fix>` line on stderr, exit status 2, no traceback
+(`--debug` shows it); a run never reports a wrong best; nothing is overwritten without --force; normal file modes.
+
+Everything runs in-process (`ttt_zoo.cli.main`) on tiny models and the digits folder helper."""
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from _train_data import make_tiny_digits
+
+from ttt_zoo.cli import main
+
+TINY = ["--model", "vit3_tiny", "--model-kwargs", "depth=1", "embed_dim=16", "num_heads=2", "patch_size=4",
+        "--img-size", "16", "--workers", "0", "--opt", "sgd", "--lr", "0.05", "--warmup-epochs", "0",
+        "--log-interval", "100", "-b", "16"]
+
+
+def cli(capsys, *argv):
+    """(exit status, stderr) of `ttt-zoo ARGV` run in this process."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Data folders (full, without val/, one class), a finished 1-of-2-epoch run, existing output files."""
+    root = tmp_path_factory.mktemp("cli")
+    data = make_tiny_digits(str(root / "digits"))  # 40 train, 20 val images, 10 classes
+    noval = str(root / "noval")
+    shutil.copytree(os.path.join(data, "train"), os.path.join(noval, "train"))
+    one = root / "one"
+    for split in ("train", "val"):
+        shutil.copytree(os.path.join(data, split, "3"), one / split / "3")
+    out = root / "runs"
+    main(["train", "--data-dir", data, "--output", str(out), *TINY, "--experiment", "run", "--epochs", "2",
+          "--stop-after", "1"])
+    import timm
+    other = timm.create_model("vit3_tiny", depth=1, embed_dim=32, num_heads=2, patch_size=4, img_size=16,
+                              num_classes=10)
+    torch.save(other.state_dict(), root / "random.pth")
+    ro = root / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    existing = root / "existing"
+    existing.mkdir()
+    for name in ("x.png", "m.onnx", "map.png", "r.csv", "r.json"):
+        (existing / name).write_text("keep")
+    (existing / "bench").mkdir()
+    (existing / "bench" / "bench.md").write_text("keep")
+    return dict(data=data, noval=noval, one=str(one), out=str(out), run=str(out / "run"),
+                random=str(root / "random.pth"), ro=str(ro), existing=str(existing))
+
+
+@pytest.fixture
+def read_only(env, monkeypatch):
+    """env['ro'] is mode 0555; root ignores that, so there the OS calls fail as on a read-only mount."""
+    if os.geteuid() == 0:
+        import errno
+        import tempfile
+        from ttt_zoo.train import trainer
+        real_mkstemp, real_makedirs = tempfile.mkstemp, os.makedirs
+
+        def refuse(real):
+            def f(*a, **k):
+                where = str(k.get("dir") or (a[0] if a else ""))
+                if where.startswith(env["ro"]):
+                    raise OSError(errno.EROFS, "Read-only file system", where)
+                return real(*a, **k)
+            return f
+        monkeypatch.setattr(tempfile, "mkstemp", refuse(real_mkstemp))
+        monkeypatch.setattr(trainer.os, "makedirs", refuse(real_makedirs))
+    return env["ro"]
+
+
+def _train(env, *extra):
+    return ["train", "--data-dir", env["data"], "--output", env["out"], *TINY, "--epochs", "1", *extra]
+
+
+# (name, argv from env, key phrase of the first line)
+BAD = [
+    ("data-dir missing", lambda e: _train(e, "--data-dir", "/nope"), "--data-dir '/nope' is not a folder"),
+    ("epochs 0", lambda e: _train(e, "--epochs", "0"), "--epochs 0"),
+    ("num-classes below the data's", lambda e: _train(e, "--num-classes", "5"), "has 10 classes"),
+    ("model-kwargs not a number", lambda e: _train(e, "--model-kwargs", "depth=four"), "--model-kwargs"),
+    ("lr nan", lambda e: _train(e, "--lr", "nan"), "--lr nan"),
+    ("model typo", lambda e: _train(e, "--model", "vit3_tinyy", "--experiment", "typo"), "not a registered model"),
+    ("img-size 0", lambda e: _train(e, "--img-size", "0", "--experiment", "typo"), "--img-size 0"),
+    ("resume changed --opt", lambda e: ["train", "--resume", e["run"], "--opt", "adamw"], "--opt 'adamw' differs"),
+    ("resume changed shape", lambda e: ["train", "--resume", e["run"], "--model-kwargs", "depth=2"],
+     "--model-kwargs {'depth': 2} differs"),
+    ("initial-checkpoint does not fit", lambda e: _train(e, "--initial-checkpoint", e["random"], "--experiment",
+                                                         "init"), "does not fit"),
+    ("no val/ folder", lambda e: _train(e, "--data-dir", e["noval"], "--experiment", "nv"), "--val-split 0.1"),
+    ("one class", lambda e: _train(e, "--data-dir", e["one"], "--experiment", "one"), "at least 2 class"),
+    ("val-split fraction out of range", lambda e: _train(e, "--val-split", "1.5"), "between 0 and 1"),
+    ("parse error", lambda e: _train(e, "--epochs", "x"), "invalid int value"),
+    ("sample non-diffusion model", lambda e: ["sample", "--model", "vit3_tiny", "--out",
+                                              os.path.join(e["out"], "s.png")], "not a diffusion model"),
+    ("sample existing --out", lambda e: ["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--out",
+                                         os.path.join(e["existing"], "x.png")], "add --force"),
+    ("export existing --out", lambda e: ["export", "--model", "t5_tiny", "--model-kwargs", "depth=1", "--out",
+                                         os.path.join(e["existing"], "m.onnx")], "add --force"),
+    ("attention-map existing --out", lambda e: ["attention-map", "--model", "vit3_tiny", "--query-pixel", "1", "1",
+                                                "--out", os.path.join(e["existing"], "map.png")], "add --force"),
+    ("validate existing --results-file", lambda e: ["validate", "--checkpoint", e["run"], "-j", "0",
+                                                    "--results-file", os.path.join(e["existing"], "r.csv")],
+     "add --force"),
+    ("validate without model", lambda e: ["validate", "--data-dir", e["data"], "--pretrained"], "no model"),
+    ("bench existing --results-file", lambda e: ["bench", "--model", "vit3_tiny", "--device", "cpu",
+                                                 "--results-file", os.path.join(e["existing"], "r.json")],
+     "add --force"),
+    ("bench existing --output", lambda e: ["bench", "--model", "vit3_tiny", "--device", "cpu", "--output",
+                                           os.path.join(e["existing"], "bench")], "bench.md; add --force"),
+]
+RO = [
+    ("train read-only --output", lambda ro, e: _train(e, "--output", ro, "--experiment", "x"), "not writable"),
+    ("sample read-only --out", lambda ro, e: ["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--out",
+                                              os.path.join(ro, "x.png")], "cannot write"),
+    ("validate read-only --results-file", lambda ro, e: ["validate", "--checkpoint", e["run"], "-j", "0",
+                                                         "--results-file", os.path.join(ro, "r.csv")],
+     "cannot write"),
+]
+
+
+def _check_one_line(rc, err, phrase, fix=True):
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    assert lines and lines[-1].startswith("error: ") and phrase in lines[-1], err
+    assert ";" in lines[-1] or not fix, f"no fix in {lines[-1]!r}"  # "<what was wrong>; <how to fix it>"
+    return lines[-1]
+
+
+@pytest.mark.parametrize("name,argv,phrase", BAD, ids=[b[0] for b in BAD])
+def test_bad_invocation_one_line(env, capsys, name, argv, phrase):
+    before = sorted(os.listdir(env["out"]))
+    rc, err = cli(capsys, *argv(env))
+    line = _check_one_line(rc, err, phrase)
+    assert [ln for ln in err.splitlines() if "error" in ln.lower()] == [line]  # exactly one error line
+    print(f"{name}: rc {rc}: {line}")
+    assert sorted(os.listdir(env["out"])) == before  # no run folder left behind, nothing new written
+    assert sorted(os.listdir(env["existing"])) == ["bench", "m.onnx", "map.png", "r.csv", "r.json", "x.png"]
+    assert all(open(os.path.join(env["existing"], n)).read() == "keep" for n in ("x.png", "m.onnx", "r.csv"))
+
+
+@pytest.mark.parametrize("name,argv,phrase", RO, ids=[r[0] for r in RO])
+def test_read_only_output_one_line(env, read_only, capsys, name, argv, phrase):
+    rc, err = cli(capsys, *argv(read_only, env))
+    _check_one_line(rc, err, phrase)
+    assert os.listdir(read_only) == []
+
+
+def test_failed_start_does_not_block_the_same_command(env, capsys):
+    argv = _train(env, "--model", "vit3_tinyy", "--experiment", "again")
+    for _ in range(2):  # the second run fails the same way, not with "already exists"
+        rc, err = cli(capsys, *argv)
+        assert rc == 2 and "not a registered model" in err and "already exists" not in err
+    assert not os.path.exists(os.path.join(env["out"], "again"))
+
+
+def test_debug_shows_the_traceback(env, capsys):
+    rc, err = cli(capsys, *_train(env, "--data-dir", "/nope"), "--debug")
+    assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --data-dir")
+
+
+def _nan_after(epoch_from, monkeypatch):
+    from ttt_zoo.train import classification
+    real = classification.ClassificationTask.train_step
+    state = {"epoch": 0}
+
+    def step(self, model, batch):
+        loss, extras = real(self, model, batch)
+        return (loss * float("nan") if state["epoch"] >= epoch_from else loss), extras
+    monkeypatch.setattr(classification.ClassificationTask, "train_step", step)
+    from ttt_zoo.train import trainer
+    real_epoch = trainer.Trainer.train_one_epoch
+
+    def one_epoch(self, epoch):
+        state["epoch"] = epoch
+        return real_epoch(self, epoch)
+    monkeypatch.setattr(trainer.Trainer, "train_one_epoch", one_epoch)
+
+
+def test_non_finite_loss_stops_and_never_becomes_best(env, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(env["run"], run)
+    files = {n: (run / n).read_bytes() for n in ("best.safetensors", "best.state.pt", "last.safetensors",
+                                                   "last.state.pt", "summary.csv")}
+    _nan_after(1, monkeypatch)  # epoch 1 (the resumed one) trains on NaN
+    rc, err = cli(capsys, "train", "--resume", str(run))
+    line = _check_one_line(rc, err, "training loss of epoch 1 is nan")
+    assert "best.* is unchanged" in line
+    assert {n: (run / n).read_bytes() for n in files} == files  # best, last and summary untouched
+
+
+def test_no_validation_split_fraction_and_no_eval(env, tmp_path, capsys):
+    base = ["train", "--data-dir", env["noval"], "--output", str(tmp_path), *TINY, "--epochs", "1"]
+    assert cli(capsys, *base, "--experiment", "f", "--val-split", "0.25")[0] == 0
+    args = yaml.safe_load((tmp_path / "f" / "args.yaml").read_text())
+    assert args["val_split"] == "0.25" and args["seed"] == 42  # the hold-out is recorded and seeded
+    import csv
+    (row,) = list(csv.DictReader(open(tmp_path / "f" / "summary.csv")))
+    assert "eval_top1" in row and (tmp_path / "f" / "best.safetensors").exists()
+    assert cli(capsys, *base, "--experiment", "n", "--no-eval")[0] == 0
+    names = os.listdir(tmp_path / "n")
+    assert "last.safetensors" in names and not [n for n in names if n.startswith("best")]  # no best without eval
+
+
+def test_val_split_fraction_is_disjoint_and_seeded():
+    import argparse
+    from ttt_zoo.train.classification import ClassificationTask
+    task = ClassificationTask(argparse.Namespace(val_split="0.25", seed=7), None)
+    train, held = task._holdout(40)
+    assert len(held) == 10 and not set(train) & set(held) and sorted(train + held) == list(range(40))
+    assert task._holdout(40) == (train, held)
+    assert ClassificationTask(argparse.Namespace(val_split="0.25", seed=8), None)._holdout(40)[1] != held
+
+
+def test_resume_and_validate_read_the_run_args(env, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(env["run"], run)
+    rc, err = cli(capsys, "train", "--resume", str(run))  # args.yaml supplies the rest
+    assert rc == 0, err
+    assert torch.load(run / "last.state.pt", weights_only=True)["epoch"] == 2
+    rc, err = cli(capsys, "validate", "--checkpoint", str(run), "-j", "0", "--results-file",
+                  str(tmp_path / "r.json"))
+    assert rc == 0, err
+    import json
+    rows = json.load(open(tmp_path / "r.json"))
+    assert [r["img_size"] for r in rows] == [16, 16] and rows[0]["model"] == "vit3_tiny"
+    # a command-line flag overrides args.yaml: another depth no longer fits the weights
+    rc, err = cli(capsys, "validate", "--checkpoint", str(run), "-j", "0", "--model-kwargs", "depth=2",
+                  "embed_dim=16", "num_heads=2", "patch_size=4")
+    _check_one_line(rc, err, "does not fit", fix=False)  # ttt_zoo.checkpoint's message: "... Build the model ..."
+
+
+def test_force_replaces_and_files_get_the_normal_mode(tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "s.png"
+        argv = ["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--labels", "1", "--out", out]
+        assert cli(capsys, *argv)[0] == 0
+        first = out.read_bytes()
+        rc, err = cli(capsys, *argv)
+        _check_one_line(rc, err, "--force")
+        assert out.read_bytes() == first
+        assert cli(capsys, *argv, "--force", "--seed", "1")[0] == 0 and out.read_bytes() != first
+        from ttt_zoo.bench.measure import atomic_path, atomic_write
+        from ttt_zoo.train.reporting import atomic_write_text
+        atomic_write(str(tmp_path / "a.json"), "{}")
+        atomic_write_text(str(tmp_path / "b.yaml"), "a: 1\n")
+        with atomic_path(str(tmp_path / "c.onnx")) as tmp:
+            open(tmp, "wb").write(b"x")
+        for name in ("s.png", "a.json", "b.yaml", "c.onnx"):
+            assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+        assert sorted(os.listdir(tmp_path)) == ["a.json", "b.yaml", "c.onnx", "s.png"]  # no temporaries left
+    finally:
+        os.umask(old)
