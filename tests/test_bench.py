@@ -74,9 +74,9 @@ def test_bench_grad_checkpointing_keeps_less_for_the_backward(tmp_path, capsys):
     for flag in ([], ["--grad-checkpointing"]):
         rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=2", "--img-size", "64", "--bench",
                    "train", "--saved-mem", "--num-warm-iter", "0", "--num-bench-iter", "1", "--device", "cpu",
-                   "--threads", "1", "--results-file", str(tmp_path / "r.json")] + flag)
+                   "--threads", "1", "--results-file", str(tmp_path / f"r{len(flag)}.json")] + flag)
         assert rc == 0, capsys.readouterr()
-        saved[bool(flag)] = json.loads((tmp_path / "r.json").read_text())["results"][0]["train_saved_mb"]
+        saved[bool(flag)] = json.loads((tmp_path / f"r{len(flag)}.json").read_text())["results"][0]["train_saved_mb"]
     assert 0 < saved[True] < 0.5 * saved[False], saved
 
 
@@ -225,9 +225,9 @@ def test_bench_malloc_trim_reaches_the_children_and_lowers_the_cpu_peak(tmp_path
     for flag in ([], ["--malloc-trim"]):
         rc = main(["bench", "--model", "t5_tiny", "--model-kwargs", "depth=4", "--img-size", "256", "--bench",
                    "train", "--num-warm-iter", "1", "--num-bench-iter", "2", "--device", "cpu", "--threads", "1",
-                   "--results-file", str(tmp_path / "r.json")] + flag)
+                   "--results-file", str(tmp_path / f"r{len(flag)}.json")] + flag)
         assert rc == 0, capsys.readouterr()
-        row = json.loads((tmp_path / "r.json").read_text())["results"][0]
+        row = json.loads((tmp_path / f"r{len(flag)}.json").read_text())["results"][0]
         assert row["train_malloc_trim"] is bool(flag)
         peaks[bool(flag)] = row["train_peak_mem_mb"]
     assert 0 < peaks[True] < peaks[False], peaks
