@@ -13,6 +13,15 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# xdist workers share the cores: one worker's torch (and its child processes) gets cores / workers threads.  With
+# torch's default of every core per worker, OpenMP's spinning threads oversubscribed the 2 CPUs and the numerics tests
+# ran 7 min on 2 workers instead of ~1 min.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
 import ttt_zoo  # noqa: E402,F401
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted kernel is checked for out-of-bounds access

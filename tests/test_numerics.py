@@ -6,10 +6,10 @@ in Vision-TTT's scan grew geometrically over the mini-batches on the photo, neve
 ``max|a - b| / max|b|`` of the output:
 
 - fp32 (default backend) vs float64 through the independent plain references (``backend='torch_naive'``: the
-  per-mini-batch scan ``ttt_linear_naive`` for Vision-TTT), <= 1e-5, at 224, 384x320 and one size with a stage of
-  N >= 3000 tokens (hierarchical models at 224: stage 0 is 56 x 56 = 3136; plain models at 1024 px, N = 4096, with
-  their first 2 blocks to stay fast; DiT latents 32x32, 32x24 and 112x112 with 2 blocks), tiny model of each family
-  plus one larger size at 224;
+  per-mini-batch scan ``ttt_linear_naive`` for Vision-TTT), <= 1e-5, once per family and path: the tiny model at
+  full depth on a square input, a non-square input with a stage of N >= 3000 tokens (hierarchical models: stage 0 of
+  the larger model at 256x224, N = 3584, the tiny one at 224 runs 3136; plain models at 1024x768 px, N = 3072, with
+  their first 2 blocks to stay fast; DiT latents 128x96 with 2 blocks), and one larger model;
 - batch invariance and grad-enabled vs no-grad <= 1e-5; bf16 autocast finite and within 2e-2 of fp32;
 - the Vision-TTT scan paths at N = 3136 (stage 0 of visionttt_h_tiny), both directions, TorchScript, the
   recomputing backward's gradients,
@@ -71,7 +71,7 @@ def test_fp32_matches_float64_reference(case):
 
 @pytest.mark.parametrize("name,size,kwargs", [(n, (32, 32) if NT.is_diffusion(n) else (224, 224), {})
                                               for n in TINY.values()]
-                         + [("visionttt_tiny", (1024, 1024), {"depth": 2})])
+                         + [("visionttt_tiny", (1024, 768), {"depth": 2})])
 def test_batch_grad_bf16(name, size, kwargs):
     r = NT.measure(NT.build(name, **kwargs), NT.inputs(name, size), ("batch", "grad", "bf16"))
     assert r["batch"] <= TOL, f"{name}: batch invariance {r['batch']:.2e}"
@@ -175,7 +175,7 @@ def test_triton_scan_on_photo_features():
         import sys
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                             f"{__file__}::test_triton_scan_on_photo_features"], capture_output=True, text=True,
-                           env=dict(os.environ, TTT_ZOO_ISOLATED="1"), cwd=os.path.dirname(__file__), timeout=900)
+                           env=dict(os.environ, TTT_ZOO_ISOLATED="1"), cwd=os.path.dirname(__file__))
         assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
         return
     from ttt_zoo.kernels.ttt_linear import ops

@@ -33,27 +33,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHOTO = os.path.join(ROOT, "ttt_zoo", "assets", "chelsea.jpg")
 METRICS = ("fp64", "batch", "grad", "bf16")
 DIFFUSION_PREFIXES = ("dit_", "dit3_", "dit5_")
-# (model, input size, model kwargs, note): the tiny model of each family at 224 / 32x32 latent, a non-square size,
-# one size with N >= 3000 tokens in a stage, and one larger model.  Hierarchical models at 224 already run their
-# stage 0 at 56 x 56 = 3136 tokens; plain models reach N = 4096 at 1024 px, run with their first 2 blocks
-# (the length, not the depth, is what grows the scan's error).  DiT latents: 32 x 32 and 32 x 24 (N = 256, 192
-# at patch 2), and 112 x 112 (N = 3136) with 2 blocks for the linear-time mixers.
+# (model, input size, model kwargs, note): per family, the tiny model at full depth on a square input, one
+# non-square input with a stage of N >= 3000 tokens, and one larger model.  Each case covers a distinct path once:
+# hierarchical models at 224 already run their stage 0 at 56 x 56 = 3136 tokens, so their larger model takes the
+# non-square size (256 x 224: 64 x 56 = 3584); plain models reach N = 3072 at 1024 x 768 px, run with their first
+# 2 blocks (the length, not the depth, is what grows the scan's error).  DiT latents: 32 x 32, and 128 x 96 (N = 3072
+# at patch 2) with 2 blocks for the linear-time mixers.
 Case = Tuple[str, Tuple[int, int], Dict, str]
 
 
 def _plain(family: str) -> List[Case]:
-    return [(f"{family}_tiny", (224, 224), {}, ""), (f"{family}_tiny", (384, 320), {}, ""),
-            (f"{family}_tiny", (1024, 1024), {"depth": 2}, "2 blocks, N=4096"), (f"{family}_small", (224, 224), {}, "")]
+    return [(f"{family}_tiny", (224, 224), {}, ""), (f"{family}_tiny", (1024, 768), {"depth": 2}, "2 blocks, N=3072"),
+            (f"{family}_small", (224, 224), {}, "")]
 
 
 def _hierarchical(family: str) -> List[Case]:
-    return [(f"{family}_tiny", (224, 224), {}, "stage 0 N=3136"), (f"{family}_tiny", (384, 320), {}, ""),
-            (f"{family}_small", (224, 224), {}, "stage 0 N=3136")]
+    return [(f"{family}_tiny", (224, 224), {}, "stage 0 N=3136"),
+            (f"{family}_small", (256, 224), {}, "stage 0 N=3584")]
 
 
 def _latent(family: str) -> List[Case]:
-    return [(f"{family}_s_2", (32, 32), {}, "latent"), (f"{family}_s_2", (32, 24), {}, "latent"),
-            (f"{family}_s_2", (112, 112), {"depth": 2}, "latent, 2 blocks, N=3136"),
+    return [(f"{family}_s_2", (32, 32), {}, "latent"),
+            (f"{family}_s_2", (128, 96), {"depth": 2}, "latent, 2 blocks, N=3072"),
             (f"{family}_b_2", (32, 32), {}, "latent")]
 
 
