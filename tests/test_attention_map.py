@@ -177,7 +177,7 @@ def test_image_maps_layers_and_errors():
 
 
 # --------------------------------------------------- every variant option: the maps go through the mixer's form
-from test_linear_attention import VARIANTS, VFS  # noqa: E402
+from test_linear_attention import VARIANTS, VFS, perturbed_variant  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -185,12 +185,7 @@ def test_variant_maps(name):
     """Each variant's implicit map through its own code equals the one through its form, and its explicit map
     (from its form) has the same shape; where q_hat, k_hat and the gates do not depend on v (V6: o = q (w1 + s k^T
     v); the dot-loss Vision-TTT: z_bar linear in v) the explicit map is the implicit one."""
-    torch.manual_seed(0)
-    m = VARIANTS[name]()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    m = m.double().eval()
+    m = perturbed_variant(name)
     x = torch.randn(1, VFS[0] * VFS[1], 16, dtype=torch.float64)
     if getattr(m, "proj_per_direction", False):  # its backward v is projected outside proj: form only
         with pytest.raises(ValueError, match="use via='form'"):

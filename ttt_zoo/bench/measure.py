@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Callable, Dict, Optional
 
+from ttt_zoo.fileio import fsync_dir
+
 __all__ = ["rss_kb", "reset_peak", "peak_kb", "PeakMemory", "measure_steps", "run_child", "machine_info",
            "describe_machine", "atomic_write", "atomic_path", "RESULT_TAG"]
 
@@ -193,19 +195,6 @@ def _sibling_temp(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
 
 
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary sibling path for a writer that needs a file name (ONNX, savefig); on success it is
@@ -221,7 +210,7 @@ def atomic_path(path: str):
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except BaseException:
         if os.path.lexists(tmp):
             os.unlink(tmp)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
+from ttt_zoo.fileio import fsync_dir
 
 __all__ = ["FORMAT", "save_checkpoint", "copy_checkpoint", "load_state", "resolve_resume", "rng_state",
            "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path", "weights_path"]
@@ -43,19 +44,6 @@ def weights_path(folder: str, tag: str, ema: bool = False) -> str:
 def _fsync_file(path: str) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _test_pause(epoch: int, stage: str, folder: str) -> None:
@@ -95,7 +83,7 @@ def save_checkpoint(folder: str, tag: str, state: Dict[str, Any], model_sd: Dict
         os.replace(path + ".tmp", path)
         if i == 0:
             _test_pause(epoch, "renamed", folder)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def copy_checkpoint(folder: str, src_tag: str, dst_tag: str) -> None:
@@ -109,7 +97,7 @@ def copy_checkpoint(folder: str, src_tag: str, dst_tag: str) -> None:
         _fsync_file(dst + ".tmp")
     for src, dst in names:
         os.replace(dst + ".tmp", dst)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def resolve_resume(path: str) -> str:
