@@ -117,11 +117,13 @@ def _test_env(dry_run: bool):
 
 
 def step_tests(args, out: Path, files, log):
-    """Each file in its own pytest process; {file name: (rc, junit results, command shown in the records)}."""
+    """Each file in its own pytest process (``--parallel`` files at once, ``--xdist`` workers each); {file name:
+    (rc, junit results, command shown in the records)}."""
+    from concurrent.futures import ThreadPoolExecutor
     env = _test_env(args.dry_run)
     prefix = " ".join(f"{k}={v}" for k, v in env.items() if k != "HF_HUB_OFFLINE")
-    results = {}
-    for f in files:
+
+    def one(f):
         xml = out / f"{f.stem}.xml"
         sel = []
         if f == CUDA_TESTS and args.subset:  # test ids start with the op
@@ -129,11 +131,14 @@ def step_tests(args, out: Path, files, log):
         elif args.dry_run:  # the interpreter is slow: one quick case of the op's own file
             sel = ["-k", DRY_RUN_TESTS]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f.relative_to(ROOT), *sel]
-        rc, secs = _run(cmd + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.step_timeout)
+        workers = ["-n", str(args.xdist)] if args.xdist > 1 else []
+        rc, secs = _run(cmd + workers + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.timeout())
         log(f"tests {f.name}: rc {rc}, {secs:.0f} s")
         shown = " ".join([prefix, "python"] + [repr(c) if " " in str(c) else str(c) for c in cmd[1:]])
-        results[f.name] = (rc, _junit(xml), shown)
-    return results
+        return f.name, (rc, _junit(xml), shown)
+
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        return dict(pool.map(one, files))
 
 
 def passed_ops(results, dry_run: bool):
@@ -219,7 +224,20 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=CLASSIFIERS, help="classifiers benchmarked against DeiT-T")
     p.add_argument("--only-ops", nargs="+", default=None, help="ops whose tests run (dry run: key_instance_norm)")
     p.add_argument("--step-timeout", type=int, default=1800, help="seconds per subprocess")
+    p.add_argument("--deadline", type=int, default=None,
+                   help="seconds for the whole run: each step gets at most what is left (a short GPU lease)")
+    p.add_argument("--parallel", type=int, default=1, help="test files run at once (one GPU is shared)")
+    p.add_argument("--xdist", type=int, default=1, help="pytest-xdist workers per test file")
+    p.add_argument("--test-files", nargs="+", default=None,
+                   help="test file names to run (default: every file that names Triton, and the cuda file)")
     args = p.parse_args(argv)
+    start = time.time()
+
+    def timeout():
+        if args.deadline is None:
+            return args.step_timeout
+        return max(1, min(args.step_timeout, int(args.deadline - (time.time() - start))))
+    args.timeout = timeout
     from ttt_zoo.kernels.backend import KERNELS_DIR, TRITON_BACKEND, kernel_folder
     from ttt_zoo.kernels import available_ops
     kernel_ops = sorted(op for op, i in available_ops().items() if i[TRITON_BACKEND])
@@ -251,6 +269,11 @@ def main(argv=None) -> int:
         folders = {kernel_folder(op) for op in args.only_ops}
         own = [f for f in kernel_test_files() if any(f.stem.startswith(f"test_op_{d}") for d in folders)]
         files = own + [CUDA_TESTS] if args.subset else kernel_test_files()
+        if args.test_files:
+            unknown = sorted(set(args.test_files) - {f.name for f in kernel_test_files()})
+            if unknown:
+                p.error(f"--test-files: not a kernel test file: {', '.join(unknown)}")
+            files = [f for f in files if f.name in args.test_files]
         t0 = time.time()
         results = step_tests(args, out / "tests", files, log)
         bad = [n for n, (rc, _, _) in results.items() if rc != 0]
@@ -260,7 +283,7 @@ def main(argv=None) -> int:
     for name, cmd, env in _bench_cmds(args, out):
         if ("profile" if name == "profile" else "bench") not in args.steps:
             continue
-        rc, secs = _run(cmd, out / name, "log.txt", env, args.step_timeout)
+        rc, secs = _run(cmd, out / name, "log.txt", env, args.timeout())
         log(f"{name}: rc {rc}, {secs:.0f} s")
         failed |= rc != 0
         lines.append(f"| {name} | {'passed' if rc == 0 else f'failed (rc {rc})'} | {secs:.0f} | {name}/ |")

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One short GPU lease, prepared on the CPU: set up the package on the leased machine, then run the GPU checks within
+# a fixed budget and pack every result into $OUT/gpu.tgz (the lease returns at most 8 files).
+#   bash tools/gpu_lease.sh verify BUDGET   # kernel tests on CUDA + records, the benchmark vs DeiT-T, the profile
+#   bash tools/gpu_lease.sh bench BUDGET    # the benchmark only (an "after" run)
+# The machine's image has torch/triton; timm is carried as a wheel in .whl/ (pinned like the CPU machines).
+set -u
+MODE=${1:-verify}
+BUDGET=${2:-420}
+T0=$(date +%s)
+R=/tmp/gpu_run/gpu
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/timeline.txt"; }
+pack() { mkdir -p "${OUT:-/tmp/out}"; tar czf "${OUT:-/tmp/out}/gpu.tgz" -C "$R/.." gpu kernels_records.json 2>/dev/null; stamp packed; }
+trap pack EXIT
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$R/install.log" 2>&1 \
+  || { ln -sfn ../kernels ttt_zoo/kernels; export PYTHONPATH=$PWD:${PYTHONPATH:-}; echo "editable install failed: symlink" >>"$R/install.log"; }
+nvidia-smi >"$R/nvidia-smi.txt" 2>&1
+python3 - <<'EOF' 2>&1 | tee "$R/versions.txt"
+import torch, timm, triton, ttt_zoo.kernels as k
+print("gpu", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__, "timm", timm.__version__, "kernels", k.__file__)
+EOF
+stamp setup done
+
+BENCH=(python3 -c "import sys; from ttt_zoo.cli import main; sys.exit(main())" bench --device cuda --amp
+       --amp-dtype bfloat16 --num-warm-iter 3 --num-bench-iter 10)
+bench() {  # name, seconds at most, bench args...
+  local name=$1 cap=$2; shift 2
+  local t=$(( $(left) < cap ? $(left) : cap ))
+  if [ "$t" -lt 15 ]; then stamp "skip $name (no time left)"; return; fi
+  timeout "$t" "${BENCH[@]}" "$@" --output "$R/$name" >"$R/$name.log" 2>&1
+  local rc=$?
+  pkill -f ttt_zoo.bench.child 2>/dev/null  # a timed-out run leaves its measuring child behind
+  stamp "$name rc $rc (cap $t s)"
+}
+
+if [ "$MODE" = verify ]; then
+  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline 150 --parallel 9 --xdist 3 \
+    --test-files test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
+    test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_numerics.py test_kernels_cuda.py \
+    >"$R/check.log" 2>&1
+  stamp "gpu_check rc $?"
+  pkill -f pytest 2>/dev/null
+  cp kernels/gpu_verified.json "$R/../kernels_records.json"
+fi
+bench bench_vit3 110 --model vit3_tiny --backend triton torch --peers deit_tiny_patch16_224 --bench both \
+  --img-size 224 1248 2048 --batch-tokens 12544
+bench profile 50 --profile --model vit3_tiny --backend triton torch --bench train --img-size 224 2048 \
+  --batch-tokens 12544 --profile-top 40
+bench bench_families 60 --model hvit3_tiny visionttt_tiny visionttt_h_tiny t5_tiny --peers deit_tiny_patch16_224 \
+  --bench both --img-size 1248 --batch-tokens 12544
+PYTHONPATH=$PWD/tools:${PYTHONPATH:-} bench bench_dit 40 --import gpu_check --model gpucheck_dit3_s_2 \
+  gpucheck_dit5_s_2 --peers gpucheck_dit_s_2 --bench both --img-size 128 -b 3
+stamp done
