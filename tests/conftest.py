@@ -41,6 +41,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.triton)
 
 
+@pytest.fixture
+def kernel_device():
+    """Tensors made inside the test are on the device the kernels run on: CUDA when there is one (``make
+    gpu-check``), else the CPU (the interpreter)."""
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -115,6 +115,7 @@ def test_wrappers_raise_when_forced_on_cpu_without_interpreter(monkeypatch):
             call()
 
 
+@pytest.mark.usefixtures("kernel_device")
 @triton_test
 def test_forced_float64_raises_through_the_wrappers():
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)

@@ -71,6 +71,7 @@ def test_bad_shapes_raise():
         KT.key_norm_fwd_triton(torch.randn(1, 2, 8, 16, device=DEV), 1.0)
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_matches_reference(backend):
     x = (torch.randn(2, 21, 3 * 24) * 2 + 1)[..., 24:48].requires_grad_()
@@ -82,6 +83,7 @@ def test_every_backend_matches_reference(backend):
     assert get_op("key_instance_norm", torch.device("cpu"), "torch_naive") is key_norm_reference
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
     x = torch.randn(0, 9, 8, requires_grad=True)

@@ -99,6 +99,7 @@ def test_dwconv_matches_naive_float32():
                  atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("rope", [False, True])
 def test_mixer_backends_agree(rope):
     # the whole mixer (projection, RoPE, both branches, proj): recomputing path vs. naive autograd, float32
@@ -155,6 +156,7 @@ def test_custom_ops_are_registered_and_differentiable():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch_naive"])
 def test_dispatch_under_torch_compile(backend):
     torch._dynamo.reset()
@@ -179,6 +181,7 @@ def test_meta_device(backend):
     assert x.grad.shape == x.shape and m.w1.grad.shape == m.w1.shape and m.qkv.weight.grad.device.type == "meta"
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_public_wrappers_match_reference():
     q, k, v = [torch.randn(2, 3, 10, 8) for _ in range(3)]
     w1, w2 = [torch.randn(1, 3, 8, 8) * 0.1 for _ in range(2)]
@@ -306,6 +309,7 @@ def test_custom_ops_gradcheck_per_sample_and_unnormalised(normalize):
 
 
 # ------------------------------------------------------------------------------------------- empty batch
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
     # conv2d refuses groups=0: an empty batch must still give an empty output (and an empty gradient)

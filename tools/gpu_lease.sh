@@ -2,7 +2,8 @@
 # One short GPU lease, prepared on the CPU: set up the package on the leased machine, then run the GPU checks within
 # a fixed budget and pack every result into $OUT/gpu.tgz (the lease returns at most 8 files).
 #   bash tools/gpu_lease.sh verify BUDGET   # kernel tests on CUDA + records, the benchmark vs DeiT-T, the profile
-#   bash tools/gpu_lease.sh bench BUDGET    # the benchmark only (an "after" run)
+#   bash tools/gpu_lease.sh retry BUDGET    # the CUDA file and the op files that can pass + records, ViT3-T vs DeiT-T
+#                                           # at 1248 and 2048 (the second lease of 2026-11-26)
 # The machine's image has torch/triton; timm is carried as a wheel in .whl/ (pinned like the CPU machines).
 set -u
 MODE=${1:-verify}
@@ -50,6 +51,18 @@ if [ "$MODE" = verify ]; then
   stamp "gpu_check rc $?"
   pkill -f pytest 2>/dev/null
   cp kernels/gpu_verified.json "$R/../kernels_records.json"
+fi
+if [ "$MODE" = retry ]; then
+  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline 170 --parallel 6 --xdist 8 \
+    --test-files test_op_key_norm.py test_op_linear_attention.py test_op_vit3_ttt.py test_op_vit3_variants.py \
+    test_kernels_cuda.py >"$R/check.log" 2>&1
+  stamp "gpu_check rc $?"
+  pkill -f pytest 2>/dev/null
+  cp kernels/gpu_verified.json "$R/../kernels_records.json"
+  bench bench_vit3_large 140 --model vit3_tiny --backend triton --peers deit_tiny_patch16_224 --bench both \
+    --img-size 1248 2048 --batch-tokens 12544
+  stamp done
+  exit 0
 fi
 bench bench_vit3 110 --model vit3_tiny --backend triton torch --peers deit_tiny_patch16_224 --bench both \
   --img-size 224 1248 2048 --batch-tokens 12544
