@@ -130,9 +130,12 @@ def step_tests(args, out: Path, files, log):
             sel = ["-k", " or ".join(args.only_ops)]
         elif args.dry_run:  # the interpreter is slow: one quick case of the op's own file
             sel = ["-k", DRY_RUN_TESTS]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f.relative_to(ROOT), *sel]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f.relative_to(ROOT), *sel]
+        # a hung or minutes-long case costs itself, not the file: each test's own limit, and every test named
+        # with its duration in the log (what the 2026-11-26 lease lacked)
+        limits = ["--durations=0", f"--timeout={args.test_timeout}", "-o", "timeout_method=signal"]
         workers = ["-n", str(args.xdist)] if args.xdist > 1 and f == CUDA_TESTS else []
-        rc, secs = _run(cmd + workers + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.timeout())
+        rc, secs = _run(cmd + limits + workers + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.timeout())
         log(f"tests {f.name}: rc {rc}, {secs:.0f} s")
         shown = " ".join([prefix, "python"] + [repr(c) if " " in str(c) else str(c) for c in cmd[1:]])
         return f.name, (rc, _junit(xml), shown)
@@ -228,6 +231,7 @@ def main(argv=None) -> int:
                    help="seconds for the whole run: each step gets at most what is left (a short GPU lease)")
     p.add_argument("--parallel", type=int, default=1, help="test files run at once (one GPU is shared)")
     p.add_argument("--xdist", type=int, default=1, help="pytest-xdist workers for the cuda file (the others: one process each)")
+    p.add_argument("--test-timeout", type=int, default=120, help="seconds for one test (pytest-timeout)")
     p.add_argument("--test-files", nargs="+", default=None,
                    help="test file names to run (default: every file that names Triton, and the cuda file)")
     args = p.parse_args(argv)
