@@ -65,8 +65,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compiled_parity(name: str, model: torch.nn.Module, sizes: Sequence[Tuple[int, int]],
-                    backend: str = "inductor") -> Dict:
-    """One ``torch.compile(dynamic=True)`` of ``model`` run at every size, forward and backward, against eager:
+                    backend: str = "inductor", dynamic: bool = True) -> Dict:
+    """One ``torch.compile(dynamic=dynamic)`` of ``model`` run at every size, forward and backward, against eager:
     ``fwd`` / ``grad`` = max relative error (max |compiled - eager| / max |eager|) of the output and of every
     parameter gradient; ``fwd_f64`` / ``grad_f64`` the same against eager in float64 (the arbiter where the two
     float32 runs part at a ReLU input within rounding of 0: its gradient flips between them, a measure-zero kink,
@@ -75,7 +75,7 @@ def compiled_parity(name: str, model: torch.nn.Module, sizes: Sequence[Tuple[int
     torch._dynamo.utils.counters.clear()
     model.eval()  # no dropout / label dropout: eager and compiled see the same function
     exact = copy.deepcopy(model).double()
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     res = dict(fwd=0.0, grad=0.0, fwd_f64=0.0, grad_f64=0.0, sizes=[])
     t0 = time.perf_counter()
     for hw in sizes:
