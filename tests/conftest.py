@@ -45,7 +45,8 @@ def pytest_collection_modifyitems(config, items):
 def kernel_device():
     """Tensors made inside the test are on the device the kernels run on: CUDA when there is one (``make
     gpu-check``), else the CPU (the interpreter)."""
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    from _ops import DEV  # the one place that decides where the op tests run
+    with torch.device(DEV):
         yield
 
 

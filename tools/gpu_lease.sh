@@ -43,22 +43,22 @@ bench() {  # name, seconds at most, bench args...
   stamp "$name rc $rc (cap $t s)"
 }
 
-if [ "$MODE" = verify ]; then
-  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline 150 --parallel 9 --xdist 3 \
-    --test-files test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
-    test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_numerics.py test_kernels_cuda.py \
-    >"$R/check.log" 2>&1
+check() {  # deadline, files at once, xdist workers for the cuda file, test files...: tests + records
+  local deadline=$1 parallel=$2 xdist=$3; shift 3
+  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline "$deadline" --parallel "$parallel" \
+    --xdist "$xdist" --test-files "$@" >"$R/check.log" 2>&1
   stamp "gpu_check rc $?"
-  pkill -f pytest 2>/dev/null
+  pkill -f pytest 2>/dev/null  # workers of a timed-out file
   cp kernels/gpu_verified.json "$R/../kernels_records.json"
+}
+
+if [ "$MODE" = verify ]; then
+  check 150 9 3 test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
+    test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_numerics.py test_kernels_cuda.py
 fi
 if [ "$MODE" = retry ]; then
-  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline 170 --parallel 6 --xdist 8 \
-    --test-files test_op_key_norm.py test_op_linear_attention.py test_op_vit3_ttt.py test_op_vit3_variants.py \
-    test_kernels_cuda.py >"$R/check.log" 2>&1
-  stamp "gpu_check rc $?"
-  pkill -f pytest 2>/dev/null
-  cp kernels/gpu_verified.json "$R/../kernels_records.json"
+  check 170 6 8 test_op_key_norm.py test_op_linear_attention.py test_op_vit3_ttt.py test_op_vit3_variants.py \
+    test_kernels_cuda.py
   bench bench_vit3_large 140 --model vit3_tiny --backend triton --peers deit_tiny_patch16_224 --bench both \
     --img-size 1248 2048 --batch-tokens 12544
   stamp done
