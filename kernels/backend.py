@@ -174,6 +174,7 @@ def load_gpu_records(path: Optional[Path] = None) -> List[dict]:
     return _RECORDS[str(path)]
 
 
+@torch.compiler.assume_constant_result  # file reads: torch.compile runs it once while tracing, a constant after
 def gpu_verified(op: Optional[str]) -> bool:
     """A record for ``op`` matches its current kernel sources."""
     digest = kernel_source_hash(op) if op else None

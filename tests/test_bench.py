@@ -83,12 +83,14 @@ def test_bench_grad_checkpointing_keeps_less_for_the_backward(tmp_path, capsys):
 def test_bench_compile_beside_eager(tmp_path, capsys):
     # --runtime torch compile: an eager row and a torch.compile row (--torchcompile's backend) side by side
     rc = main(["bench", "--model", "vit3_tiny", "--model-kwargs", "depth=1", "--img-size", "64",
-               "--runtime", "torch", "compile", "--torchcompile", "eager", "--bench", "both", "--num-warm-iter", "1",
+               "--runtime", "torch", "compile", "--torchcompile", "eager", "--torchcompile-mode", "default", "--bench", "both",
+               "--num-warm-iter", "1",
                "--num-bench-iter", "1", "--device", "cpu", "--threads", "1", "--results-file", str(tmp_path / "r.json")])
     assert rc == 0, capsys.readouterr()
     rows = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
     assert set(rows) == {"vit3_tiny", "vit3_tiny (compile)"}
     assert rows["vit3_tiny"]["torchcompile"] == "" and rows["vit3_tiny (compile)"]["torchcompile"] == "eager"
+    assert rows["vit3_tiny"]["torchcompile_mode"] == "" and rows["vit3_tiny (compile)"]["torchcompile_mode"] == "default"
     for r in rows.values():
         assert r["infer_step_time"] > 0 and r["train_step_time"] > 0
 

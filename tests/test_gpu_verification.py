@@ -93,6 +93,24 @@ def test_matching_record_selects_the_kernel(monkeypatch, tmp_path):
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.parametrize("verified", [False, True], ids=["no_record", "record"])
+def test_decision_traces_under_torch_compile(verified, monkeypatch, tmp_path):
+    # auto on CUDA reads the records (files) while deciding: torch.compile(fullgraph=True) of a model on a GPU
+    # failed on it (the lease of 2026-11-26); the decision must trace as a constant, same answer as eager
+    for op in KERNEL_OPS:
+        _records(monkeypatch, tmp_path, [_record(op)] if verified else [])
+        torch._dynamo.reset()
+        expected = KERNEL if verified else "torch"
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def decide(x):
+            return x + (1 if B.resolve_backend("auto", CUDA, x.dtype, 32, op) == KERNEL else 2)
+
+        assert decide(torch.zeros(2)).tolist() == [1.0 if verified else 2.0] * 2, op
+        assert B.resolve_backend("auto", CUDA, torch.float32, 32, op) == expected, op
+    assert not torch.cuda.is_initialized()
+
+
 def test_editing_a_kernel_invalidates_its_record(monkeypatch, tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(B.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))

@@ -2,6 +2,8 @@
 # One short GPU lease, prepared on the CPU: set up the package on the leased machine, then run the GPU checks within
 # a fixed budget and pack every result into $OUT/gpu.tgz (the lease returns at most 8 files).
 #   bash tools/gpu_lease.sh verify BUDGET   # kernel tests on CUDA + records, the benchmark vs DeiT-T, the profile
+#   bash tools/gpu_lease.sh compile BUDGET  # the kernel files again, then ViT3-T vs DeiT-T under CUDA graphs
+#                                           # (torch.compile mode reduce-overhead) and eager at 2048
 #   bash tools/gpu_lease.sh retry BUDGET    # the CUDA file and the op files that can pass + records, ViT3-T vs DeiT-T
 #                                           # at 1248 and 2048 (the second lease of 2026-11-26)
 # The machine's image has torch/triton; timm is carried as a wheel in .whl/ (pinned like the CPU machines).
@@ -55,6 +57,16 @@ check() {  # deadline, files at once, xdist workers for the cuda file, test file
 if [ "$MODE" = verify ]; then
   check 150 9 3 test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
     test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_numerics.py test_kernels_cuda.py
+fi
+if [ "$MODE" = compile ]; then  # the third lease: every kernel file again (fixes of the second), then CUDA graphs
+  check 230 8 8 test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
+    test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_kernels_cuda.py
+  bench bench_compile_2048 200 --model vit3_tiny --backend triton --peers deit_tiny_patch16_224 --runtime compile \
+    --torchcompile-mode reduce-overhead --bench both --img-size 2048 --batch-tokens 12544
+  bench bench_eager_2048 100 --model vit3_tiny --backend triton --peers deit_tiny_patch16_224 --bench both \
+    --img-size 2048 --batch-tokens 12544
+  stamp done
+  exit 0
 fi
 if [ "$MODE" = retry ]; then
   check 170 6 8 test_op_key_norm.py test_op_linear_attention.py test_op_vit3_ttt.py test_op_vit3_variants.py \

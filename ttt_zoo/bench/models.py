@@ -98,7 +98,10 @@ class _Setup:
         self.x = self.x.contiguous(memory_format=fmt)
         self.target = torch.randint(0, max(getattr(model, "num_classes", 0) or 1, 1), (spec["batch_size"],),
                                     device=self.device)
-        self.run = torch.compile(model, backend=spec["torchcompile"]) if spec.get("torchcompile") else model
+        mode = spec.get("torchcompile_mode")
+        self.run = torch.compile(model, backend=spec["torchcompile"], mode=mode) if spec.get("torchcompile") else model
+        # CUDA graphs (mode reduce-overhead): each training step starts a new graph replay
+        self.mark_step = mode == "reduce-overhead" and spec.get("torchcompile") and self.train
         self.ort = _ort_session(model, (h, w), spec) if spec.get("runtime") == "onnxruntime" else None
         amp = spec.get("amp_dtype")
         dev_type = torch.device(self.device).type
@@ -115,6 +118,8 @@ class _Setup:
         if self.ort is not None:
             self.ort.run(None, {"image": self.x.numpy()})
         elif self.train:
+            if self.mark_step:
+                torch.compiler.cudagraph_mark_step_begin()
             self.model.zero_grad(set_to_none=True)
             with self.autocast():
                 loss = self.loss(self.run(self.x))

@@ -33,6 +33,7 @@ class BenchConfig:
     channels_last: bool = False
     grad_checkpointing: bool = False
     torchcompile: Optional[str] = None  # torch.compile backend, e.g. "inductor"
+    torchcompile_mode: Optional[str] = None  # torch.compile mode, e.g. "reduce-overhead" (CUDA graphs)
     num_warm_iter: int = 2
     num_bench_iter: int = 10
     threads: Optional[int] = None
@@ -101,6 +102,7 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
     compile_backend = _compile_backend(cfg, rt)
     return dict(model=c["model"], img_size=[h, w], phase=phase, batch_size=_batch(cfg, h, w), device=cfg.device,
                 amp_dtype=cfg.amp_dtype, channels_last=cfg.channels_last, torchcompile=compile_backend,
+                torchcompile_mode=cfg.torchcompile_mode if compile_backend else None,
                 grad_checkpointing=cfg.grad_checkpointing,
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
@@ -150,6 +152,8 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
                        img_size=h if h == w else f"{h}x{w}", img_h=h, img_w=w, device=cfg.device,
                        amp_dtype=cfg.amp_dtype or "float32", channels_last=cfg.channels_last,
                        torchcompile=_compile_backend(cfg, c.get("runtime", "torch")) or "",
+                       torchcompile_mode=(cfg.torchcompile_mode or "") if _compile_backend(cfg, c.get("runtime", "torch"))
+                       else "",
                        runtime=c.get("runtime", "torch"))
             for p in cfg.phases:
                 if (c["label"], h, w, p) not in runs:

@@ -161,7 +161,8 @@ def run(args) -> int:
                       phases={"inference": ("infer",), "train": ("train",), "both": ("infer", "train")}[args.bench],
                       batch_size=args.batch_size, batch_tokens=args.batch_tokens, device=args.device,
                       amp_dtype=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
-                      grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, num_warm_iter=args.num_warm_iter,
+                      grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile,
+                      torchcompile_mode=args.torchcompile_mode, num_warm_iter=args.num_warm_iter,
                       num_bench_iter=args.num_bench_iter, threads=args.threads, backends=args.backend or [None],
                       runtimes=tuple(dict.fromkeys(args.runtime)),
                       model_kwargs=dict(args.model_kwargs or []),
@@ -172,7 +173,8 @@ def run(args) -> int:
                 f"step time = median; precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
                 f"{', channels-last' if cfg.channels_last else ''}"
                 f"{', gradient checkpointing' if cfg.grad_checkpointing else ''}"
-                f"{', torch.compile ' + cfg.torchcompile if cfg.torchcompile else ''}; batch "
+                f"{', torch.compile ' + cfg.torchcompile if cfg.torchcompile else ''}"
+                f"{' (mode ' + cfg.torchcompile_mode + ')' if cfg.torchcompile_mode else ''}; batch "
                 f"{f'max(1, {cfg.batch_tokens} tokens / (H/16 x W/16))' if cfg.batch_tokens else cfg.batch_size}. "
                 "Inference: eval, no_grad. Train: forward + cross-entropy + backward (no optimizer step). "
                 "Peak memory: growth over the loaded model and input during the steps ("
@@ -252,6 +254,9 @@ def add_parser(sub) -> None:
                    help="train with activation checkpointing (model.set_grad_checkpointing(), every row)")
     g.add_argument("--torchcompile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile the model (default backend inductor)")
+    g.add_argument("--torchcompile-mode", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the compiled rows (reduce-overhead: CUDA graphs)")
     g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "compile", "onnxruntime"],
                    help="side by side: torch (eager; alone, --torchcompile compiles it), compile (torch.compile with "
                         "--torchcompile's backend, default inductor) and/or onnxruntime (the `ttt-zoo export` graph, "
