@@ -32,6 +32,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted kernel is che
 FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures"))
 
 
+def pytest_runtest_logreport(report):
+    """``TTT_ZOO_EAGER_FAILURES=1`` (``tools/gpu_check.py``): a failure's traceback as it happens, not at the end,
+    so a run stopped by its time limit (a GPU lease) still shows why each failed test failed."""
+    if report.failed and os.environ.get("TTT_ZOO_EAGER_FAILURES") == "1":
+        import sys
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+        sys.stderr.flush()
+
+
 def pytest_collection_modifyitems(config, items):
     """A test parametrised with the Triton backend runs the kernels: mark it ``triton`` (the kernel stage of
     ``make test`` runs exactly the ``triton`` tests, in the interpreter; the main stage runs the rest)."""

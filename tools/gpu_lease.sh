@@ -4,6 +4,7 @@
 #   bash tools/gpu_lease.sh verify BUDGET   # kernel tests on CUDA + records, the benchmark vs DeiT-T, the profile
 #   bash tools/gpu_lease.sh compile BUDGET  # the kernel files again, then ViT3-T vs DeiT-T under CUDA graphs
 #                                           # (torch.compile mode reduce-overhead) and eager at 2048
+#   bash tools/gpu_lease.sh diag BUDGET     # records for three ops, the tracebacks of the failing tests
 #   bash tools/gpu_lease.sh retry BUDGET    # the CUDA file and the op files that can pass + records, ViT3-T vs DeiT-T
 #                                           # at 1248 and 2048 (the second lease of 2026-11-26)
 # The machine's image has torch/triton; timm is carried as a wheel in .whl/ (pinned like the CPU machines).
@@ -57,6 +58,22 @@ check() {  # deadline, files at once, xdist workers for the cuda file, test file
 if [ "$MODE" = verify ]; then
   check 150 9 3 test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
     test_op_ttt_linear.py test_op_vit3_ttt.py test_op_vit3_variants.py test_numerics.py test_kernels_cuda.py
+fi
+if [ "$MODE" = diag ]; then  # the fourth lease: records for the ops whose files passed, and the failures' tracebacks
+  TTT_ZOO_EAGER_FAILURES=1 timeout $(( BUDGET - 60 )) python3 -m pytest -v -p no:cacheprovider -n 4 --timeout=100 \
+    -o timeout_method=signal tests/test_op_vit3_ttt.py::test_dispatch_under_torch_compile \
+    "tests/test_op_vit3_ttt.py::test_swiglu_kernels" tests/test_op_inner_mlp.py::test_torch_compile_fullgraph \
+    tests/test_op_inner_mlp.py::test_inner_kernels tests/test_op_ttt_linear.py::test_torch_compile_fullgraph \
+    tests/test_kernels_cuda.py -k "not cuda or 2x2x999x72 or 2x2x999x48" >"$R/diag.log" 2>&1 &
+  DIAG=$!
+  python3 tools/gpu_check.py --steps tests records --output "$R/check" --deadline $(( BUDGET - 70 )) --parallel 4 \
+    --xdist 4 --xdist-op 3 --only-ops linear_attention key_instance_norm vit3_variant_qkv_ttt \
+    --test-files test_op_linear_attention.py test_op_key_norm.py test_op_vit3_variants.py test_kernels_cuda.py \
+    >"$R/check.log" 2>&1
+  stamp "gpu_check rc $?"
+  cp kernels/gpu_verified.json "$R/../kernels_records.json"
+  wait $DIAG; stamp "diag rc $?"
+  exit 0
 fi
 if [ "$MODE" = compile ]; then  # the third lease: every kernel file again (fixes of the second), then CUDA graphs
   check 230 8 8 test_op_backend.py test_op_inner_mlp.py test_op_key_norm.py test_op_linear_attention.py \
