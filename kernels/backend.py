@@ -46,8 +46,11 @@ _PACKAGE = "ttt_zoo.kernels"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # per-op head-dim limit of the Triton kernels (ops not listed take any head dim).  TTT-Linear: two 128-padded
-# d x d fp32 states per program would spill registers above 64.
-MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64}
+# d x d fp32 states per program would spill registers above 64.  T5 / DiT5: the d x d weights and partials of the
+# backward pass go through shared memory, which on an H200 (sm_90, 227 KB a block) ran out from d = 48 in fp16
+# (T5, 3 weights) and d = 72 (DiT5, 2 weights): ``OutOfResources`` in the lease of 2026-11-26
+# (tools/results/gpu_h200_20261126); ``tools/compile_kernels.py`` reports each kernel's shared memory.
+MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 32, "dit5_mlp_ttt": 64}
 
 
 class BackendError(RuntimeError):

@@ -35,7 +35,7 @@ FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__fil
 def pytest_runtest_logreport(report):
     """``TTT_ZOO_EAGER_FAILURES=1`` (``tools/gpu_check.py``): a failure's traceback as it happens, not at the end,
     so a run stopped by its time limit (a GPU lease) still shows why each failed test failed."""
-    if report.failed and os.environ.get("TTT_ZOO_EAGER_FAILURES") == "1":
+    if report.failed and os.environ.get("TTT_ZOO_EAGER_FAILURES") == "1" and "PYTEST_XDIST_WORKER" not in os.environ:
         import sys
         sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
         sys.stderr.flush()

@@ -14,7 +14,7 @@ import torch
 
 from ttt_zoo.bench.ops import OPS as BENCH_OPS
 from ttt_zoo.kernels import available_ops, get_op
-from ttt_zoo.kernels.backend import TRITON_BACKEND, triton_unsupported
+from ttt_zoo.kernels.backend import MAX_HEAD_DIM, TRITON_BACKEND, triton_unsupported
 
 DEVICE = os.environ.get("TTT_ZOO_CUDA_TESTS_DEVICE", "cuda")
 TINY = DEVICE != "cuda"
@@ -41,7 +41,8 @@ def _variant(last_only):
 
 # op -> (input builder, GPU cases, tiny case): heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d);
 # key norm (B, N, C); scans (B, heads, N, d, mini_batch)
-_HEADS = [(1, 2, 20000, 64), (1, 1, 16500, 128)] + [(2, 2, 999, d) for d in (16, 24, 32, 48, 64, 72, 96, 128)]
+_HEADS = [(1, 2, 20000, 64), (1, 2, 20000, 32), (1, 1, 16500, 128)] + [(2, 2, 999, d) for d in
+                                                                         (16, 24, 32, 48, 64, 72, 96, 128)]
 _QKV = [(1, 3, 128, 160, 64), (2, 2, 17, 19, 128), (2, 3, 14, 14, 32), (2, 2, 15, 13, 72), (3, 4, 9, 7, 16)]
 _SCAN = [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 8), (2, 2, 999, 32, 16), (2, 2, 999, 48, 16), (2, 3, 999, 64, 64)]
 CASES = {
@@ -59,6 +60,14 @@ CASES = {
     "linear_attention": (_la, [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 16), (2, 2, 999, 128, 16)], (1, 1, 21, 16, 8)),
 }
 KERNEL_OPS = sorted(op for op, impls in available_ops().items() if impls[TRITON_BACKEND])
+HEAD_DIM_AT = {"ttt_linear": 3, "ttt_linear_bidir": 3, "linear_attention": 3}  # else the last dim
+
+
+def _within_limit(op, shape):
+    """The kernel takes this head dim (``backend.MAX_HEAD_DIM``; above it, forcing the kernel is refused, which
+    ``tests/test_op_inner_mlp.py`` checks)."""
+    limit = MAX_HEAD_DIM.get(op)
+    return limit is None or shape[HEAD_DIM_AT.get(op, -1)] <= limit
 
 
 def _cases(strided=False):
@@ -67,7 +76,8 @@ def _cases(strided=False):
         if op not in CASES:  # a new kernel without cases fails, it is not skipped
             yield pytest.param(op, None, id=f"{op}-no_cases")
             continue
-        shapes = [CASES[op][2]] if TINY else CASES[op][1][-1:] if strided else CASES[op][1]
+        shapes = [s for s in CASES[op][1] if _within_limit(op, s)]
+        shapes = [CASES[op][2]] if TINY else shapes[-1:] if strided else shapes
         for shape in shapes:
             yield pytest.param(op, shape, id=f"{op}-{'x'.join(map(str, shape))}")
 

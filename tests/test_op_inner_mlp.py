@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import get_op, key_instance_norm, mlp_ttt, t5_swiglu_ttt
+from ttt_zoo.kernels.backend import MAX_HEAD_DIM, BackendError, resolve_backend
 from ttt_zoo.kernels.inner_mlp.naive import mlp_ttt_reference, t5_swiglu_ttt_reference
 from ttt_zoo.kernels.inner_mlp.ops import mlp_ttt_op, t5_swiglu_ttt_op
 from ttt_zoo.kernels.inner_mlp.torch import mlp_ttt_torch, t5_swiglu_ttt_torch
@@ -280,18 +281,22 @@ def small_tiles(monkeypatch):
         monkeypatch.setattr(KT, "BLOCK_C", 16)
 
 
-CASES = [  # (B, heads, N, d, per-sample weights)
-    (1, 2, 37, 32, False),   # N not a multiple of the tile, 2 chunks of 2 tiles, shared weights
-    (3, 1, 21, 64, True),    # batch 3, per-sample inner weights
-    (3, 1, 18, 72, False),   # head dim 72 (padded to 128), batch 3 with shared weights
-]
+OP_NAMES = {"t5": "t5_swiglu_ttt", "dit5": "dit5_mlp_ttt"}
+CASES = {  # (B, heads, N, d, per-sample weights), head dims up to each kernel's limit (backend.MAX_HEAD_DIM)
+    "t5": [(1, 2, 37, 32, False),   # N not a multiple of the tile, 2 chunks of 2 tiles, shared weights
+           (3, 1, 21, 24, True),    # batch 3, per-sample inner weights, head dim 24 (padded to 32)
+           (3, 1, 18, 16, False)],  # the smallest tile, batch 3 with shared weights
+    "dit5": [(1, 2, 37, 32, False), (3, 1, 21, 64, True),
+             (3, 1, 18, 48, False)],  # head dim 48 (padded to 64)
+}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}h{}N{}d{}{}".format(*c[:4], "ps" if c[4] else ""))
+@pytest.mark.parametrize("op,case", [(op, c) for op in CASES for c in CASES[op]],
+                         ids=lambda c: c if isinstance(c, str) else "B{}h{}N{}d{}{}".format(*c[:4], "ps" if c[4] else ""))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("op", ["t5", "dit5"])
 @triton_test
 def test_inner_kernels(op, dtype, case):
+    assert case[3] <= MAX_HEAD_DIM[OP_NAMES[op]]
     b, h, n, d, per_sample = case
     f, ref, n_w = KERNEL_OPS[op]
     scale = d ** -0.5
@@ -301,7 +306,7 @@ def test_inner_kernels(op, dtype, case):
              ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
 
 
-@pytest.mark.parametrize("op,n,d", [("t5", 70, 72), ("dit5", 300, 32)], ids=["t5N70d72", "dit5N300d32"])
+@pytest.mark.parametrize("op,n,d", [("t5", 70, 24), ("dit5", 300, 48)], ids=["t5N70d24", "dit5N300d48"])
 @triton_test
 def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
     # the shipped tile sizes: different token tiles for update / apply / backward, two 256-token chunks at N = 300
@@ -312,6 +317,21 @@ def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
     inputs += [torch.randn(1, 1, d, d, device=DEV) * 0.05 for _ in range(n_w)]
     _compare_k(lambda *a: f(*a, d ** -0.5), lambda *a: ref(*a, d ** -0.5), inputs, torch.float32,
              ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
+
+
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+def test_kernels_refuse_head_dims_above_their_limit(op):
+    # above the limit the backward's shared memory does not fit a GPU (H200: OutOfResources): forcing the kernel
+    # is refused with the reason, auto runs PyTorch, and the kernel entry point itself refuses to launch
+    name, d = OP_NAMES[op], MAX_HEAD_DIM[OP_NAMES[op]] + 8
+    with pytest.raises(BackendError, match=f"head dim {d} is above the kernel's limit"):
+        get_op(name, torch.device("cuda"), "triton", torch.float16, d)
+    assert resolve_backend("auto", torch.device("cuda"), torch.float16, d, name) == "torch"
+    if T is not None:
+        x = [torch.randn(1, 1, 5, d, device=DEV) for _ in range(3)]
+        w = [torch.zeros(1, 1, d, d, device=DEV)] * KERNEL_OPS[op][2]
+        with pytest.raises(ValueError, match=f"head dims up to {d - 8}, got {d}"):
+            KERNEL_OPS[op][0](*x, *w, 0.1)
 
 
 @triton_test

@@ -589,7 +589,7 @@ def test_mixer_triton_vs_naive_non_square(w0_mode, count_launches):
 @triton_test
 def test_torch_compile_fullgraph(count_launches):
     torch._dynamo.reset()
-    x = [t.requires_grad_() for t in make_kernel_inputs(1, 1, 20, 16, 8, 2)]
+    x = [t.to(DEV).requires_grad_() for t in make_kernel_inputs(1, 1, 20, 16, 8, 2)]
     fn = torch.compile(lambda *a: ttt_linear_bidir(*a, mini_batch=8, backend="triton")[0], backend="aot_eager",
                        fullgraph=True)
     out = fn(*x)

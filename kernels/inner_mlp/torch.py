@@ -68,7 +68,8 @@ def inner_fwd(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
     wc = [w.to(dt) for w in ws]
     gs = inner_update(kc, vc, wc, scale, gated)
     wn = [w - g for w, g in zip(wc, gs)]
-    return inner_apply(qc, wn, gated).to(q.dtype), wn
+    out = inner_apply(qc, wn, gated)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), wn
 
 
 def inner_bwd(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float, gated: bool):

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import MAX_HEAD_DIM
 from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
     store_tile, tile_rows, wstrides as _wstrides
 from .torch import _check, compute_dtype, make_function, model_entry_points
@@ -245,8 +246,12 @@ def _heads_merged(b: int, h: int, n: int, d: int, like: torch.Tensor) -> torch.T
 
 def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
     """Triton forward: (out (B, heads, N, d) in q's dtype, [W'] fp32 (B, heads, d, d) contiguous)."""
-    _check(q, k, v, ws, "t5_swiglu_ttt" if gated else "dit5_mlp_ttt")
+    op = "t5_swiglu_ttt" if gated else "dit5_mlp_ttt"
+    _check(q, k, v, ws, op)
     b, h, n, d = q.shape
+    if d > MAX_HEAD_DIM[op]:  # the shared memory of the backward would not fit (backend.MAX_HEAD_DIM)
+        raise ValueError(f"{op}: the Triton kernel takes head dims up to {MAX_HEAD_DIM[op]}, got {d}; use the "
+                         f"PyTorch path (backend='torch' or 'auto')")
     bd, prec = _block_d(d), _prec(q.dtype)
     bn, bn_apply = _block_n(bd, "update"), _block_n(bd, "apply")
     tiles = _tiles(bn)

@@ -33,7 +33,8 @@ def key_norm_fwd(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tenso
     mean = xf.mean(dim=1)
     var = (xf - mean[:, None]).square().mean(dim=1)
     rstd = torch.rsqrt(var + eps)
-    return ((xf - mean[:, None]) * rstd[:, None]).to(x.dtype), mean, rstd
+    y = (xf - mean[:, None]) * rstd[:, None]
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), mean, rstd
 
 
 def key_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
