@@ -169,12 +169,33 @@ def _classifier(model: nn.Module) -> str:
     return cls[0] if isinstance(cls, (list, tuple)) else cls
 
 
+def _input_conv_shapes(model: nn.Module, own: Dict[str, torch.Tensor]) -> Dict[str, tuple]:
+    """The checkpoint shape each first-conv weight must have when timm's ``load_pretrained`` adapts it (with
+    ``timm.models.adapt_input_conv``, after the filter) from the cfg's ``input_size[0]`` to the model's
+    ``in_chans``: the model's shape with the pretrained input channels (timm's own consistency rule)."""
+    from timm.models import get_model_traits
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    traits = get_model_traits(model)
+    convs, in_chans = traits.get("first_conv", cfg.get("first_conv")), traits.get("in_chans")
+    pretrained_in_chans = (cfg.get("input_size") or (3,))[0]
+    if not convs or in_chans is None or in_chans == pretrained_in_chans:
+        return {}
+    shapes = {}
+    for name in ((convs,) if isinstance(convs, str) else convs):
+        w = own.get(f"{name}.weight")
+        if w is not None and w.dim() == 4 and (w.shape[1] * pretrained_in_chans) % in_chans == 0:
+            shapes[f"{name}.weight"] = (w.shape[0], w.shape[1] * pretrained_in_chans // in_chans, *w.shape[2:])
+    return shapes
+
+
 def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
                         ignore_prefixes: Iterable[str] = ("head.",)) -> None:
     """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped key.
 
     Keys under ``ignore_prefixes`` (the classifier, which timm drops when ``num_classes`` differs from the
-    pretrained cfg's) are only checked for shape when timm will load them."""
+    pretrained cfg's) are only checked for shape when timm will load them.  The first conv (``first_conv`` of
+    the cfg) of a model built with another ``in_chans`` is checked against the pretrained channels: timm adapts
+    it after this check."""
     ignore = tuple(ignore_prefixes)
     own, theirs = model.state_dict(), state_dict
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -182,7 +203,9 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
     checked = lambda k: not k.startswith(ignore) or head_loaded  # noqa: E731
     missing = sorted(k for k in own if k not in theirs and not k.startswith(ignore))
     unexpected = sorted(k for k in theirs if k not in own and not k.startswith(ignore))
-    bad = [k for k in own if k in theirs and checked(k) and tuple(theirs[k].shape) != tuple(own[k].shape)]
+    expected = {k: tuple(v.shape) for k, v in own.items()}
+    expected.update(_input_conv_shapes(model, own))
+    bad = [k for k in own if k in theirs and checked(k) and tuple(theirs[k].shape) != expected[k]]
     if not (missing or unexpected or bad):
         return
     name = cfg.get("architecture", type(model).__name__)

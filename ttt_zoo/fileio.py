@@ -1,7 +1,15 @@
 """File helpers shared by every writer of the package (the first piece of one I/O module, issue 28)."""
+import contextlib
+import errno
+import fcntl
 import os
+from typing import Iterator, Optional, Set
 
-__all__ = ["fsync_dir"]
+from ttt_zoo.cli._common import UsageError
+
+__all__ = ["fsync_dir", "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME"]
+
+LOCK_NAME = ".ttt-zoo.lock"  # inside a locked folder; beside one: ".<folder name>.lock"
 
 
 def fsync_dir(folder: str) -> None:
@@ -16,3 +24,118 @@ def fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ----- one writer per folder -----
+
+class FolderInUseError(UsageError):
+    """Another live process holds the folder's lock (one ``error:`` line, exit status 2)."""
+
+
+def lock_file_path(folder: str, beside: bool = False) -> str:
+    """The lock file of ``folder``: inside it, or (``beside``) next to it for a folder that is created or swapped
+    in by rename. One kind of writer must always use the same place."""
+    folder = os.path.abspath(folder)
+    if beside:
+        parent, name = os.path.split(folder)
+        return os.path.join(parent, f".{name}.lock")
+    return os.path.join(folder, LOCK_NAME)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _flock_holders(inode: int) -> Optional[Set[int]]:
+    """PIDs holding a flock on ``inode`` per /proc/locks (Linux); None where that file cannot be read."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK":  # "1: FLOCK ADVISORY WRITE <pid> <maj:min:inode> ..."
+            pid, where = parts[4], parts[5]
+            if pid.isdigit() and int(pid) > 0 and where.rsplit(":", 1)[-1] == str(inode):
+                pids.add(int(pid))
+    return pids
+
+
+def _holder_pid(fd: int) -> Optional[int]:
+    """The PID written in the lock file, if that process really holds the lock; never a dead one (the file may
+    still name a killed holder for the instant between a new holder's flock and its write)."""
+    try:
+        written: Optional[int] = int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        written = None
+    holders = _flock_holders(os.fstat(fd).st_ino)
+    if holders is None:
+        return written if written is not None and _alive(written) else None
+    if written in holders:
+        return written
+    return next(iter(holders)) if len(holders) == 1 else None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _acquire(folder: str, path: str, what: str) -> Optional[int]:
+    """An fd holding ``LOCK_EX`` on ``path`` with our PID written in it; None where the file system has no flock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _holder_pid(fd)
+            os.close(fd)
+            who = f"PID {pid}" if pid is not None else "a process that has not written its PID yet"
+            stop = f"wait for PID {pid} to finish or stop it (`kill {pid}`)" if pid is not None else "wait for it"
+            raise FolderInUseError(f"{folder} is in use by another {what} ({who}); only one may write it at a "
+                                   f"time: {stop}, then run this again") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # no locks here: run unguarded
+                return None
+            raise
+        # the previous holder unlinks the file on release: if it did after our open, lock the new file instead
+        if _same_file(fd, path):
+            break
+        os.close(fd)
+    # a file left by a killed holder (the OS dropped its lock) is simply taken over: replace its PID by ours
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str, what: str, beside: bool = False) -> Iterator[str]:
+    """Hold an exclusive advisory lock (``fcntl.flock``) on ``folder`` for the ``with`` body.
+
+    The lock file is inside ``folder`` (which must exist), or with ``beside`` next to it (its parent is created).
+    A second holder, in any process, gets :class:`FolderInUseError` naming the holder's PID; a lock whose holder
+    died is released by the OS and taken over. ``what`` names the kind of writer ("training run").
+    OSErrors creating the lock file propagate (the caller words them)."""
+    path = lock_file_path(folder, beside)
+    if beside:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = _acquire(os.path.abspath(folder), path, what)
+    try:
+        yield path
+    finally:
+        if fd is not None:
+            if _same_file(fd, path):  # unlink while still locked (see _acquire), so no lock file is left behind
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            os.close(fd)

@@ -1,5 +1,6 @@
 """``ttt-zoo convert``: a checkpoint (official or ours) to a Hugging Face Hub folder with a model card."""
 
+import contextlib
 import os
 
 from ttt_zoo.checkpoint import HUB_ORG
@@ -9,10 +10,29 @@ from ._common import add_model_kwargs, cli_errors, model_kwargs
 __all__ = ["add_parser"]
 
 
+def _lock_output(stack: contextlib.ExitStack, out: str) -> None:
+    """One convert per output folder, until it ends. The lock file is beside the folder (which is swapped in by
+    rename), so a second convert to it is refused, naming the first one's PID."""
+    from ttt_zoo.fileio import folder_lock
+    from ttt_zoo.hub import HubFolderError
+    try:
+        stack.enter_context(folder_lock(out, "ttt-zoo convert", beside=True))
+    except OSError as e:
+        out = os.path.abspath(out)
+        raise HubFolderError(f"Cannot write the output folder {out}: {e.strerror or e} ({os.path.dirname(out)}). "
+                             f"Choose an output folder you can write to.") from e
+
+
 @cli_errors
 def run(args) -> int:
+    with contextlib.ExitStack() as stack:
+        return _convert(args, stack)
+
+
+def _convert(args, stack: contextlib.ExitStack) -> int:
     from ttt_zoo.hub import HubFolderError, convert_all, convert_checkpoint, registered_pretrained
     if args.all:
+        _lock_output(stack, args.out_root)  # the whole root: the folders below it are written one by one
         res = convert_all(args.out_root, args.checkpoint_dir, args.filter, args.download, args.skip_missing,
                           not args.no_flops, args.force)
         print(f"converted {len(res['converted'])} checkpoint(s); missing: {res['missing'] or 'none'}")
@@ -21,6 +41,7 @@ def run(args) -> int:
         raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
                              f"{', '.join(registered_pretrained())}), or use --all.")
     out = args.out or os.path.join("hub", args.model)
+    _lock_output(stack, out)
     info = convert_checkpoint(args.checkpoint, args.model, out, model_kwargs(args) or None, args.hub_id,
                               not args.no_flops, args.force, args.source_url)
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""

@@ -1,13 +1,24 @@
-"""``ttt-zoo list``: registered models with parameters and GFLOPs."""
+"""``ttt-zoo list``: registered models with parameters and GFLOPs.
 
-from typing import Dict
+The numbers at the default size come from ``ttt_zoo/assets/model_stats.json``, a table generated from the
+registry by ``python tools/gen_model_stats.py`` and checked against a fresh measurement of every model by
+``tests/test_model_stats.py``: listing reads it instead of building 72 models (45 s).  Other sizes, and models
+the table lacks, are measured on the meta device.
+"""
+import fnmatch
+import json
+import os
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["add_parser", "model_stats"]
+__all__ = ["add_parser", "model_stats", "STATS_FILE", "DEFAULT_IMG_SIZE", "load_stats_table", "select_models"]
+
+STATS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "model_stats.json")
+DEFAULT_IMG_SIZE = 224
 
 
-def model_stats(name: str, img_size: int = 224) -> Dict[str, float]:
+def model_stats(name: str, img_size: int = DEFAULT_IMG_SIZE) -> Dict[str, float]:
     """Parameters and GFLOPs (multiply-accumulates, as the papers count them) on the meta device.
 
     Image models are measured at ``img_size``; diffusion models (``forward(x, t, y)``) at their configured latent size.
@@ -27,21 +38,54 @@ def model_stats(name: str, img_size: int = 224) -> Dict[str, float]:
     return dict(params=params, gflops=counter.get_total_flops() / 2 / 1e9, input=list(inputs[0].shape[1:]))
 
 
+def load_stats_table(path: str = STATS_FILE) -> Dict[str, Dict]:
+    """{model: model_stats(model)} at the default size, as generated; empty when the file is missing."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)["models"]
+
+
+def select_models(names: Sequence[str], filters: Sequence[str]) -> List[str]:
+    """timm's filters: shell wildcards (``'vit3*'``, ``'*_v[1-3]'``) matched against the whole name; a filter
+    without a wildcard matches names that contain it."""
+    if not filters:
+        return list(names)
+    wild = [f if any(c in f for c in "*?[") else f"*{f}*" for f in filters]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, w) for w in wild)]
+
+
 def run(args) -> int:
     from ttt_zoo import list_zoo_models
-    names = [n for n in list_zoo_models(include_diffusion=True) if not args.filter or args.filter in n]
+    from ._common import UsageError
+    names = select_models(list_zoo_models(include_diffusion=True), args.filter)
+    if not names:
+        raise UsageError(f"no registered model matches --filter {' '.join(args.filter)}; "
+                         "use shell wildcards as timm does (e.g. --filter 'vit3*'), or run `ttt-zoo list` for all")
+    table = load_stats_table() if args.img_size == DEFAULT_IMG_SIZE and not args.measure else {}
     print(f"{'model':<22}{'params (M)':>12}{'GFLOPs':>10}  input")
     for n in names:
         try:
-            s = model_stats(n, args.img_size)
+            s = table.get(n) or model_stats(n, args.img_size)
             print(f"{n:<22}{s['params'] / 1e6:>12.3f}{s['gflops']:>10.2f}  {'x'.join(map(str, s['input']))}")
         except Exception as e:  # noqa: BLE001 - report and continue
             print(f"{n:<22}  (could not be measured: {type(e).__name__}: {e})")
     return 0
 
 
+def _positive(text: str) -> int:
+    import argparse
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("list", help="list registered models with parameters and GFLOPs")
-    p.add_argument("--filter", default="", help="substring of model names")
-    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--filter", nargs="+", default=[], metavar="PATTERN",
+                   help="shell wildcards as in timm.list_models ('vit3*'); plain text matches a substring")
+    p.add_argument("--img-size", type=_positive, default=DEFAULT_IMG_SIZE,
+                   help="image models are measured at this size (the default size reads the generated table)")
+    p.add_argument("--measure", action="store_true", help="measure every model now instead of reading the table")
     p.set_defaults(func=run)

@@ -156,7 +156,7 @@ def estimate_checkpoint_bytes(model: torch.nn.Module, ema: bool, optimizer_slots
 def check_output_dir(folder: str, need_bytes: int) -> None:
     """Fail now, not after an hour: the folder must be writable (a probe file is written, fsync'ed, removed) and
     its disk must hold ``need_bytes``."""
-    probe = os.path.join(folder, ".write_probe.tmp")
+    probe = os.path.join(folder, f".{os.getpid()}.write_probe.tmp")  # one per process: probes never collide
     try:
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)

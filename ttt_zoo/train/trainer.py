@@ -21,6 +21,8 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
+from ttt_zoo.fileio import folder_lock
+
 from . import checkpointing as ckpt
 from .args import parse_args
 from .distributed import (DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object,
@@ -146,13 +148,24 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, task_cls: type):
         self.args = args
         self.task_cls = task_cls
+        self._folder_locks = contextlib.ExitStack()  # rank 0's lock of the run folder, released when run() ends
+
+    def _lock_folder(self, folder: str) -> None:
+        """One writer per run folder: a second run on it (e.g. another --resume) is refused, naming our PID."""
+        try:
+            self._folder_locks.enter_context(folder_lock(folder, "ttt-zoo train"))
+        except OSError as e:
+            raise OSError(f"Output folder {folder!r} is not writable ({e.strerror or e}): its lock file cannot be "
+                          f"created. Choose another --output, or fix its permissions / mount.") from e
 
     # ----- setup -----
     def _experiment_folder(self) -> str:
         a, d = self.args, self.dist
         if a.resume:
             self.resume_file = ckpt.resolve_resume(a.resume)
-            return os.path.dirname(os.path.abspath(self.resume_file))
+            folder = os.path.dirname(os.path.abspath(self.resume_file))
+            _raise_everywhere(_first_error(lambda: self._lock_folder(folder)) if d.is_primary else None, d)
+            return folder
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
                                          (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
                                          str(a.img_size or "default")])
@@ -171,6 +184,7 @@ class Trainer:
                 self.created_folder = None
                 raise OSError(f"Cannot create the experiment folder {folder} ({e.strerror or e}): --output "
                               f"{a.output!r} is not writable; choose another --output") from e
+            self._lock_folder(folder)  # created by us just now; a failed lock removes it (_remove_failed_start)
         _raise_everywhere(_first_error(create) if d.is_primary else None, d)
         return folder
 
@@ -482,7 +496,10 @@ class Trainer:
                 self._remove_failed_start()
             raise
         finally:
-            destroy_distributed()
+            try:
+                destroy_distributed()
+            finally:
+                self._folder_locks.close()
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train") -> int:

@@ -1,0 +1,46 @@
+"""Generate ``ttt_zoo/assets/model_stats.json``: parameters and GFLOPs of every registered model at the default
+size (what ``ttt-zoo list`` prints), measured on the meta device.  Rerun after adding or changing a model;
+``tests/test_model_stats.py`` fails until the table matches the registry and the models.
+
+    python tools/gen_model_stats.py
+"""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+
+def build_table():
+    import ttt_zoo
+    from ttt_zoo.cli.list import DEFAULT_IMG_SIZE, model_stats
+    models = {n: model_stats(n, DEFAULT_IMG_SIZE) for n in ttt_zoo.list_zoo_models(include_diffusion=True)}
+    return {"img_size": DEFAULT_IMG_SIZE, "torch": torch.__version__.split("+")[0], "models": models}
+
+
+def write_atomic(path: str, text: str) -> None:
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".model_stats.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main() -> int:
+    from ttt_zoo.cli.list import STATS_FILE
+    table = build_table()
+    write_atomic(STATS_FILE, json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(table['models'])} models to {STATS_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
