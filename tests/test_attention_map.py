@@ -220,3 +220,24 @@ def test_cli_variant_models(tmp_path, model, extra):
     assert main(["attention-map", "--model", model, *kw, "--image", ASSET_IMAGE, "--query-pixel", "40", "50",
                  "--img-size", "64", "--out", str(out), *extra]) == 0
     assert out.is_file()
+
+
+def test_plot_keeps_the_aspect_ratio_and_draws_a_colour_bar(tmp_path, monkeypatch):
+    # the model sees a square resize; the panels show the photo at its own aspect ratio, with a colour bar
+    import matplotlib.figure
+    from PIL import Image
+    from ttt_zoo.cli.attention_map import plot_maps
+    bars = []
+    real_colorbar = matplotlib.figure.Figure.colorbar
+    monkeypatch.setattr(matplotlib.figure.Figure, "colorbar",
+                        lambda self, *a, **k: bars.append(k.get("label")) or real_colorbar(self, *a, **k))
+    rgb = torch.rand(32, 32, 3).numpy()
+    maps = [dict(map=torch.rand(2, 4, 4), layer=0, feat_size=(4, 4)), dict(map=torch.rand(2, 4, 4), layer=1,
+                                                                              feat_size=(4, 4))]
+    sizes = {}
+    for name, orig in (("wide", (100, 300)), ("tall", (300, 100))):
+        plot_maps(rgb, (50, 50), maps, str(tmp_path / f"{name}.png"), "t", orig_size=orig)
+        with Image.open(tmp_path / f"{name}.png") as im:
+            sizes[name] = im.width / im.height
+    assert sizes["wide"] > 2.0 * sizes["tall"]
+    assert bars == ["|A| / max |A| (per layer)"] * 2

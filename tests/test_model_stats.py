@@ -58,3 +58,16 @@ def test_a_filter_matching_nothing_is_one_clear_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no registered model matches --filter vit4*")
+
+
+def test_a_closed_pipe_ends_the_listing_quietly(monkeypatch, capsys):
+    # `ttt-zoo list | head -3`: the reader goes away; no traceback, no error line, status 0
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["list"]) == 0
+    assert capsys.readouterr().err == ""

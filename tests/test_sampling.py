@@ -157,3 +157,18 @@ def test_sample_cli_builds_the_official_checkpoint_with_its_ema_weights(tmp_path
     with torch.no_grad():
         out = model.eval()(t["input.x"], t["input.t"], t["input.y"])
     torch.testing.assert_close(out, t["output"], **tol)
+
+
+def test_grid_upscale_is_nearest_neighbour_and_sized(tmp_path):
+    from ttt_zoo.sampling import image_grid
+    images = torch.rand(3, 3, 5, 7)
+    grid = image_grid(images, nrow=2, padding=2, upscale=4)
+    assert grid.shape == (2 * 20 + 3 * 2, 2 * 28 + 3 * 2, 3)
+    first = grid[2:22, 2:30].permute(2, 0, 1).float()
+    expected = (images[0] * 255).round().repeat_interleave(4, 1).repeat_interleave(4, 2)
+    assert torch.equal(first, expected)
+    assert image_grid(images[:1], padding=2).shape == (5 + 4, 7 + 4, 3)  # one image: framed like the others
+    with pytest.raises(ValueError, match="upscale must be a positive integer"):
+        image_grid(images, upscale=0)
+    path = save_image_grid(images, str(tmp_path / "big.png"), upscale=3)
+    assert Image.open(path).size == (2 * 21 + 3 * 2, 2 * 15 + 3 * 2)

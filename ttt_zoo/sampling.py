@@ -156,13 +156,17 @@ def sample(
 
 
 def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 2,
-               value_range: Optional[Tuple[float, float]] = None) -> torch.Tensor:
-    """(B, C, H, W) -> (H', W', 3) uint8 grid, ``nrow`` images per row.
+               value_range: Optional[Tuple[float, float]] = None, upscale: int = 1) -> torch.Tensor:
+    """(B, C, H, W) -> (H', W', 3) uint8 grid, ``nrow`` images per row (torchvision's ``make_grid``), each image
+    enlarged ``upscale`` times (nearest neighbour: the pixels stay sharp).
 
     Values are mapped from ``value_range``; without one, images already in [0, 1] are kept and anything else
     (raw latents) is min-max scaled per image.  Latents show their first 3 channels."""
+    from torchvision.utils import make_grid
     if images.dim() != 4:
         raise ValueError(f"expected images (B, C, H, W), got shape {tuple(images.shape)}")
+    if int(upscale) != upscale or upscale < 1:
+        raise ValueError(f"upscale must be a positive integer, got {upscale}")
     x = images.detach().float().cpu()
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
@@ -176,22 +180,20 @@ def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 
         hi = x.amax(dim=(1, 2, 3), keepdim=True)
         x = (x - lo) / (hi - lo).clamp_min(1e-12)
     x = x.clamp(0, 1)
-    b, c, h, w = x.shape
-    nrow = nrow or math.ceil(math.sqrt(b))
-    rows = math.ceil(b / nrow)
-    grid = torch.zeros(3, rows * (h + padding) + padding, nrow * (w + padding) + padding)
-    for i in range(b):
-        r, col = divmod(i, nrow)
-        top, left = padding + r * (h + padding), padding + col * (w + padding)
-        grid[:, top:top + h, left:left + w] = x[i]
+    if upscale > 1:
+        x = torch.nn.functional.interpolate(x, scale_factor=int(upscale), mode="nearest")
+    nrow = nrow or math.ceil(math.sqrt(x.shape[0]))
+    grid = make_grid(x, nrow=nrow, padding=padding, pad_value=0.0)
+    if x.shape[0] == 1 and padding:  # make_grid leaves a single image unframed; frame it like the others
+        grid = torch.nn.functional.pad(grid, (padding,) * 4)
     return (grid.permute(1, 2, 0) * 255).round().to(torch.uint8)
 
 
 def save_image_grid(images: torch.Tensor, path: str, nrow: Optional[int] = None, padding: int = 2,
-                    value_range: Optional[Tuple[float, float]] = None) -> str:
+                    value_range: Optional[Tuple[float, float]] = None, upscale: int = 1) -> str:
     """Write ``images`` (B, C, H, W) as one PNG grid (atomically: temp file, fsync, rename); returns the path."""
     from PIL import Image
-    grid = Image.fromarray(image_grid(images, nrow, padding, value_range).numpy())
+    grid = Image.fromarray(image_grid(images, nrow, padding, value_range, upscale).numpy())
     from ttt_zoo.bench.measure import atomic_write
     atomic_write(path, lambda f: grid.save(f, format="PNG"), binary=True)
     return path

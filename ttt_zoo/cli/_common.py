@@ -20,6 +20,17 @@ class UsageError(ValueError):
     """A mistake in the command line: printed as one ``error:`` line, exit status 2."""
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count: a positive integer, else argparse's one-line error."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
 def _json_object(text: str) -> Dict[str, Any]:
     try:
         value = json.loads(text)
@@ -141,6 +152,12 @@ def run_command(fn, *args, debug: bool = False) -> int:
             return fn(*args)
     except UserExit:
         raise
+    except BrokenPipeError:  # the reader stopped early (`ttt-zoo list | head`): quiet, as shell tools are
+        try:  # the interpreter's final flush must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # stdout is not a file (e.g. captured)
+            pass
+        return 0
     except (Exception, SystemExit) as e:
         if isinstance(e, SystemExit) and not isinstance(e.code, str):
             raise

@@ -25,32 +25,43 @@ def load_image(path: str, size, mean, std):
     return x.unsqueeze(0), rgb, orig
 
 
-def plot_maps(rgb, query_pixel, maps, path: str, title: str) -> None:
-    """The image with the query marked, then one overlay per layer (mean |A| over heads, upsampled)."""
+def plot_maps(rgb, query_pixel, maps, path: str, title: str, orig_size=None) -> None:
+    """The image with the query marked, then one overlay per layer (mean |A| over heads, upsampled, scaled to its
+    maximum) and a colour bar.  ``rgb`` is the image as the model saw it; it is drawn at the original image's
+    aspect ratio ``orig_size`` (H, W) with the query at ``query_pixel`` (row, col) in original pixels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch.nn.functional as F
     from ttt_zoo.bench.measure import atomic_write
     h, w = rgb.shape[:2]
+    oh, ow = orig_size or (h, w)
+    extent = (0, ow, oh, 0)  # model-size pixels drawn over the original's extent: the aspect ratio is kept
     y, x = query_pixel
-    fig, axes = plt.subplots(1, len(maps) + 1, figsize=(3.2 * (len(maps) + 1), 3.6))
-    axes[0].imshow(rgb)
-    axes[0].set_title("image + query")
+    panel_h = 3.2 * oh / max(oh, ow)
+    panel_w = 3.2 * ow / max(oh, ow)
+    fig, axes = plt.subplots(1, len(maps) + 1, figsize=(panel_w * (len(maps) + 1) + 0.8, panel_h + 0.9),
+                             squeeze=False)
+    axes = axes[0]
+    axes[0].imshow(rgb, extent=extent)
+    axes[0].set_title("image + query", fontsize=9)
     for ax in axes:
         ax.axis("off")
+    shown = None
     for ax, m in zip(axes[1:], maps):
         heat = m["map"].abs().mean(0)[None, None].float()
         heat = F.interpolate(heat, size=(h, w), mode="bilinear", align_corners=False)[0, 0]
         heat = heat / heat.max().clamp_min(1e-30)
-        ax.imshow(rgb)
-        ax.imshow(heat.numpy(), cmap="jet", alpha=0.55, vmin=0, vmax=1)
+        ax.imshow(rgb, extent=extent)
+        shown = ax.imshow(heat.numpy(), cmap="jet", alpha=0.55, vmin=0, vmax=1, extent=extent)
         ax.set_title(f"layer {m['layer']} ({m['feat_size'][0]}x{m['feat_size'][1]})", fontsize=9)
     for ax in axes:
         ax.plot([x], [y], marker="x", color="white", markersize=10, mew=2.5)
         ax.plot([x], [y], marker="x", color="black", markersize=7, mew=1.2)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    if shown is not None:
+        fig.colorbar(shown, ax=list(axes), fraction=0.025, pad=0.02, label="|A| / max |A| (per layer)")
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
     plt.close(fig)
 
@@ -97,7 +108,7 @@ def run(args) -> int:
     qp = (y0 * size[0] / orig[0], x0 * size[1] / orig[1])  # in the resized image
     maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via, reduce=args.reduce)
     what = "implicit tr(dO_i/dV_j)/d" if args.map == "implicit" else "explicit linear-attention map"
-    plot_maps(rgb, qp, maps, args.out, f"{args.model}: {what}, mean |A| over heads; {note}")
+    plot_maps(rgb, (y0, x0), maps, args.out, f"{args.model}: {what}, mean |A| over heads; {note}", orig_size=orig)
     print(f"wrote {args.out}: {len(maps)} layer(s) "
           + ", ".join(f"{m['layer']} (query token {m['query']} of {m['feat_size']})" for m in maps))
     return 0

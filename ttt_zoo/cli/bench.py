@@ -16,6 +16,8 @@ import os
 import shlex
 import sys
 
+from ._common import positive_int
+
 __all__ = ["add_parser", "run", "parse_img_size"]
 
 BACKENDS = ("auto", "torch", "torch_naive", "triton")
@@ -32,16 +34,6 @@ def parse_img_size(text: str):
         raise argparse.ArgumentTypeError(f"bad image size {text!r}: give a positive integer (224) or "
                                          "HEIGHTxWIDTH (384x320)")
     return (hw[0], hw[-1])
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def _non_negative(text: str) -> int:
@@ -231,8 +223,8 @@ def add_parser(sub) -> None:
     g.add_argument("--bench", default="both", choices=["inference", "train", "both"])
     g.add_argument("--img-size", nargs="+", type=parse_img_size, default=[(224, 224)], metavar="SIZE",
                    help="one or more sizes: 224 or HEIGHTxWIDTH (384x320)")
-    g.add_argument("-b", "--batch-size", type=_positive, default=1)
-    g.add_argument("--batch-tokens", type=_positive, default=None, metavar="N",
+    g.add_argument("-b", "--batch-size", type=positive_int, default=1)
+    g.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
                    help="instead of -b: batch = max(1, N // (H/16 * W/16)), the same tokens at every size")
     g.add_argument("--backend", nargs="+", choices=BACKENDS, default=None,
                    help="TTT op backend(s) (TTT_ZOO_BACKEND in the child); several: each is measured")
@@ -246,7 +238,7 @@ def add_parser(sub) -> None:
                    help="also measure --model with the ttt_zoo code of this git revision")
     g = p.add_argument_group("how")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--threads", type=_positive, default=None, help="torch CPU threads in each child")
+    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads in each child")
     g.add_argument("--amp", action="store_true", help="autocast mixed precision")
     g.add_argument("--amp-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     g.add_argument("--channels-last", action="store_true")
@@ -262,8 +254,8 @@ def add_parser(sub) -> None:
                         "--torchcompile's backend, default inductor) and/or onnxruntime (the `ttt-zoo export` graph, "
                         "CPU inference)")
     g.add_argument("--num-warm-iter", type=_non_negative, default=2)
-    g.add_argument("--num-bench-iter", type=_positive, default=10)
-    g.add_argument("--repeats", type=_positive, default=1, help="fresh subprocesses per config (median), interleaved")
+    g.add_argument("--num-bench-iter", type=positive_int, default=10)
+    g.add_argument("--repeats", type=positive_int, default=1, help="fresh subprocesses per config (median), interleaved")
     g.add_argument("--saved-mem", action="store_true", help="train: also MB of tensors saved for the backward")
     g.add_argument("--malloc-trim", action="store_true",
                    help="CPU: glibc returns freed memory at once in every child (MALLOC_TRIM_THRESHOLD_=0), so the "
@@ -274,7 +266,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"], help="--ops dtype")
     g.add_argument("--dry-run", action="store_true", help="--ops: tiny shapes on the CPU, Triton in the interpreter")
     g.add_argument("--profile", action="store_true", help="torch.profiler operator breakdown instead of timings")
-    g.add_argument("--profile-top", type=_positive, default=12)
+    g.add_argument("--profile-top", type=positive_int, default=12)
     g.add_argument("--results-file", default=None, metavar="FILE", help=".csv or .json (timm's infer_/train_ keys)")
     g.add_argument("--output", default=None, metavar="DIR", help="folder for bench.md, bench.png, results.csv")
     g.add_argument("--force", action="store_true", help="replace an existing --results-file or --output files")

@@ -159,7 +159,8 @@ def run(args) -> int:
     images = sample(model, labels, num_steps=args.steps, scheduler=args.scheduler, cfg_scale=args.cfg,
                     guidance_channels=args.guidance_channels or min(3, model.in_chans), seed=args.seed, vae=vae,
                     progress=sys.stderr.isatty())
-    save_image_grid(images, args.out, nrow=args.nrow, value_range=(-1.0, 1.0) if pixels else None)
+    save_image_grid(images, args.out, nrow=args.nrow, value_range=(-1.0, 1.0) if pixels else None,
+                    upscale=args.upscale)
     what = "images" if vae is not None or pixels else "latents (no --vae: first 3 channels, min-max scaled)"
     print(f"wrote {args.out}: {len(labels)} {what} of {tuple(images.shape[1:])} from {args.model or 'the run'}, "
           f"{args.steps} {args.scheduler} steps, cfg {args.cfg}, labels {list(labels)}")
@@ -168,6 +169,7 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     from timm.utils import ParseKwargs
+    from ._common import positive_int
     p = sub.add_parser("sample", help="class-conditional DiT / DiT3 / DiT5 samples with guidance, as a PNG grid",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="DiT-family model (default: the training folder's)")
@@ -188,6 +190,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--nrow", type=int, default=None, help="images per grid row (default: about square)")
+    p.add_argument("--upscale", type=positive_int, default=1, metavar="N",
+                   help="enlarge every image N times in the grid (nearest neighbour), e.g. 8 for 16-px samples")
     p.add_argument("--tiny", action="store_true", help="tiny random model and VAE (no files; a smoke test)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
