@@ -31,6 +31,9 @@ def _check_value(action: argparse.Action, value):
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         assert isinstance(value, bool), f"{action.dest}: a switch takes true/false, got {value!r}"
         return
+    if type(action).__name__ == "ParseKwargs":  # --model-kwargs k=v ...: a mapping in YAML
+        assert isinstance(value, dict) and all(isinstance(k, str) for k in value), f"{action.dest}: {value!r}"
+        return
     if action.nargs not in (None, "?"):
         assert isinstance(value, list), f"{action.dest} takes a list, got {value!r}"
         if isinstance(action.nargs, int):
@@ -53,7 +56,10 @@ def test_recipe_keys_are_train_flags(name):
     cfg = load_recipe(name)
     assert cfg and ("model" in cfg or "linearize_from" in cfg)
     text = open(os.path.join(RECIPE_DIR, name + ".yaml")).read()
-    assert "paper" in text and ("Table" in text or "Sec." in text)  # where the numbers come from
+    if name.startswith("digits_"):  # the README's digits table, not a paper: it names where its number is
+        assert "README table" in text and "tools/results/digits_models.md" in text
+    else:
+        assert "paper" in text and ("Table" in text or "Sec." in text)  # where the numbers come from
     parser = _parser_for(cfg)
     actions = {a.dest: a for a in parser._actions}
     for key, value in cfg.items():
@@ -138,7 +144,7 @@ TINY_KWARGS = {
     "dit": dict(depth=1, hidden_size=16, num_heads=2),
 }
 RUN_IMG, RUN_DIT_IMG, RUN_BATCH, RUN_PER_CLASS = 32, 8, 4, 1  # 10 train images: 2 optimizer steps
-OVERRIDDEN = ("img_size", "num_classes", "batch_size", "epochs")
+OVERRIDDEN = ("img_size", "num_classes", "batch_size", "epochs", "model_kwargs")  # model_kwargs: the tiny widths
 
 
 def _tiny_kwargs(name):
@@ -227,3 +233,20 @@ def test_zero_bit_posterize_inside_ttt_zoo_train(digits32, tmp_path):
             *_kw_flags(TINY_KWARGS["vit3_"]), "--workers", "0", "--device", "cpu", "--output", str(tmp_path),
             "--experiment", "p", "--log-interval", "100"]
     assert main(argv) == 0
+
+
+def test_digits_recipes_are_the_readme_table():
+    # one place for the digits settings: every small model of the demo / README table / tools/digits_runs.py is a
+    # shipped recipe, the README shows it, and the number each recipe quotes is the table's row
+    import re
+    from ttt_zoo.train.digits import SMALL_MODELS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    table = open(os.path.join(root, "tools", "results", "digits_models.md")).read()
+    assert "ttt-zoo train -c digits_vit3 --data-dir data/digits" in readme
+    for key, (recipe, desc) in SMALL_MODELS.items():
+        assert recipe in RECIPES, key
+        quoted = re.search(r"([0-9.]+) top-1", open(os.path.join(RECIPE_DIR, recipe + ".yaml")).read()).group(1)
+        assert f"| {desc} | 12 | {quoted} |" in table, (recipe, quoted)
+        cfg = load_recipe(recipe)
+        assert (cfg["img_size"], cfg["num_classes"], cfg["epochs"], cfg["seed"]) == (32, 10, 12, 0), recipe

@@ -27,7 +27,8 @@ RESULTS = os.path.join(ROOT, "tools", "results")
 DOCS = os.path.join(ROOT, "docs")
 sys.path.insert(0, ROOT)
 
-from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS, flags_model_kwargs  # noqa: E402  (one place for the digits settings)
+from ttt_zoo.train.digits import SMALL_MODELS, model_kwargs_flags  # noqa: E402  (the digits_* recipes: one place)
+from ttt_zoo.train.recipes import load_recipe  # noqa: E402
 VARIANTS = {  # ViT3 mixer options of "TTT with KV binding is secretly linear attention" (Tables 1 and 2)
     "baseline": {},
     "v1": dict(inner_update="last"),
@@ -38,12 +39,20 @@ VARIANTS = {  # ViT3 mixer options of "TTT with KV binding is secretly linear at
 }
 
 
-def _train(out: str, name: str, flags, epochs: int, lr: float, seed: int, data: str, env) -> dict:
+def _vit3_variant(opts) -> tuple:
+    """(recipe, flags, model, model kwargs) of the digits ViT3 with the mixer options ``opts``."""
+    recipe = SMALL_MODELS["vit3"][0]
+    cfg = load_recipe(recipe)
+    kw = dict(cfg["model_kwargs"], mixer_kwargs=opts)
+    return recipe, model_kwargs_flags(kw), cfg["model"], kw
+
+
+def _train(out: str, name: str, recipe: str, flags, epochs: int, lr: float, seed: int, data: str, env) -> dict:
     done = os.path.join(out, name, "digits_run.json")  # a finished run is reused (re-running the script resumes)
     if os.path.isfile(done):
         return json.load(open(done))
-    cmd = [sys.executable, "-m", "ttt_zoo", "train", "--data-dir", data, "--output", out, "--experiment", name,
-           *TRAIN_FLAGS, "--epochs", str(epochs), "--lr", str(lr), "--seed", str(seed), *flags]
+    cmd = [sys.executable, "-m", "ttt_zoo", "train", "-c", recipe, "--data-dir", data, "--output", out,
+           "--experiment", name, "--epochs", str(epochs), "--lr", str(lr), "--seed", str(seed), *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -81,8 +90,7 @@ def _inner_steps(out: str, data: str, a):
             if not os.path.isfile(ckpt):
                 raise SystemExit(f"{ckpt} is missing: run `python tools/digits_runs.py variants --seeds {a.seeds} "
                                  f"--output {out}` first")
-            flags = [*SMALL_MODELS["vit3"][0], f"mixer_kwargs={VARIANTS[key]!r}"]
-            name, kw = flags[flags.index("--model") + 1], flags_model_kwargs(flags)
+            _, _, name, kw = _vit3_variant(VARIANTS[key])
             model = create_eval_model(name, False, 10, 32, kw)
             load_weights(model, ckpt)
             model.eval()
@@ -191,14 +199,12 @@ def main(argv=None) -> int:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {a.threads}"
     rows = []
     if a.table == "models":
-        for key, (flags, desc) in SMALL_MODELS.items():
-            r = _train(out, key, flags, a.epochs, a.lr, 0, data, env)
+        for key, (recipe, desc) in SMALL_MODELS.items():
+            r = _train(out, key, recipe, [], a.epochs, a.lr, 0, data, env)
             rows.append(dict(r, model=desc, epochs=a.epochs))
             print(rows[-1], flush=True)
         deit = os.path.join(out, "deit", "best.safetensors")  # DeiT -> T5: inherit every weight, fine-tune briefly
-        deit_flags = SMALL_MODELS["deit"][0]  # ("--model", NAME, "--model-kwargs", ...)
-        lin = ["--linearize-from", deit_flags[1], "--initial-checkpoint", deit, *deit_flags[2:]]
-        r = _train(out, "t5", lin, a.ft_epochs, a.lr / 4, 0, data, env)
+        r = _train(out, "t5", "digits_t5", ["--initial-checkpoint", deit], a.ft_epochs, a.lr / 4, 0, data, env)
         rows.append(dict(r, model=f"T5 = linearized DeiT above, fine-tuned (new TTT params at 20x lr)",
                          epochs=a.ft_epochs))
         print(rows[-1], flush=True)
@@ -210,8 +216,8 @@ def main(argv=None) -> int:
     else:
         for key, opts in VARIANTS.items():
             for seed in range(a.seeds):
-                flags = [*SMALL_MODELS["vit3"][0], f"mixer_kwargs={opts!r}"]
-                r = _train(out, f"{key}-s{seed}", flags, a.epochs, a.lr, seed, data, env)
+                recipe, flags, _, _ = _vit3_variant(opts)
+                r = _train(out, f"{key}-s{seed}", recipe, flags, a.epochs, a.lr, seed, data, env)
                 rows.append(dict(r, variant=key, seed=seed))
                 print(rows[-1], flush=True)
         head = "| variant | mixer options | top-1 mean ± std (%) | seeds | train img/s (median) |\n|---|---|---|---|---|\n"

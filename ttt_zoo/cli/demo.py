@@ -31,7 +31,8 @@ def classify_image(name: str, path: str = ASSET_IMAGE, topk: int = 3, pretrained
 def run(args) -> int:
     from datetime import datetime
 
-    from ttt_zoo.train.digits import SMALL_MODELS, TRAIN_FLAGS, flags_model_kwargs, make_digits_folder
+    from ttt_zoo.train.digits import SMALL_MODELS, make_digits_folder
+    from ttt_zoo.train.recipes import load_recipe
     from ttt_zoo.train.trainer import main as train_main
     from ttt_zoo.train.validate import validate
     from ttt_zoo import list_zoo_families, list_zoo_models
@@ -41,18 +42,19 @@ def run(args) -> int:
           + ", ".join(families.values()))
     out = os.path.abspath(args.output)
     data = make_digits_folder(os.path.join(out, "digits"), img_size=32)
-    flags, desc = SMALL_MODELS[args.model]
+    recipe, desc = SMALL_MODELS[args.model]
+    cfg = load_recipe(recipe)
     experiment = f"{args.model}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     print(f"\n== Training {desc} on sklearn's handwritten digits (32x32, 1,437 train / 360 held-out images) ==\n"
-          f"   ttt-zoo train --data-dir {data} {' '.join(TRAIN_FLAGS)} {' '.join(flags)} --epochs {args.epochs}"
-          f" --output {out} --experiment {experiment}\n", flush=True)
+          f"   ttt-zoo train -c {recipe} --data-dir {data} --epochs {args.epochs} --seed {args.seed} --output {out} "
+          f"--experiment {experiment}   (settings: ttt_zoo/train/recipes/{recipe}.yaml)\n", flush=True)
     t0 = time.perf_counter()
-    train_main(["--data-dir", data, *TRAIN_FLAGS, *flags, "--epochs", str(args.epochs), "--output", out,
+    train_main(["-c", recipe, "--data-dir", data, "--epochs", str(args.epochs), "--output", out,
                 "--experiment", experiment, "--seed", str(args.seed)])
     minutes = (time.perf_counter() - t0) / 60
     folder = os.path.join(out, experiment)
-    kwargs = flags_model_kwargs(flags)
-    rows = validate(flags[1], data, checkpoint=os.path.join(folder, "best.safetensors"), img_size=32,
+    kwargs = cfg["model_kwargs"]
+    rows = validate(cfg["model"], data, checkpoint=os.path.join(folder, "best.safetensors"), img_size=32,
                     num_classes=10, workers=0, model_kwargs=kwargs)
     r = rows[0]
     print(f"\n== Result (ttt-zoo validate on the held-out digits; trained in {minutes:.1f} min on this CPU) ==\n"

@@ -14,35 +14,25 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["make_digits_folder", "flags_model_kwargs", "MANIFEST", "TRAIN_FLAGS", "SMALL_MODELS"]
+__all__ = ["make_digits_folder", "model_kwargs_flags", "MANIFEST", "SMALL_MODELS"]
 
 MANIFEST = "digits.json"
 
-# `ttt-zoo train` flags for every small model on the 32x32 digits (demo, README table, tools/digits_runs.py):
-# no flips (digits are not mirror-symmetric), mild crops, AdamW with one warm-up epoch.
-TRAIN_FLAGS = ("--img-size", "32", "--num-classes", "10", "-b", "64", "--opt", "adamw", "--lr", "2e-3",
-               "--weight-decay", "0.05", "--warmup-epochs", "1", "--hflip", "0", "--scale", "0.7", "1.0",
-               "--ratio", "0.9", "1.1", "--workers", "0")
-_PLAIN = ("patch_size=4", "embed_dim=96", "depth=4")  # 8x8 tokens of width 96, 4 blocks
-# key -> (model flags, description): small versions of each family that train on the CPU in a minute or two
+# key -> (the shipped `ttt-zoo train -c` recipe, description): small versions of each family that train on the CPU
+# in a minute or two.  The recipes (ttt_zoo/train/recipes/digits_*.yaml) hold every setting; the demo, the README
+# table and tools/digits_runs.py all run them.
 SMALL_MODELS = {
-    "vit3": (("--model", "vit3_tiny", "--model-kwargs", *_PLAIN, "num_heads=3"), "ViT3, 4 blocks, width 96"),
-    "hvit3": (("--model", "hvit3_tiny", "--model-kwargs", "embed_dim=(32,64,128,256)", "depths=(1,1,2,1)",
-               "num_heads=(1,2,4,8)"), "H-ViT3, 4 stages, widths 32-256"),
-    "visionttt": (("--model", "visionttt_tiny", "--model-kwargs", *_PLAIN, "head_dim=32"),
-                  "Vision-TTT, 4 blocks, width 96"),
-    "deit": (("--model", "deit_tiny_patch16_224", "--model-kwargs", *_PLAIN, "num_heads=3"),
-             "DeiT (timm, softmax attention), 4 blocks, width 96"),
+    "vit3": ("digits_vit3", "ViT3, 4 blocks, width 96"),
+    "hvit3": ("digits_hvit3", "H-ViT3, 4 stages, widths 32-256"),
+    "visionttt": ("digits_visionttt", "Vision-TTT, 4 blocks, width 96"),
+    "deit": ("digits_deit", "DeiT (timm, softmax attention), 4 blocks, width 96"),
 }
 
 
-def flags_model_kwargs(flags):
-    """The ``k=v`` values after --model-kwargs in a flag list, parsed the way timm's train.py parses them."""
-    import argparse
-    from timm.utils import ParseKwargs
-    ns = argparse.Namespace()
-    ParseKwargs(option_strings=[], dest="kw")(None, ns, list(flags[flags.index("--model-kwargs") + 1:]))
-    return ns.kw
+def model_kwargs_flags(kwargs) -> list:
+    """``--model-kwargs k=v ...`` for ``kwargs`` as timm's ParseKwargs reads them back (the command line replaces a
+    recipe's whole ``model_kwargs``: pass them all, plus what you add)."""
+    return ["--model-kwargs", *(f"{k}={v!r}".replace(" ", "") for k, v in kwargs.items())]
 
 
 def _load():
