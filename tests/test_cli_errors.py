@@ -120,6 +120,15 @@ BAD = [
      "add --force"),
     ("bench existing --output", lambda e: ["bench", "--model", "vit3_tiny", "--device", "cpu", "--output",
                                            os.path.join(e["existing"], "bench")], "bench.md; add --force"),
+    ("predict no image matched", lambda e: ["predict", os.path.join(e["out"], "*.jpg"), "--checkpoint", e["run"],
+                                            "-j", "0"], "no image matched"),
+    ("predict unreadable image", lambda e: ["predict", os.path.join(e["existing"], "x.png"), "--checkpoint", e["run"],
+                                            "-j", "0"], "cannot read image"),
+    ("predict missing checkpoint", lambda e: ["predict", os.path.join(e["data"], "val"), "--checkpoint",
+                                              os.path.join(e["out"], "nope.safetensors")], "does not exist"),
+    ("predict existing --results-file", lambda e: ["predict", os.path.join(e["data"], "val"), "--checkpoint",
+                                                   e["run"], "-j", "0", "--results-file",
+                                                   os.path.join(e["existing"], "r.csv")], "add --force"),
 ]
 RO = [
     ("train read-only --output", lambda ro, e: _train(e, "--output", ro, "--experiment", "x"), "not writable"),

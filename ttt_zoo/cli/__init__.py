@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = ("list", "demo", "data", "train", "validate", "sample", "attention_map", "convert", "export",
+COMMANDS = ("list", "demo", "data", "train", "validate", "predict", "sample", "attention_map", "convert", "export",
             "push", "bench")  # module names in this package, in --help order
 
 
