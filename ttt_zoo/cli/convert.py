@@ -40,13 +40,25 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     if not args.checkpoint or not args.model:
         raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
                              f"{', '.join(registered_pretrained())}), or use --all.")
-    out = args.out or os.path.join("hub", args.model)
+    name = _model_name(args.model, args.tag)
+    out = args.out or os.path.join("hub", name)
     _lock_output(stack, out)
-    info = convert_checkpoint(args.checkpoint, args.model, out, model_kwargs(args) or None, args.hub_id,
+    info = convert_checkpoint(args.checkpoint, name, out, model_kwargs(args) or None, args.hub_id,
                               not args.no_flops, args.force, args.source_url)
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
     print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
     return 0
+
+
+def _model_name(model: str, tag) -> str:
+    """--model vit3_tiny --tag digits -> 'vit3_tiny.digits' (the same as --model vit3_tiny.digits)."""
+    from ttt_zoo.hub import HubFolderError
+    if not tag:
+        return model
+    arch, _, own = model.partition(".")
+    if own and own != tag:
+        raise HubFolderError(f"--model {model} already has the tag {own!r}; --tag {tag} names another. Give one.")
+    return f"{arch}.{tag}"
 
 
 def add_parser(sub) -> None:
@@ -54,7 +66,9 @@ def add_parser(sub) -> None:
                        description="Convert an official or ttt-zoo checkpoint into a hub folder "
                                    "(model.safetensors, config.json, README.md).")
     p.add_argument("checkpoint", nargs="?", help="checkpoint file (.pth / .pt / .safetensors; any official layout)")
-    p.add_argument("--model", help="ttt-zoo model, with its pretrained tag, e.g. vit3_tiny.in1k")
+    p.add_argument("--model", help="ttt-zoo model with a tag: a registered one (vit3_tiny.in1k, the authors' "
+                   "weights) or your own (vit3_tiny.digits, hub id ttt-zoo/vit3_tiny.digits)")
+    p.add_argument("--tag", help="tag of your own weights (same as --model MODEL.TAG), e.g. digits")
     p.add_argument("--out", help="output folder (default: ./hub/<model>)")
     add_model_kwargs(p)  # constructor arguments of non-default architectures
     p.add_argument("--hub-id", help=f"repo id recorded in the folder (default {HUB_ORG}/<model>.<tag>)")

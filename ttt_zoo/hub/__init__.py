@@ -1,7 +1,9 @@
 """Hugging Face Hub support: convert checkpoints into timm-format hub folders, validate them, push them.
 
-A hub folder holds ``model.safetensors`` (no pickles), timm's ``config.json`` (written by timm's ``save_for_hf``)
-and a ``README.md`` model card (``huggingface_hub.ModelCard`` from ``card_template.md``).  Everything is driven by
+A hub folder holds ``model.safetensors`` (no pickles, ``{'format': 'pt'}`` metadata), ``config.json`` in the layout
+of the ``timm/`` organisation's repositories (timm's ``save_config_for_hf``; ``model_args`` only for what the model
+name cannot rebuild, never the loader arguments) and a ``README.md`` model card (``huggingface_hub.ModelCard`` from
+``card_template.md``).  Everything is driven by
 timm's registry: any ttt-zoo model registered with a pretrained tag can be converted, with the
 ``checkpoint_filter_fn`` beside it in its model file.  Checkpoints are read by :mod:`ttt_zoo.checkpoint`.
 
@@ -10,7 +12,8 @@ timm's registry: any ttt-zoo model registered with a pretrained tag can be conve
 - :mod:`.cards`: model cards and the authors' reported numbers.
 
 Command line: ``ttt-zoo convert`` / ``ttt-zoo push`` (:mod:`ttt_zoo.cli`).  Hub naming scheme:
-``ttt-zoo/<model>.<tag>`` (``ttt_zoo.checkpoint.HUB_ORG``).
+``ttt-zoo/<model>.<tag>`` (``ttt_zoo.checkpoint.HUB_ORG``); a tag of one's own (``vit3_tiny.digits``) names one's
+own weights, whose card states none of the authors' results.
 """
 from typing import Optional, Sequence
 

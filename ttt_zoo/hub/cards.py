@@ -131,7 +131,8 @@ def render_card(info: Dict[str, Any]) -> str:
     Keys: name, architecture, hub_id, library ('timm' or 'ttt-zoo'), kind ('classifier' | 'diffusion' | 'backbone'),
     license, datasets, paper_ids, paper_name, origin_url, description, input_size, mean, std, crop_pct,
     interpolation, num_classes, params, macs (float GMACs or None), macs_input (shape), source_file, source_sha256,
-    source_url, released_url, other_arch, model_args, paper, github.
+    source_url, released_url (the registered tag's url; None for a custom tag), registered_tag, other_arch,
+    model_args, paper (the authors' results: only for their release, see ``convert._authors_release``), github.
     """
     from huggingface_hub import ModelCard, ModelCardData
     kind, library, ids = info.get("kind", "classifier"), info.get("library", "timm"), arxiv_ids(info.get("paper_ids"))

@@ -13,9 +13,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from .cards import paper_results, render_card
-from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, WEIGHTS_NAME, HubFolderError, _sha256,
-                     _split, build_from_checkpoint, hub_repo_id, measure, registered_pretrained)
+from .cards import PAPER_RESULTS, paper_results, render_card
+from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, LOADER_ARGS, WEIGHTS_NAME, HubFolderError,
+                     _sha256, _split, build_from_checkpoint, hub_repo_id, measure, registered_cfg,
+                     registered_pretrained)
 
 # ----- conversion -----
 
@@ -59,6 +60,55 @@ def _datasets(name: str, kind: str) -> List[str]:
 
 #: constructor arguments that keep the released architecture (anything else makes a different network)
 _SAME_ARCH_ARGS = ("num_classes", "in_chans", "img_size", "global_pool")
+
+
+def _authors_release(name: str, source_url: Optional[str], custom_args: Dict[str, Any]) -> bool:
+    """Whether the authors' published results may be stated: the registered tag, converted from its released file
+    (``source_url`` is the cfg's url: downloaded by the converter, taken from the ``pretrained=True`` cache, or
+    stated with --source-url), built exactly as released.  Random weights, fine-tunes and custom tags are not."""
+    arch, tag = _split(name)
+    if arch in _HUB_ARCHS:  # no registered url: the tag must name a release and the source be stated
+        return bool(source_url) and not custom_args and name in PAPER_RESULTS
+    cfg = registered_cfg(name) if tag else None
+    if not cfg or not cfg.get("url") or source_url != cfg["url"]:
+        return False
+    return all(k == "num_classes" and v == cfg.get("num_classes") for k, v in custom_args.items())
+
+
+def _save_weights(model: nn.Module, path: str) -> None:
+    """model.safetensors with the ``{'format': 'pt'}`` metadata that transformers and huggingface_hub check
+    (timm's ``save_for_hf`` writes none)."""
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path, metadata={"format": "pt"})
+
+
+def _save_timm_config(model: nn.Module, path: str, used_args: Dict[str, Any], model_config: Dict[str, Any],
+                      data_config: Optional[Dict[str, Any]]) -> None:
+    """timm's ``save_config_for_hf``, with ``model_args`` cut to what the model name cannot rebuild: timm records
+    the :data:`LOADER_ARGS` (and the default ``img_size``) there too, which clients that pass them refuse."""
+    from timm.models._hub import save_config_for_hf
+    added = [a for a in ("num_features",) if not hasattr(model, a)]  # timm reads it; DiT-style models lack it
+    for a in added:
+        setattr(model, a, None)
+    try:
+        save_config_for_hf(model, path, model_config=model_config, data_config=data_config)
+    finally:
+        for a in added:
+            delattr(model, a)
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    args = {k: v for k, v in (config.pop("model_args", None) or {}).items() if k not in LOADER_ARGS}
+    if "img_size" in args and "img_size" not in used_args:  # the size built from the name
+        del args["img_size"]
+    if "global_pool" in used_args:  # loaders pass pretrained_cfg's global_pool (timm _update_default_model_kwargs)
+        config["pretrained_cfg"]["global_pool"] = config.get("global_pool", used_args["global_pool"])
+    ordered = {}
+    for k, v in config.items():  # timm's key order: model_args before pretrained_cfg
+        if k == "pretrained_cfg" and args:
+            ordered["model_args"] = args
+        ordered[k] = v
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(ordered, f, indent=2)
 
 
 def _partial_dir(out_dir: str, overwrite: bool) -> str:
@@ -150,9 +200,10 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
 
 def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]],
                   hub_id: Optional[str], flops: bool, source_url: Optional[str]) -> Dict[str, Any]:
-    """Write model.safetensors, config.json and README.md for ``checkpoint`` into the empty folder ``out_dir``."""
-    from safetensors.torch import save_file
-    from timm.models import save_for_hf
+    """Write model.safetensors, config.json and README.md for ``checkpoint`` into the empty folder ``out_dir``.
+
+    The layout is that of the ``timm/`` organisation's repositories (timm's ``save_config_for_hf``); a tag timm does
+    not know (e.g. 'vit3_tiny.digits') names a user's own weights."""
     from ttt_zoo import __version__
 
     model, used_args = build_from_checkpoint(name, checkpoint, model_args)
@@ -180,36 +231,32 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
                       source_sha256=_sha256(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
                       gmacs_input=numbers["macs_input"], source_url=source_url)
     labels = _label_info(num_classes, name)
+    _save_weights(model, os.path.join(out_dir, WEIGHTS_NAME))
     if arch in _HUB_ARCHS:  # not a timm model: timm's config layout does not fit
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, WEIGHTS_NAME),
-                  metadata={"format": "pt"})
-        config = dict(architecture=arch, num_classes=0, model_args=_jsonable(used_args),
+        args = _jsonable({k: v for k, v in used_args.items() if k not in LOADER_ARGS})
+        config = dict(architecture=arch, num_classes=0, **({"model_args": args} if args else {}),
                       pretrained_cfg=_jsonable({k: v for k, v in pc.items() if v is not None}), ttt_zoo=provenance)
         with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
     else:
         data_cfg = {"input_size": input_size} if input_size != tuple(pc.get("input_size", ())) else None
-        added = [a for a in ("num_features",) if not hasattr(model, a)]  # timm reads it; DiT-style models lack it
-        for a in added:
-            setattr(model, a, None)
-        try:
-            save_for_hf(model, out_dir, model_config=dict(labels, ttt_zoo=provenance), safe_serialization=True,
-                        data_config=data_cfg)
-        finally:
-            for a in added:
-                delattr(model, a)
+        _save_timm_config(model, os.path.join(out_dir, CONFIG_NAME), used_args,
+                          dict(labels, ttt_zoo=provenance), data_cfg)
     custom_args = {k: v for k, v in used_args.items() if k != "num_classes" or v != 1000}
     other_arch = sorted(k for k in custom_args if k not in _SAME_ARCH_ARGS)
+    authors_release = _authors_release(name, source_url, custom_args)
+    registered_tag = arch not in _HUB_ARCHS and registered_cfg(name) is not None
 
     info = dict(name=name, architecture=arch, hub_id=hub_id, library="ttt-zoo" if arch in _HUB_ARCHS else "timm",
                 kind=kind, license=pc.get("license"), datasets=[] if other_arch else _datasets(name, kind),
-                paper_ids=pc.get("paper_ids"), released_url=pc.get("url"), other_arch=other_arch,
+                paper_ids=pc.get("paper_ids"), released_url=pc.get("url") if registered_tag else None,
+                other_arch=other_arch, registered_tag=registered_tag,
                 paper_name=pc.get("paper_name"), origin_url=pc.get("origin_url"), description=_description(arch),
                 input_size=input_size, mean=pc.get("mean"), std=pc.get("std"), crop_pct=pc.get("crop_pct"),
                 interpolation=pc.get("interpolation"), num_classes=num_classes, params=numbers["params"],
                 macs=numbers["macs"], macs_input=numbers["macs_input"], source_file=os.path.basename(checkpoint),
                 source_sha256=provenance["source_sha256"], source_url=source_url, model_args=custom_args,
-                paper=None if other_arch else paper_results(name), github=GITHUB_REPO)
+                paper=paper_results(name) if authors_release else None, github=GITHUB_REPO)
     with open(os.path.join(out_dir, CARD_NAME), "w", encoding="utf-8") as f:
         f.write(render_card(info))
     return info

@@ -11,6 +11,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -141,15 +142,46 @@ def _split(name: str) -> Tuple[str, str]:
     return arch, tag
 
 
-def _checkpoint_classes(name: str, checkpoint: Dict[str, Any]) -> Optional[int]:
-    """Rows of the checkpoint's classifier (named by the pretrained cfg), e.g. 10 for a 10-class fine-tune."""
+#: constructor arguments that timm's loaders derive themselves (``num_classes`` and ``global_pool`` from the config,
+#: ``in_chans`` from ``pretrained_cfg.input_size``; timm ``_builder._update_default_model_kwargs``) and that other
+#: clients pass explicitly: config.json's ``model_args`` never repeats them
+LOADER_ARGS = ("num_classes", "global_pool", "in_chans")
+_TAG_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+def registered_cfg(name: str) -> Optional[Dict[str, Any]]:
+    """timm's pretrained cfg of ``model.tag`` (or of the model's default tag), or None for a tag it does not know
+    (a user's own tag, e.g. 'vit3_tiny.digits')."""
     from timm.models import get_pretrained_cfg
-    cls = getattr(get_pretrained_cfg(name), "classifier", None)
     try:
-        w = unwrap_checkpoint(checkpoint).get(f"{cls}.weight") if isinstance(cls, str) else None
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError:  # 'Invalid pretrained tag'
+        return None
+    return cfg.to_dict() if cfg is not None else None
+
+
+def check_tag(tag: str) -> str:
+    """A tag usable in a hub id (``ORG/model.tag``): letters, digits, '_' and '-'."""
+    if not _TAG_CHARS.match(tag):
+        raise HubFolderError(f"Invalid tag {tag!r}: use letters, digits, '_' and '-' (e.g. 'digits', 'ft_cifar10').")
+    return tag
+
+
+def _checkpoint_weight(name: str, checkpoint: Dict[str, Any], cfg_key: str, dim: int) -> Optional[torch.Tensor]:
+    """The checkpoint's weight of the module the pretrained cfg names under ``cfg_key`` ('classifier',
+    'first_conv'), if it has ``dim`` dimensions."""
+    module = (registered_cfg(name) or registered_cfg(_split(name)[0]) or {}).get(cfg_key)
+    try:
+        w = unwrap_checkpoint(checkpoint).get(f"{module}.weight") if isinstance(module, str) else None
     except CheckpointError:
         return None
-    return int(w.shape[0]) if w is not None and w.dim() == 2 else None
+    return w if w is not None and w.dim() == dim else None
+
+
+def _checkpoint_classes(name: str, checkpoint: Dict[str, Any]) -> Optional[int]:
+    """Rows of the checkpoint's classifier (named by the pretrained cfg), e.g. 10 for a 10-class fine-tune."""
+    w = _checkpoint_weight(name, checkpoint, "classifier", 2)
+    return int(w.shape[0]) if w is not None else None
 
 
 def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[str, Any]] = None,
@@ -159,12 +191,16 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
     timm models load through timm's own path (``create_model(pretrained=True)`` with the checkpoint as the
     pretrained cfg's ``state_dict``: ``build_model_with_cfg`` -> ``load_pretrained`` -> the model file's
     ``checkpoint_filter_fn``); the classifier is built with the checkpoint's number of classes unless
-    ``model_args`` sets ``num_classes``.  Returns (model in eval mode, the constructor arguments used)."""
+    ``model_args`` sets ``num_classes``.  A tag timm does not know (a user's own, e.g. 'vit3_tiny.digits') builds
+    the model's default cfg renamed to that tag, without the authors' weight locations.  Returns (model in eval
+    mode, the constructor arguments used)."""
     import timm
     if isinstance(checkpoint, str):
         source, checkpoint = checkpoint, load_checkpoint_file(checkpoint)
     model_args = dict(model_args or {})
-    arch = _split(name)[0]
+    arch, tag = _split(name)
+    if tag:
+        check_tag(tag)
     if arch not in _HUB_ARCHS and arch not in _zoo_models():
         known = ", ".join(_zoo_models() + sorted(_HUB_ARCHS))
         raise CheckpointError(f"Unknown model {arch!r}. ttt-zoo models: {known}.")
@@ -178,7 +214,15 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
             if n is not None:
                 model_args.setdefault("num_classes", n)
             overlay = dict(state_dict=checkpoint, **({"num_classes": n} if n is not None else {}))
-            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **model_args)
+            conv = _checkpoint_weight(name, checkpoint, "first_conv", 4)
+            if conv is not None and model_args.get("in_chans") == conv.shape[1]:  # e.g. a 1-channel fine-tune
+                size = (registered_cfg(name) or registered_cfg(arch) or {}).get("input_size") or (3, 224, 224)
+                overlay["input_size"] = (conv.shape[1], *size[1:])  # its weights as they are, not adapted by timm
+            variant = name
+            if tag and registered_cfg(name) is None:  # a custom tag: not the authors' release
+                overlay.update(tag=tag, url=None, hf_hub_id=None, hf_hub_filename=None, file=None)
+                variant = arch
+            model = timm.create_model(variant, pretrained=True, pretrained_cfg_overlay=overlay, **model_args)
     except TypeError as e:
         raise CheckpointError(f"Bad --model-args for {arch}: {e}") from e
     except CheckpointError as e:
@@ -254,6 +298,19 @@ def _resolve_folder(path_or_id: str, cache_dir: Optional[str] = None) -> str:
     return path_or_id
 
 
+def rebuild_args(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Constructor arguments of a config.json's model: ``model_args`` plus the :data:`LOADER_ARGS` that timm's
+    loaders take from ``num_classes`` and ``pretrained_cfg`` (what ``timm.create_model('local-dir:...')`` passes)."""
+    args = dict(cfg.get("model_args") or {})
+    if cfg["architecture"] in _HUB_ARCHS:
+        return args
+    pc = cfg["pretrained_cfg"]
+    loader = dict(num_classes=cfg["num_classes"], in_chans=pc["input_size"][0])
+    if pc.get("global_pool") is not None:
+        loader["global_pool"] = pc["global_pool"]
+    return dict(loader, **args)
+
+
 def load_folder(path_or_id: str, cache_dir: Optional[str] = None, **kwargs) -> nn.Module:
     """Build the model of a hub folder (``PATH``, ``local-dir:PATH`` or ``hf-hub:ORG/NAME``) with its weights.
 
@@ -325,7 +382,7 @@ def validate_folder(folder: str, source: Optional[str] = None, rtol: float = 1e-
         raise HubFolderError(f"{source} (sha256 {sha[:16]}...) is not the checkpoint {folder} was converted from "
                              f"({prov.get('source_file')}, sha256 {prov['source_sha256'][:16]}...).")
     name = cfg["architecture"] + (f".{cfg['pretrained_cfg']['tag']}" if cfg["pretrained_cfg"].get("tag") else "")
-    ref, _ = build_from_checkpoint(name, source, dict(cfg.get("model_args") or {}))
+    ref, _ = build_from_checkpoint(name, source, rebuild_args(cfg))
     inputs = example_inputs(model, batch=2, input_size=cfg["pretrained_cfg"]["input_size"]
                             if prov.get("kind", "classifier") != "diffusion" else None)
     with torch.no_grad():
