@@ -1,4 +1,4 @@
-"""Checkpoint files of a training run, written so that nothing is ever lost.
+"""Checkpoint files of a training run, committed one epoch at a time as a set, so that nothing is ever lost.
 
 Per tag (``last``, ``best``) in the experiment folder:
 
@@ -8,12 +8,22 @@ Per tag (``last``, ``best``) in the experiment folder:
     <tag>.safetensors       the model's weights (what ``ttt-zoo validate`` / ``timm.create_model`` load)
     <tag>_ema.safetensors   the EMA weights, only with --model-ema (a separate file, same key names)
 
-Every file is written to ``<name>.tmp``, flushed and fsync'ed, then renamed with ``os.replace``.  The state is
-renamed first and the weights after it, so a weights file is never newer than the state beside it, and resume
-reads only the (self-contained) state.  A kill at any point leaves the previous files complete and loadable.
+plus ``summary.csv`` and the manifest ``checkpoint.json``.  An epoch's set (last.*, best.* when the epoch is best,
+summary.csv) is committed by :func:`commit_epoch` in three steps:
+
+1. every file is written to ``<name>.tmp`` and fsync'ed (best.* are byte copies of last.*);
+2. ``checkpoint.json`` (epoch, best epoch, each committed file's sha256) is written to a temp file, fsync'ed and
+   renamed: this single rename is the commit;
+3. the temps are renamed onto their public names (roll forward).
+
+A kill before step 2 leaves the previous epoch's set untouched (its temps are deleted at the next start); a kill
+during step 3 is finished at the next start by :func:`recover`, which trusts only what the manifest names and
+checks every hash.  A folder without a manifest (written before it existed) is read as before.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -26,11 +36,17 @@ import torch
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
 from ttt_zoo.fileio import fsync_dir
 
-__all__ = ["FORMAT", "save_checkpoint", "copy_checkpoint", "load_state", "resolve_resume", "rng_state",
-           "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path", "weights_path"]
+__all__ = ["FORMAT", "MANIFEST", "commit_epoch", "recover", "read_manifest", "load_state", "resolve_resume",
+           "rng_state", "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path",
+           "weights_path", "manifest_path", "TAGS", "SUMMARY"]
 
 FORMAT = "ttt_zoo.train/1"
-_PAUSE_ENV = "TTT_ZOO_TEST_SAVE_PAUSE"  # tests only: "<epoch>:<stage>" pauses inside that save (see _test_pause)
+MANIFEST = "checkpoint.json"
+MANIFEST_FORMAT = "ttt_zoo.train.commit/1"
+SUMMARY = "summary.csv"
+TAGS = ("last", "best")
+TMP = ".tmp"  # suffix of a file written but not yet committed / published
+_PAUSE_ENV = "TTT_ZOO_TEST_SAVE_PAUSE"  # tests only: "<epoch>:<stage>" pauses inside that commit (see _test_pause)
 
 
 def state_path(folder: str, tag: str) -> str:
@@ -41,15 +57,40 @@ def weights_path(folder: str, tag: str, ema: bool = False) -> str:
     return os.path.join(folder, f"{tag}{'_ema' if ema else ''}.safetensors")
 
 
+def manifest_path(folder: str) -> str:
+    return os.path.join(folder, MANIFEST)
+
+
+def _commit_names() -> List[str]:
+    """Every public name a commit may write (their ``.tmp`` siblings are ours to clean)."""
+    return [f"{t}{s}" for t in TAGS for s in (".state.pt", "_ema.safetensors", ".safetensors")] + [SUMMARY, MANIFEST]
+
+
+def _family(name: str) -> str:
+    """'last' / 'best' for a checkpoint file name, else the name's stem ('summary')."""
+    return name.split(".")[0].split("_")[0]
+
+
 def _fsync_file(path: str) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _test_pause(epoch: int, stage: str, folder: str) -> None:
-    """Test hook: with ``TTT_ZOO_TEST_SAVE_PAUSE=<epoch>:<stage>`` the save of that epoch writes a marker file
-    and sleeps at ``stage`` ('written': temp files complete, nothing renamed; 'renamed': state renamed, weights
-    not yet), so a test can SIGKILL the process there."""
+    """Test hook: with ``TTT_ZOO_TEST_SAVE_PAUSE=<epoch>:<stage>`` the commit of that epoch writes a marker file
+    ``SAVE_PAUSED`` (holding ``stage``) and sleeps there, so a test can SIGKILL the process at that point.
+
+    Stages, in order: ``wrote:<name>`` (that temp file complete), ``written`` (all temps and the manifest's temp
+    complete, nothing renamed), ``committed`` (the manifest renamed), ``renamed:<name>`` (that file published;
+    ``renamed`` is the first, ``last.state.pt``), ``published`` (all published)."""
     want = os.environ.get(_PAUSE_ENV, "")
     if want and want == f"{epoch}:{stage}":
         with open(os.path.join(folder, "SAVE_PAUSED"), "w") as f:
@@ -61,43 +102,113 @@ def _weights_to_save(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
-def save_checkpoint(folder: str, tag: str, state: Dict[str, Any], model_sd: Dict[str, torch.Tensor],
-                    ema_sd: Optional[Dict[str, torch.Tensor]] = None, metadata: Optional[Dict[str, str]] = None
-                    ) -> None:
-    """Write ``<tag>.state.pt`` (``state`` + the weights) and ``<tag>[_ema].safetensors`` atomically."""
+def read_manifest(folder: str) -> Optional[Dict[str, Any]]:
+    """The folder's ``checkpoint.json`` (None when there is none: a run from before manifests, or nothing
+    committed yet)."""
+    path = manifest_path(folder)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable commit manifest ({e}).") from None
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or not isinstance(data.get("files"), dict):
+        raise CheckpointError(f"{path} is not a ttt-zoo commit manifest (format {MANIFEST_FORMAT!r}).")
+    return data
+
+
+def _publish(folder: str, names: List[str], epoch: Optional[int]) -> None:
+    """Rename each committed ``<name>.tmp`` onto ``<name>``, in order (the state first)."""
+    for i, name in enumerate(names):
+        os.replace(os.path.join(folder, name + TMP), os.path.join(folder, name))
+        if epoch is not None:
+            if i == 0:
+                _test_pause(epoch, "renamed", folder)
+            _test_pause(epoch, f"renamed:{name}", folder)
+    fsync_dir(folder)
+    if epoch is not None:
+        _test_pause(epoch, "published", folder)
+
+
+def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.Tensor],
+                 ema_sd: Optional[Dict[str, torch.Tensor]] = None, metadata: Optional[Dict[str, str]] = None,
+                 best: bool = False, summary_csv: Optional[str] = None) -> None:
+    """Commit one epoch as a set: ``last.state.pt`` (``state`` + the weights), ``last[_ema].safetensors``, their
+    ``best.*`` copies when ``best``, and ``summary.csv`` (its whole text) -- all or nothing (see the module doc)."""
     from safetensors.torch import save_file
+    epoch = int(state["epoch"])
     model_sd = _weights_to_save(model_sd)
     ema_sd = _weights_to_save(ema_sd) if ema_sd is not None else None
     state = dict(state, format=FORMAT, model=model_sd, model_ema=ema_sd)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    files = [(state_path(folder, tag), lambda p: torch.save(state, p))]
+
+    def write_text(path: str) -> None:
+        with open(path, "w", newline="") as f:
+            f.write(summary_csv)
+
+    writers = [("last.state.pt", lambda p: torch.save(state, p))]
     if ema_sd is not None:
-        files.append((weights_path(folder, tag, ema=True), lambda p: save_file(ema_sd, p, metadata=meta)))
-    files.append((weights_path(folder, tag), lambda p: save_file(model_sd, p, metadata=meta)))
-    for path, write in files:
-        write(path + ".tmp")
-        _fsync_file(path + ".tmp")
-    epoch = int(state.get("epoch", -1))
+        writers.append(("last_ema.safetensors", lambda p: save_file(ema_sd, p, metadata=meta)))
+    writers.append(("last.safetensors", lambda p: save_file(model_sd, p, metadata=meta)))
+    if best:  # byte copies of last.*: best always holds exactly the weights of the epoch the state calls best
+        writers += [("best" + n[len("last"):], lambda p, n=n: shutil.copyfile(os.path.join(folder, n + TMP), p))
+                    for n, _ in list(writers)]
+    if summary_csv is not None:
+        writers.append((SUMMARY, write_text))
+
+    previous = read_manifest(folder)
+    written: Dict[str, str] = {}
+    for name, write in writers:  # 1. temps
+        tmp = os.path.join(folder, name + TMP)
+        write(tmp)
+        _fsync_file(tmp)
+        written[name] = _sha256(tmp)
+        _test_pause(epoch, f"wrote:{name}", folder)
+    rewritten = {_family(n) for n in written}
+    kept: Dict[str, str] = {}  # the previous best.* stay committed unless this epoch rewrites them
+    if previous is not None:
+        kept = {n: h for n, h in previous["files"].items() if _family(n) not in rewritten}
+    else:  # the first commit in a folder from before manifests: name its files as they are
+        for n in _commit_names()[:-1]:
+            if _family(n) not in rewritten and os.path.isfile(os.path.join(folder, n)):
+                kept[n] = _sha256(os.path.join(folder, n))
+    manifest = {"format": MANIFEST_FORMAT, "epoch": epoch, "best_epoch": state.get("best_epoch"),
+                "files": dict(written, **kept)}
+    tmp = manifest_path(folder) + TMP
+    with open(tmp, "w") as f:  # 2. the commit
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     _test_pause(epoch, "written", folder)
-    for i, (path, _) in enumerate(files):
-        os.replace(path + ".tmp", path)
-        if i == 0:
-            _test_pause(epoch, "renamed", folder)
+    os.replace(tmp, manifest_path(folder))
     fsync_dir(folder)
+    _test_pause(epoch, "committed", folder)
+    _publish(folder, list(written), epoch)  # 3. roll forward
 
 
-def copy_checkpoint(folder: str, src_tag: str, dst_tag: str) -> None:
-    """Copy one tag's files to another (e.g. last -> best), with the same temp-file + rename order."""
-    names = [(state_path(folder, src_tag), state_path(folder, dst_tag))]
-    if os.path.exists(weights_path(folder, src_tag, ema=True)):
-        names.append((weights_path(folder, src_tag, ema=True), weights_path(folder, dst_tag, ema=True)))
-    names.append((weights_path(folder, src_tag), weights_path(folder, dst_tag)))
-    for src, dst in names:
-        shutil.copyfile(src, dst + ".tmp")
-        _fsync_file(dst + ".tmp")
-    for src, dst in names:
-        os.replace(dst + ".tmp", dst)
+def recover(folder: str) -> Optional[Dict[str, Any]]:
+    """At the start of a run on ``folder`` (its lock held): finish a commit that was cut off after its manifest
+    landed, check every committed file against its sha256, and delete the temps of a commit that never landed.
+    Returns the manifest (None for a folder without one). A committed file that is missing or differs raises."""
+    manifest = read_manifest(folder)
+    pending = []
+    for name, digest in (manifest or {}).get("files", {}).items():
+        public = os.path.join(folder, name)
+        if os.path.isfile(public + TMP) and _sha256(public + TMP) == digest:
+            pending.append(name)  # committed, not yet published
+        elif not (os.path.isfile(public) and _sha256(public) == digest):
+            raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed "
+                                  f"(epoch {manifest.get('epoch')}); the run folder was changed by hand. Restore "
+                                  f"the file, or start a new run with --initial-checkpoint.")
+    if pending:
+        _publish(folder, pending, None)
+    for name in _commit_names():  # what is left over was never committed
+        leftover = os.path.join(folder, name + TMP)
+        if os.path.isfile(leftover):
+            os.remove(leftover)
     fsync_dir(folder)
+    return manifest
 
 
 def resolve_resume(path: str) -> str:
@@ -106,7 +217,10 @@ def resolve_resume(path: str) -> str:
         path = state_path(path, "last")
     elif path.endswith(".safetensors"):
         path = path[: -len(".safetensors")].removesuffix("_ema") + ".state.pt"
-    if not os.path.isfile(path):
+    folder, name = os.path.split(os.path.abspath(path))
+    manifest = read_manifest(folder) if os.path.isdir(folder) else None
+    committed = manifest is not None and name in manifest["files"]  # maybe not yet published: recover() does
+    if not os.path.isfile(path) and not committed:
         raise CheckpointError(f"--resume {path!r}: no such training state. Give the experiment folder or its "
                               f"last.state.pt / best.state.pt.")
     return path
@@ -169,5 +283,5 @@ def check_output_dir(folder: str, need_bytes: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < need_bytes:
         raise OSError(f"Not enough free disk space in {folder!r}: checkpoints need about {need_bytes / 2**20:.1f} "
-                      f"MiB (last + best + temporary copies while saving), {free / 2**20:.1f} MiB are free. Free "
+                      f"MiB (last + best + their temporary copies while saving), {free / 2**20:.1f} MiB are free. Free "
                       f"some space or choose another --output.")

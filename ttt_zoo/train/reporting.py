@@ -1,7 +1,8 @@
 """What a person sees of a run: log lines (tqdm on a terminal), ``summary.csv`` and ``train_plot.png``.
 
 summary.csv uses timm's column names (``epoch``, ``train_<k>``, ``eval_<k>``, ``lr``) plus ``train_img_per_sec``
-and ``epoch_time``; it is rewritten whole (temp file + ``os.replace``) after every epoch, so it is never torn.
+and ``epoch_time``; the trainer commits its whole text with the epoch's checkpoint (one atomic set, see
+:mod:`ttt_zoo.train.checkpointing`), so it is never torn and never loses a committed epoch's row.
 """
 from __future__ import annotations
 
@@ -54,16 +55,22 @@ class Summary:
             with open(self.path, newline="") as f:
                 self.rows = [r for r in csv.DictReader(f) if int(r["epoch"]) < before_epoch]
 
-    def add(self, row: Dict[str, Any]) -> None:
-        self.rows.append(row)
+    @staticmethod
+    def render(rows: List[Dict[str, Any]]) -> str:
+        """The CSV text of ``rows`` (columns in order of first appearance)."""
         cols: List[str] = []
-        for r in self.rows:
+        for r in rows:
             cols += [k for k in r if k not in cols]
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=cols, restval="")
         w.writeheader()
-        w.writerows(self.rows)
-        atomic_write_text(self.path, buf.getvalue())
+        w.writerows(rows)
+        return buf.getvalue()
+
+    def add(self, row: Dict[str, Any]) -> None:
+        """Append ``row`` and rewrite the file on its own (the trainer instead commits :meth:`render`'s text)."""
+        self.rows.append(row)
+        atomic_write_text(self.path, self.render(self.rows))
 
 
 def write_plot(rows: List[Dict[str, Any]], path: str, eval_metric: str) -> None:

@@ -164,7 +164,11 @@ class Trainer:
         if a.resume:
             self.resume_file = ckpt.resolve_resume(a.resume)
             folder = os.path.dirname(os.path.abspath(self.resume_file))
-            _raise_everywhere(_first_error(lambda: self._lock_folder(folder)) if d.is_primary else None, d)
+
+            def lock_and_recover():  # with the lock held: finish / discard a commit cut off by a kill
+                self._lock_folder(folder)
+                ckpt.recover(folder)
+            _raise_everywhere(_first_error(lock_and_recover) if d.is_primary else None, d)
             return folder
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
                                          (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
@@ -251,7 +255,7 @@ class Trainer:
         if self.resume_file:
             self._resume(self.resume_file)
 
-        need = 3 * ckpt.estimate_checkpoint_bytes(model, ema=self.ema is not None)
+        need = 4 * ckpt.estimate_checkpoint_bytes(model, ema=self.ema is not None)
         _raise_everywhere(_first_error(lambda: ckpt.check_output_dir(self.folder, need)) if d.is_primary else None,
                           d)
         if d.is_primary:
@@ -414,7 +418,8 @@ class Trainer:
             return True
         return metric > self.best_metric if self.task.eval_mode == "max" else metric < self.best_metric
 
-    def _save(self, epoch_done: int, metric: Optional[float], better: bool) -> None:
+    def _save(self, epoch_done: int, metric: Optional[float], better: bool, summary_csv: str) -> None:
+        """Commit the epoch: last.*, best.* when ``better``, and summary.csv, as one atomic set."""
         d = self.dist
         rngs = all_gather_object(ckpt.rng_state())  # every rank's, so every rank resumes its own streams
         if not d.is_primary:
@@ -428,10 +433,9 @@ class Trainer:
                  "args": {k: v for k, v in vars(self.args).items()}}
         meta = {"epoch": epoch_done, "arch": self.args.model or getattr(self.args, "linearize_from", "") or "", "metric": metric,
                 "task": self.task.name}
-        ckpt.save_checkpoint(self.folder, "last", state, self.model.state_dict(),
-                             self.ema.module.state_dict() if self.ema is not None else None, meta)
-        if better:
-            ckpt.copy_checkpoint(self.folder, "last", "best")
+        ckpt.commit_epoch(self.folder, state, self.model.state_dict(),
+                          self.ema.module.state_dict() if self.ema is not None else None, meta, best=better,
+                          summary_csv=summary_csv)
 
     def _remove_failed_start(self) -> None:
         """A run that failed before saving anything removes the folder it created (so the same command works)."""
@@ -475,12 +479,12 @@ class Trainer:
                 better = self._is_better(metric)
                 if better:
                     self.best_metric, self.best_epoch = metric, epoch
-                self._save(epoch + 1, metric, better)
-                self.saved = True
                 row = {"epoch": epoch, "train_loss": train["loss"], **{f"eval_{k}": v for k, v in evals.items()},
                        "lr": lr, "train_img_per_sec": train["img_per_sec"], "epoch_time": train["time"]}
+                self._save(epoch + 1, metric, better, self.summary.render(self.summary.rows + [row]))
+                self.saved = True
+                self.summary.rows.append(row)
                 if d.is_primary:
-                    self.summary.add(row)
                     write_plot(self.summary.rows, os.path.join(self.folder, "train_plot.png"), self.eval_metric)
                     self.log.info(f"epoch {epoch}: train_loss {train['loss']:.4f} " +
                                   " ".join(f"eval_{k} {v:.4f}" for k, v in evals.items()) +
