@@ -140,6 +140,16 @@ RO = [
 ]
 
 
+def _record(name, argv, rc, line, err):
+    """``TTT_ZOO_CLI_TABLE=FILE`` (``tools/cli_errors_table.py``): one JSON line per row as it ran."""
+    path = os.environ.get("TTT_ZOO_CLI_TABLE")
+    if path:
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(name=name, argv=[str(a) for a in argv], rc=rc, first_line=line,
+                                    lines=len(err.strip().splitlines()), traceback="Traceback" in err)) + "\n")
+
+
 def _check_one_line(rc, err, phrase, fix=True):
     lines = err.strip().splitlines()
     assert rc == 2, err
@@ -155,7 +165,7 @@ def test_bad_invocation_one_line(env, capsys, name, argv, phrase):
     rc, err = cli(capsys, *argv(env))
     line = _check_one_line(rc, err, phrase)
     assert [ln for ln in err.splitlines() if "error" in ln.lower()] == [line]  # exactly one error line
-    print(f"{name}: rc {rc}: {line}")
+    _record(name, argv(env), rc, line, err)
     assert sorted(os.listdir(env["out"])) == before  # no run folder left behind, nothing new written
     assert sorted(os.listdir(env["existing"])) == ["bench", "m.onnx", "map.png", "r.csv", "r.json", "x.png"]
     assert all(open(os.path.join(env["existing"], n)).read() == "keep" for n in ("x.png", "m.onnx", "r.csv"))
@@ -164,7 +174,7 @@ def test_bad_invocation_one_line(env, capsys, name, argv, phrase):
 @pytest.mark.parametrize("name,argv,phrase", RO, ids=[r[0] for r in RO])
 def test_read_only_output_one_line(env, read_only, capsys, name, argv, phrase):
     rc, err = cli(capsys, *argv(read_only, env))
-    _check_one_line(rc, err, phrase)
+    _record(name, argv(read_only, env), rc, _check_one_line(rc, err, phrase), err)
     assert os.listdir(read_only) == []
 
 
