@@ -114,7 +114,7 @@ def _build_model(args):
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
     from ttt_zoo.hub import CONFIG_NAME, load_folder, read_config
-    from ttt_zoo.train.validate import create_eval_model, load_weights
+    from ttt_zoo.train.validate import committed_path, create_eval_model, load_weights
     from ._common import UsageError, model_kwargs
     from .sample import find_weights, load_run_args
     kwargs, ck = model_kwargs(args), args.checkpoint
@@ -143,7 +143,7 @@ def _build_model(args):
                          "folder")
     if ":" not in args.model and not timm.is_model(args.model):  # hf-hub: / local-dir: names go to timm as they are
         raise UsageError(f"--model {args.model!r} is not a registered model; `ttt-zoo list` shows the zoo")
-    weights = find_weights(ck) if ck and os.path.isdir(ck) else ck
+    weights = find_weights(ck) if ck and os.path.isdir(ck) else committed_path(ck, False) if ck else ck
     model = create_eval_model(args.model, not weights, args.num_classes, args.img_size, kwargs)
     if weights:
         rows = _head_rows(weights, model) if args.num_classes is None else None

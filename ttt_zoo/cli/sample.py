@@ -39,10 +39,13 @@ def load_run_args(folder: str) -> Dict[str, Any]:
 
 
 def find_weights(folder: str) -> str:
-    """The weights file of a training folder, EMA weights first (see :data:`RUN_WEIGHTS`)."""
+    """The weights file of a training folder, EMA weights first (see :data:`RUN_WEIGHTS`), as its commit manifest
+    names it (:func:`ttt_zoo.train.checkpointing.committed_weights`: never a file the manifest does not commit)."""
+    from ttt_zoo.train.checkpointing import committed_weights
     for name in RUN_WEIGHTS:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
+        tag, ema = name[: -len(".safetensors")].removesuffix("_ema"), name.endswith("_ema.safetensors")
+        path = committed_weights(folder, tag, ema)
+        if path is not None:
             return path
     raise FileNotFoundError(f"{folder} holds none of {', '.join(RUN_WEIGHTS)}: is it a `ttt-zoo train` output "
                             "folder? Pass a weights file with --checkpoint instead.")

@@ -38,7 +38,7 @@ from ttt_zoo.fileio import fsync_dir
 
 __all__ = ["FORMAT", "MANIFEST", "commit_epoch", "recover", "read_manifest", "load_state", "resolve_resume",
            "rng_state", "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path",
-           "weights_path", "manifest_path", "TAGS", "SUMMARY"]
+           "weights_path", "manifest_path", "committed_weights", "TAGS", "SUMMARY"]
 
 FORMAT = "ttt_zoo.train/1"
 MANIFEST = "checkpoint.json"
@@ -209,6 +209,45 @@ def recover(folder: str) -> Optional[Dict[str, Any]]:
             os.remove(leftover)
     fsync_dir(folder)
     return manifest
+
+
+def committed_weights(folder: str, which: str = "best", ema: bool = False) -> Optional[str]:
+    """The ``<which>[_ema].safetensors`` a reader of the run folder may load: the file its manifest commits.
+
+    Without a manifest (a folder from before manifests): the public path if it exists, else None.  With one: None
+    when the manifest commits no such file; the public path when its sha256 is the committed one; when only the
+    pending ``.tmp`` matches (a run killed while publishing), the folder's lock is taken without waiting and
+    :func:`recover` publishes it.  Raises :class:`CheckpointError` while a live run is publishing (retry), and for
+    a file that matches neither.  Only the requested file is hashed (all of them when it recovers)."""
+    from ttt_zoo.fileio import FolderInUseError, folder_lock
+    name = os.path.basename(weights_path(folder, which, ema))
+    public = os.path.join(folder, name)
+    for _ in range(2):  # a live run may commit the next epoch while we look: then look once more
+        manifest = read_manifest(folder)
+        if manifest is None:
+            return public if os.path.isfile(public) else None
+        digest = manifest["files"].get(name)
+        if digest is None:
+            return None
+        if os.path.isfile(public) and _sha256(public) == digest:
+            return public
+        if os.path.isfile(public + TMP) and _sha256(public + TMP) == digest:  # committed, not yet published
+            try:
+                with folder_lock(folder, "ttt-zoo reader"):
+                    recover(folder)
+            except FolderInUseError:
+                raise CheckpointError(f"{folder}: a training run is committing epoch {manifest.get('epoch')} "
+                                      f"right now ({name} is not yet in place); retry in a moment.") from None
+            except OSError as e:
+                raise CheckpointError(f"{public}: epoch {manifest.get('epoch')} was committed but not yet put in "
+                                      f"place, and the folder cannot be locked to finish it ({e.strerror or e}); run "
+                                      f"`ttt-zoo train --resume {folder}` from an account that can write it.") from None
+            return public
+        if read_manifest(folder) == manifest:
+            break
+    raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed (epoch "
+                          f"{manifest.get('epoch')}): the file was corrupted or changed; restore it, or load "
+                          f"another checkpoint.")
 
 
 def resolve_resume(path: str) -> str:

@@ -10,15 +10,16 @@ import csv
 import io
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, unwrap_checkpoint,
                                 validate_state_dict)
+from ttt_zoo.train import checkpointing as ckpt
 
-__all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "load_weights", "write_results",
-           "RESULT_COLUMNS"]
+__all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path", "load_weights",
+           "write_results", "RESULT_COLUMNS"]
 
 RESULT_COLUMNS = ("model", "top1", "top1_err", "top5", "top5_err", "param_count", "img_size", "crop_pct",
                   "checkpoint")
@@ -32,10 +33,12 @@ def find_checkpoints(path: str) -> List[str]:
     (the same weights) is there."""
     if os.path.isfile(path):
         return [path]
+    if os.path.basename(path) in _committed_names(os.path.dirname(os.path.abspath(path))):
+        return [path]  # committed by a run, not yet put in place: committed_path() does
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--checkpoint {path!r} does not exist: give a weights file (.safetensors, .pth, "
                                 f".pt) or a folder of them (e.g. a ttt-zoo train experiment folder).")
-    names = sorted(os.listdir(path))
+    names = sorted(set(os.listdir(path)) | _committed_names(path))
     out = []
     for n in names:
         if not n.endswith(_WEIGHT_EXTS) or n.endswith("_ema.safetensors"):
@@ -46,6 +49,39 @@ def find_checkpoints(path: str) -> List[str]:
     if not out:
         raise FileNotFoundError(f"No checkpoint files (*.safetensors, *.pth, *.pt) in folder {path!r}.")
     return out
+
+
+def _run_weights_name(path: str) -> Optional[Tuple[str, bool]]:
+    """(tag, ema) when ``path`` is named like a trainer's weights file (``last.safetensors``, ``best_ema...``)."""
+    name = os.path.basename(path)
+    for tag in ckpt.TAGS:
+        for ema in (False, True):
+            if name == os.path.basename(ckpt.weights_path("", tag, ema)):
+                return tag, ema
+    return None
+
+
+def _committed_names(folder: str) -> Set[str]:
+    manifest = ckpt.read_manifest(folder) if os.path.isdir(folder) else None
+    return set(manifest["files"]) if manifest else set()
+
+
+def committed_path(path: str, use_ema: bool) -> str:
+    """The file to load for ``path``: a trainer's weights file in a run folder with a commit manifest is the
+    committed one (:func:`ckpt.committed_weights`); anything else is ``path`` itself."""
+    run_name = _run_weights_name(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if run_name is None or ckpt.read_manifest(folder) is None:
+        return path
+    tag, ema = run_name
+    committed = ckpt.committed_weights(folder, tag, ema or use_ema)
+    if committed is None:
+        if use_ema and not ema:
+            raise CheckpointError(f"--use-ema: the run in {folder} has no committed EMA weights (not trained with "
+                                  f"--model-ema?). Leave out --use-ema to validate the model's own weights.")
+        raise CheckpointError(f"{path} is not committed by {ckpt.manifest_path(folder)}; it is not a checkpoint "
+                              f"of this run: give last.safetensors or best.safetensors.")
+    return committed
 
 
 def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False) -> None:
@@ -133,7 +169,7 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
     for path in paths:
         model = create_eval_model(model_name, pretrained and not path, num_classes, img_size, model_kwargs or {})
         if path:
-            load_weights(model, path, use_ema)
+            load_weights(model, committed_path(path, use_ema), use_ema)
         model = model.to(dev).eval()
         loader, cfg = eval_loader(dataset, model, batch_size, img_size, crop_pct, workers, dev)
         k = min(5, model.num_classes)
