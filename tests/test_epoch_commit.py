@@ -15,6 +15,8 @@ import time
 import traceback
 
 import pytest
+
+from ttt_zoo.fileio import sha256_file
 import torch
 
 from _train_data import make_tiny_digits
@@ -125,7 +127,7 @@ def _fingerprint(folder):
     manifest = ckpt.read_manifest(str(folder))
     assert manifest is not None and set(manifest["files"]) == set(COMMITTED)
     for name, digest in manifest["files"].items():  # the manifest names exactly what is on disk
-        assert ckpt._sha256(str(folder / name)) == digest, name
+        assert sha256_file(str(folder / name)) == digest, name
     out = {"manifest": (manifest["epoch"], manifest["best_epoch"]), "summary": _rows(folder)}
     for name in ("last.safetensors", "last_ema.safetensors", "best.safetensors", "best_ema.safetensors"):
         out[name] = _safetensors_content(folder / name)

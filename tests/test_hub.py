@@ -18,6 +18,7 @@ from timm.models import get_pretrained_cfg
 from ttt_zoo import hub
 from ttt_zoo.hub.cards import parse_card
 from ttt_zoo.checkpoint import CheckpointError
+from ttt_zoo.fileio import sha256_file
 
 from fixtures import load_fixture
 
@@ -81,7 +82,7 @@ def test_convert_writes_safetensors_config_and_card(vit3):
         {"patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 2}
     assert cfg["pretrained_cfg"]["input_size"] == [3, 32, 32]
     assert "label_names" not in cfg  # 10 classes: no ImageNet names claimed
-    assert cfg["ttt_zoo"]["source_sha256"] == hub._sha256(vit3["src"])
+    assert cfg["ttt_zoo"]["source_sha256"] == sha256_file(vit3["src"])
     assert cfg["ttt_zoo"]["params"] == sum(v.numel() for v in vit3["sd"].values())  # no buffers in ViT3
 
 

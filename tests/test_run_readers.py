@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+
 import torch
 from safetensors.torch import load_file
 
@@ -16,7 +17,7 @@ from test_epoch_commit import _finish, _kill_when_paused, _start
 
 from ttt_zoo.checkpoint import CheckpointError
 from ttt_zoo.cli.sample import find_weights
-from ttt_zoo.fileio import folder_lock
+from ttt_zoo.fileio import folder_lock, sha256_file
 from ttt_zoo.train import checkpointing as ckpt
 from ttt_zoo.train import validate as validate_mod
 
@@ -32,8 +33,8 @@ def killed(tmp_path_factory):
     manifest = ckpt.read_manifest(str(folder))
     assert (manifest["epoch"], manifest["best_epoch"]) == (3, 2), "epoch 3 must be best (see test_epoch_commit)"
     for name in WEIGHTS:  # the situation under test: stale public files, the committed ones pending
-        assert ckpt._sha256(str(folder / name)) != manifest["files"][name], name
-        assert ckpt._sha256(str(folder / (name + ckpt.TMP))) == manifest["files"][name], name
+        assert sha256_file(str(folder / name)) != manifest["files"][name], name
+        assert sha256_file(str(folder / (name + ckpt.TMP))) == manifest["files"][name], name
     committed = {n: load_file(str(folder / (n + ckpt.TMP))) for n in WEIGHTS}
     stale = load_file(str(folder / "best.safetensors"))  # epoch 1's: other tensors, so a wrong load is caught
     assert any(not torch.equal(stale[k], v) for k, v in committed["best.safetensors"].items())
@@ -52,7 +53,7 @@ def _assert_consistent(folder, manifest):
     """recover() ran: no pending temps, every committed file is the committed bytes."""
     assert not [n for n in os.listdir(folder) if n.endswith(ckpt.TMP)]
     for name, digest in manifest["files"].items():
-        assert ckpt._sha256(str(folder / name)) == digest, name
+        assert sha256_file(str(folder / name)) == digest, name
 
 
 def _assert_same_tensors(got, want):
@@ -64,7 +65,7 @@ def _assert_same_tensors(got, want):
 def test_committed_weights_publishes_the_manifest_best(killed, run):
     path = ckpt.committed_weights(str(run), "best")
     assert path == str(run / "best.safetensors")
-    assert ckpt._sha256(path) == killed["manifest"]["files"]["best.safetensors"]
+    assert sha256_file(path) == killed["manifest"]["files"]["best.safetensors"]
     _assert_consistent(run, killed["manifest"])
     _assert_same_tensors(load_file(path), killed["committed"]["best.safetensors"])
     assert ckpt.committed_weights(str(run), "last", ema=True) == str(run / "last_ema.safetensors")

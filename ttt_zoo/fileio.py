@@ -2,12 +2,13 @@
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 from typing import Iterator, Optional, Set
 
 from ttt_zoo.cli._common import UsageError
 
-__all__ = ["fsync_dir", "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME"]
+__all__ = ["fsync_dir", "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive", "sha256_file"]
 
 LOCK_NAME = ".ttt-zoo.lock"  # inside a locked folder; beside one: ".<folder name>.lock"
 
@@ -42,7 +43,14 @@ def lock_file_path(folder: str, beside: bool = False) -> str:
     return os.path.join(folder, LOCK_NAME)
 
 
-def _alive(pid: int) -> bool:
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this PID exists (possibly another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,7 +86,7 @@ def _holder_pid(fd: int) -> Optional[int]:
         written = None
     holders = _flock_holders(os.fstat(fd).st_ino)
     if holders is None:
-        return written if written is not None and _alive(written) else None
+        return written if written is not None and pid_alive(written) else None
     if written in holders:
         return written
     return next(iter(holders)) if len(holders) == 1 else None

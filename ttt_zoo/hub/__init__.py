@@ -18,7 +18,7 @@ own weights, whose card states none of the authors' results.
 from typing import Optional, Sequence
 
 from .convert import convert_all, convert_checkpoint, default_checkpoint_dir
-from .folder import (CARD_NAME, CONFIG_NAME, HUB_ORG, WEIGHTS_NAME, HubArchitecture, HubFolderError, _sha256,
+from .folder import (CARD_NAME, CONFIG_NAME, HUB_ORG, WEIGHTS_NAME, HubArchitecture, HubFolderError,
                      build_from_checkpoint, example_inputs, hub_repo_id, install_to_hub_cache, load_folder, measure,
                      push_folder, read_config, register_hub_architecture, registered_pretrained, validate_folder)
 

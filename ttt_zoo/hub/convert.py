@@ -13,9 +13,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ttt_zoo.fileio import pid_alive, sha256_file
+
 from .cards import PAPER_RESULTS, paper_results, render_card
 from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, LOADER_ARGS, WEIGHTS_NAME, HubFolderError,
-                     _sha256, _split, build_from_checkpoint, hub_repo_id, measure, registered_cfg,
+                     _split, build_from_checkpoint, hub_repo_id, measure, registered_cfg,
                      registered_pretrained)
 
 # ----- conversion -----
@@ -125,7 +127,7 @@ def _partial_dir(out_dir: str, overwrite: bool) -> str:
     prefix = f".{base}.partial-"
     for stale in os.listdir(parent) if os.path.isdir(parent) else []:  # left by a killed convert
         pid = stale[len(prefix):].split("-")[0]
-        if stale.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+        if stale.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -137,16 +139,6 @@ def _partial_dir(out_dir: str, overwrite: bool) -> str:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     return tmp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -228,7 +220,7 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
         params=sum(p.numel() for p in model.parameters()), macs=None, macs_input=list(input_size))
 
     provenance = dict(version=__version__, hub_id=hub_id, kind=kind, source_file=os.path.basename(checkpoint),
-                      source_sha256=_sha256(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
+                      source_sha256=sha256_file(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
                       gmacs_input=numbers["macs_input"], source_url=source_url)
     labels = _label_info(num_classes, name)
     _save_weights(model, os.path.join(out_dir, WEIGHTS_NAME))

@@ -7,7 +7,6 @@ architectures (the dense-prediction backbones) are registered with :func:`regist
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
 import json
 import os
@@ -21,6 +20,7 @@ from torch import nn
 
 from ttt_zoo.checkpoint import (HUB_ORG, CheckpointError, check_safetensors, hub_unavailable_error,
                                 load_checkpoint_file, unwrap_checkpoint)
+from ttt_zoo.fileio import sha256_file
 
 from .cards import REQUIRED_CARD_KEYS, arxiv_ids, parse_card
 
@@ -98,14 +98,6 @@ _register_backbones()
 
 
 # ----- reading files, with clear errors -----
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def read_config(folder: str) -> Dict[str, Any]:
     """Read ``config.json``; missing or malformed fields get a clear :class:`HubFolderError`."""
@@ -377,7 +369,7 @@ def validate_folder(folder: str, source: Optional[str] = None, rtol: float = 1e-
     if source is None:
         raise HubFolderError("Pass --source CKPT (the checkpoint the folder was converted from) so the folder's "
                              "outputs can be compared with it, or --no-source-check to skip that comparison.")
-    sha = _sha256(source)
+    sha = sha256_file(source)
     if prov.get("source_sha256") and prov["source_sha256"] != sha:
         raise HubFolderError(f"{source} (sha256 {sha[:16]}...) is not the checkpoint {folder} was converted from "
                              f"({prov.get('source_file')}, sha256 {prov['source_sha256'][:16]}...).")
@@ -416,7 +408,7 @@ def install_to_hub_cache(folder: str, repo_id: str, cache_dir: Optional[str] = N
         src = os.path.join(folder, name)
         if not os.path.isfile(src):
             continue
-        blob = os.path.join(repo_dir, "blobs", _sha256(src))
+        blob = os.path.join(repo_dir, "blobs", sha256_file(src))
         shutil.copyfile(src, blob + ".incomplete")  # huggingface_hub's own partial-file suffix
         os.replace(blob + ".incomplete", blob)
         dst = os.path.join(snap, name)
@@ -448,7 +440,7 @@ def push_folder(folder: str, repo_id: Optional[str] = None, source: Optional[str
             f"{revision or 'main'}:")
         for f in report["files"]:
             p = os.path.join(folder, f)
-            log(f"  {f}  {os.path.getsize(p):,} bytes  sha256 {_sha256(p)}")
+            log(f"  {f}  {os.path.getsize(p):,} bytes  sha256 {sha256_file(p)}")
         report.update(repo_id=repo_id, uploaded=False)
         return report
     from huggingface_hub import HfApi

@@ -15,11 +15,12 @@ Command line: ``python tools/convert_sd3.py SRC OUT [--joint-layers ...]`` (see 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
 from typing import Any, Dict, Optional, Sequence
+
+from ttt_zoo.fileio import sha256_file
 
 from .transformer import SOFTMAX_CLASS, TTT_CLASS, SD3LayoutError
 
@@ -28,14 +29,6 @@ __all__ = ["convert_sd3_folder", "render_sd3_card", "main", "TRANSFORMER_ENTRY"]
 TRANSFORMER_ENTRY = ["ttt_zoo.sd3.transformer", TTT_CLASS]
 _TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card_template.md")
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_json(path: str) -> Dict[str, Any]:
@@ -120,7 +113,7 @@ def convert_sd3_folder(src: str, out: str, hub_id: Optional[str] = None, base_na
         info = dict(
             repo_name=(hub_id or os.path.basename(os.path.abspath(out))).split("/")[-1],
             hub_id=hub_id or os.path.abspath(out), base_name=base_name or os.path.basename(src.rstrip("/")),
-            base_model=base_name, source=src, source_sha256=_sha256(weights[0]) if len(weights) == 1 else None,
+            base_model=base_name, source=src, source_sha256=sha256_file(weights[0]) if len(weights) == 1 else None,
             finetuned=finetuned, pipeline=kind == "pipeline", dual_layers=list(cfg.ttt_dual_layers),
             joint_layers=list(cfg.ttt_joint_layers), key_norm_span=cfg.ttt_key_norm_span,
             rms_qk_norm=cfg.ttt_rms_qk_norm, key_norm_eps=cfg.ttt_key_norm_eps,

@@ -22,7 +22,6 @@ checks every hash.  A folder without a manifest (written before it existed) is r
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
-from ttt_zoo.fileio import fsync_dir
+from ttt_zoo.fileio import fsync_dir, sha256_file
 
 __all__ = ["FORMAT", "MANIFEST", "commit_epoch", "recover", "read_manifest", "load_state", "resolve_resume",
            "rng_state", "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path",
@@ -74,14 +73,6 @@ def _family(name: str) -> str:
 def _fsync_file(path: str) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _test_pause(epoch: int, stage: str, folder: str) -> None:
@@ -163,7 +154,7 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
         tmp = os.path.join(folder, name + TMP)
         write(tmp)
         _fsync_file(tmp)
-        written[name] = _sha256(tmp)
+        written[name] = sha256_file(tmp)
         _test_pause(epoch, f"wrote:{name}", folder)
     rewritten = {_family(n) for n in written}
     kept: Dict[str, str] = {}  # the previous best.* stay committed unless this epoch rewrites them
@@ -172,7 +163,7 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
     else:  # the first commit in a folder from before manifests: name its files as they are
         for n in _commit_names()[:-1]:
             if _family(n) not in rewritten and os.path.isfile(os.path.join(folder, n)):
-                kept[n] = _sha256(os.path.join(folder, n))
+                kept[n] = sha256_file(os.path.join(folder, n))
     manifest = {"format": MANIFEST_FORMAT, "epoch": epoch, "best_epoch": state.get("best_epoch"),
                 "files": dict(written, **kept)}
     tmp = manifest_path(folder) + TMP
@@ -195,9 +186,9 @@ def recover(folder: str) -> Optional[Dict[str, Any]]:
     pending = []
     for name, digest in (manifest or {}).get("files", {}).items():
         public = os.path.join(folder, name)
-        if os.path.isfile(public + TMP) and _sha256(public + TMP) == digest:
+        if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:
             pending.append(name)  # committed, not yet published
-        elif not (os.path.isfile(public) and _sha256(public) == digest):
+        elif not (os.path.isfile(public) and sha256_file(public) == digest):
             raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed "
                                   f"(epoch {manifest.get('epoch')}); the run folder was changed by hand. Restore "
                                   f"the file, or start a new run with --initial-checkpoint.")
@@ -229,9 +220,9 @@ def committed_weights(folder: str, which: str = "best", ema: bool = False) -> Op
         digest = manifest["files"].get(name)
         if digest is None:
             return None
-        if os.path.isfile(public) and _sha256(public) == digest:
+        if os.path.isfile(public) and sha256_file(public) == digest:
             return public
-        if os.path.isfile(public + TMP) and _sha256(public + TMP) == digest:  # committed, not yet published
+        if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:  # committed, not yet published
             try:
                 with folder_lock(folder, "ttt-zoo reader"):
                     recover(folder)
