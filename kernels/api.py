@@ -4,15 +4,15 @@ from typing import Optional, Tuple
 import torch
 from timm.layers import register_notrace_function
 
-from .backend import BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend
+from .backend import (BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend, set_backend,
+                      use_backend)
 from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
 from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
 from .key_norm import key_norm_op, key_norm_reference, key_norm_torch
-from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_naive, ttt_linear_bidir_op, ttt_linear_bidir_reference,
-                         ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_reference,
-                         ttt_linear_torch)
-from .vit3_variant import variant_qkv_naive, variant_qkv_torch, variant_qkv_triton
+from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_chunked, ttt_linear_bidir_naive, ttt_linear_bidir_op,
+                         ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_torch)
+from .vit3_variant import variant_qkv_naive, variant_qkv_op, variant_qkv_torch
 from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_op, qkv_ttt_torch,
                        swiglu_ttt_op, swiglu_ttt_reference, swiglu_ttt_torch)
 
@@ -21,7 +21,7 @@ from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qk
 register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op, swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op, dwconv_ttt_reference)
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op, qkv_ttt_naive)
-register_op("vit3_variant_qkv_ttt", variant_qkv_torch, variant_qkv_triton, variant_qkv_naive)
+register_op("vit3_variant_qkv_ttt", variant_qkv_torch, variant_qkv_op, variant_qkv_naive)
 register_op("dit5_mlp_ttt", mlp_ttt_torch, mlp_ttt_op, mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference)
 register_op("key_instance_norm", key_norm_torch, key_norm_op, key_norm_reference)
@@ -118,14 +118,14 @@ def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad
     """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
     same kernels: Triton where allowed, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
     mini-batches into a graph fixed to the traced token count.  (torch.export takes the loop op instead, see
-    ``ttt_linear.naive._scan_loop``.)"""
+    ``ttt_linear.torch._scan_loop``.)"""
     return (not return_grad_norm and _compiling()
             and resolve_backend(backend, q.device, q.dtype, q.shape[-1], name) != "torch_naive")
 
 
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
                return_grad_norm=False, backend=None):
-    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.naive.ttt_linear_reference``.
+    """Causal TTT-Linear mini-batch scan; see ``ttt_linear.naive.ttt_linear_naive``.
 
     torch: recomputing backward (``ttt_linear.torch``); triton: the fused scan kernels; torch_naive: the plain
     per-mini-batch scan (``ttt_linear_naive``) under autograd.
@@ -142,15 +142,15 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
                      ln_residual: bool = True, rope_theta: Optional[float] = 10000.0, eps: float = 1e-6,
                      return_grad_norm: bool = False, backend: Optional[str] = None
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.naive.ttt_linear_bidir``.
+    """Forward + flipped TTT-Linear scans, summed (Vision-TTT Eq. 12); see ``ttt_linear.naive.ttt_linear_bidir_naive``.
 
     torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
     torch_naive: the plain per-mini-batch scan under autograd.  ``return_grad_norm=True`` runs a PyTorch scan.
-    TorchScript compiles the reference scan (``ttt_linear.naive.ttt_linear_bidir_reference``).
+    TorchScript compiles the chunked scan (``ttt_linear.torch.ttt_linear_bidir_chunked``).
     """
     if torch.jit.is_scripting():
-        return ttt_linear_bidir_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
-                                          eps, return_grad_norm)
+        return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
+                                        eps, return_grad_norm)
     if _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm):
         return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
     return _op("ttt_linear_bidir", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
@@ -173,8 +173,9 @@ def linear_attention_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr
 
 
 __all__ = ["last_layer_ttt", "linear_attention_bidir", "mlp_inner_update_reference", "BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",
+           "set_backend", "use_backend",
            "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
            "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
            "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
-           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_reference", "ttt_linear_bidir_reference",
+           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_naive", "ttt_linear_bidir_naive",
            "inner_rope", "token_tau"]

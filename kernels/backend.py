@@ -10,8 +10,9 @@ Every op wrapper (``kernels/__init__.py``) asks :func:`resolve_backend` which pa
 - ``triton``: the fused kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``, and the meta device for shapes).
   Where they cannot run, forcing ``triton`` raises :class:`BackendError` saying why (``auto`` falls back instead).
 
-The process-wide default comes from the ``TTT_ZOO_BACKEND`` environment variable, read here only (at every call,
-so benchmarks can switch it); an explicit ``backend=`` argument wins.
+The process-wide default: :func:`set_backend` (or, inside a block, the :func:`use_backend` context manager, as timm's
+``set_layer_config``), else the ``TTT_ZOO_BACKEND`` environment variable, read here only (at every call), else
+``auto``; an explicit ``backend=`` argument wins.
 
 GPU verification: ``auto`` picks an op's kernel on CUDA only if ``gpu_verified.json`` (next to this file, or the
 file ``TTT_ZOO_GPU_RECORDS`` names) holds a record for the op whose ``sha256`` equals the hash of the op's current
@@ -20,20 +21,21 @@ kernel sources (its folder's ``triton.py`` and every package module that imports
 writes the records after the kernel tests pass on a GPU.  Forcing ``triton`` ignores the records.
 """
 import ast
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
            "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "get_op", "gpu_verified",
            "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path", "register_op",
-           "resolve_backend", "triton_unsupported", "use_triton"]
+           "resolve_backend", "set_backend", "triton_unsupported", "use_backend", "use_triton"]
 
 TRITON_BACKEND = "triton"
 BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
@@ -49,7 +51,7 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # d x d fp32 states per program would spill registers above 64.  T5 / DiT5: the d x d weights and partials of the
 # backward pass go through shared memory, which on an H200 (sm_90, 227 KB a block) ran out from d = 48 in fp16
 # (T5, 3 weights) and d = 72 (DiT5, 2 weights): ``OutOfResources`` in the lease of 2026-11-26
-# (tools/results/gpu_h200_20261126); ``tools/compile_kernels.py`` reports each kernel's shared memory.
+# (experiments/results/gpu_h200_20261126); ``experiments/compile_kernels.py`` reports each kernel's shared memory.
 MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 32, "dit5_mlp_ttt": 64}
 
 
@@ -68,9 +70,43 @@ def register_op(name: str, torch_impl: Callable, triton_impl: Optional[Callable]
         _OPS[name]["triton"] = triton_impl
 
 
+_BACKEND_SET: Optional[str] = None  # set_backend's choice; None: TTT_ZOO_BACKEND or auto
+_RESOLVE_SOURCES = f"argument `backend=`, set_backend or env {ENV_VAR}"
+
+
+def _check_name(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown TTT backend {name!r}; choose one of {BACKENDS} ({where}).")
+    return name
+
+
 def default_backend() -> str:
-    """The process-wide default: ``TTT_ZOO_BACKEND`` or ``auto`` (the only place the variable is read)."""
-    return os.environ.get(ENV_VAR) or "auto"
+    """The process-wide default: :func:`set_backend`'s choice, else ``TTT_ZOO_BACKEND`` (the only place the variable
+    is read), else ``auto``."""
+    return _BACKEND_SET or os.environ.get(ENV_VAR) or "auto"
+
+
+def set_backend(name: Optional[str]) -> None:
+    """Set the process-wide default backend of every TTT op (overrides ``TTT_ZOO_BACKEND``); ``None`` restores the
+    environment variable / ``auto``.  The op folders whose custom ops a forced ``triton`` made run the kernels on
+    CUDA are forgotten, so the new choice holds for them too."""
+    global _BACKEND_SET
+    _BACKEND_SET = None if name is None else _check_name(name, "set_backend")
+    _CUDA_FOLDERS.clear()
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[None]:
+    """``with use_backend("torch"): ...``: :func:`set_backend` inside the block, the previous setting restored on
+    exit (also on an exception; nestable).  The restore keeps the kernel choices made inside, so a backward run
+    after the block uses the same kernels as its forward."""
+    global _BACKEND_SET
+    previous = _BACKEND_SET
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _BACKEND_SET = previous
 
 
 def _interpreter_on() -> bool:
@@ -193,12 +229,9 @@ def clear_verification_cache() -> None:
 
 def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optional[torch.dtype] = None,
                     head_dim: Optional[int] = None, op: Optional[str] = None) -> str:
-    """The path to run: ``torch``, ``torch_naive`` or ``triton``, from the argument, the environment default, the
-    device, the dtype and the head dim.  Raises for an unknown name, or a forced ``triton`` that cannot run."""
-    requested = backend if backend is not None else default_backend()
-    if requested not in BACKENDS:
-        raise ValueError(f"Unknown TTT backend {requested!r}; choose one of {BACKENDS} "
-                         f"(argument `backend=` or env {ENV_VAR}).")
+    """The path to run: ``torch``, ``torch_naive`` or ``triton``, from the argument, the process default
+    (:func:`default_backend`), the device, the dtype and the head dim.  Raises for an unknown name, or a forced ``triton`` that cannot run."""
+    requested = _check_name(backend if backend is not None else default_backend(), _RESOLVE_SOURCES)
     if requested in ("torch", "torch_naive"):
         return requested
     reason = triton_unsupported(device, dtype, head_dim, op)
@@ -217,7 +250,8 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
 def use_triton(t: torch.Tensor, op: Optional[str] = None) -> bool:
     """Inside a custom op: run the Triton kernel for these inputs (same rule as :func:`resolve_backend`; an empty
     batch needs no kernel launch, the meta device only the fake impl).  On CUDA only for a verified op, an op whose
-    kernel :func:`resolve_backend` chose in this process (forced), or under ``TTT_ZOO_BACKEND=triton``."""
+    kernel :func:`resolve_backend` chose in this process (forced), or under a ``triton`` default (:func:`set_backend`,
+    ``TTT_ZOO_BACKEND=triton``)."""
     if t.numel() == 0 or t.device.type == "meta" or triton_unsupported(t.device, t.dtype, t.shape[-1], op):
         return False
     return (t.device.type != "cuda" or default_backend() == TRITON_BACKEND or kernel_folder(op) in _CUDA_FOLDERS

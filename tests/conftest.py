@@ -29,9 +29,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted kernel is che
 
     _install_bounds_check()
 
-FIXTURES = os.environ.get("TTT_ZOO_FIXTURES", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures"))
-
-
 def pytest_runtest_logreport(report):
     """``TTT_ZOO_EAGER_FAILURES=1`` (``tools/gpu_check.py``): a failure's traceback as it happens, not at the end,
     so a run stopped by its time limit (a GPU lease) still shows why each failed test failed."""
@@ -63,3 +60,24 @@ def kernel_device():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensors (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    faster there, and immune to thread wake-up stalls on a busy shared CPU; the count is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache for this test; the hub is offline (set above)."""
+    from huggingface_hub import constants
+    assert constants.HF_HUB_OFFLINE, "tests must run with HF_HUB_OFFLINE=1"
+    cache = tmp_path / "hf_cache"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return str(cache)

@@ -141,7 +141,7 @@ RO = [
 
 
 def _record(name, argv, rc, line, err):
-    """``TTT_ZOO_CLI_TABLE=FILE`` (``tools/cli_errors_table.py``): one JSON line per row as it ran."""
+    """``TTT_ZOO_CLI_TABLE=FILE`` (``experiments/cli_errors_table.py``): one JSON line per row as it ran."""
     path = os.environ.get("TTT_ZOO_CLI_TABLE")
     if path:
         import json
@@ -273,10 +273,9 @@ def test_force_replaces_and_files_get_the_normal_mode(tmp_path, capsys):
         _check_one_line(rc, err, "--force")
         assert out.read_bytes() == first
         assert cli(capsys, *argv, "--force", "--seed", "1")[0] == 0 and out.read_bytes() != first
-        from ttt_zoo.bench.measure import atomic_path, atomic_write
-        from ttt_zoo.train.reporting import atomic_write_text
+        from ttt_zoo.fileio import atomic_path, atomic_write
         atomic_write(str(tmp_path / "a.json"), "{}")
-        atomic_write_text(str(tmp_path / "b.yaml"), "a: 1\n")
+        atomic_write(str(tmp_path / "b.yaml"), "a: 1\n")
         with atomic_path(str(tmp_path / "c.onnx")) as tmp:
             open(tmp, "wb").write(b"x")
         for name in ("s.png", "a.json", "b.yaml", "c.onnx"):

@@ -4,7 +4,7 @@ hierarchical ones: ``ttt_zoo.bench.compile.SMALL``), and dynamo sees no graph br
 - inductor with static sizes (a first ``torch.compile`` call) at the non-square size;
 - dynamo and AOT autograd with dynamic sizes (``aot_eager``, dynamic=True) at the non-square and then the square
   size.
-Inductor's dynamic-size code generation (``tools/compile_report.py``) took 5x the static compile (Vision-TTT-H: 280
+Inductor's dynamic-size code generation (``compiled_parity``'s default) took 5x the static compile (Vision-TTT-H: 280
 vs 55 s) and its backward guards on the concrete size, so two sizes compiled twice: 19.6 of CI's 40.8 test minutes.
 Where the float32 runs part, eager float64 arbitrates: a ReLU input within float32 rounding of 0 (H-ViT3's stem at
 160x256: one of 655360, at 1.8e-8) flips its gradient in one of them (``compiled_parity``)."""

@@ -11,9 +11,9 @@ from fixtures import load_fixture
 from ttt_zoo.kernels import mlp_ttt_reference
 from ttt_zoo.layers.neighborhood import (neighborhood_attention_2d, neighborhood_attention_2d_torch,
                                          neighborhood_indices)
-from ttt_zoo.models import DiT, linearize_dit
+from ttt_zoo.models import DiT
 from ttt_zoo.models.dit import checkpoint_filter_fn
-from ttt_zoo.models.dit5 import dit5_param_groups
+from ttt_zoo.linearize import dit5_param_groups, linearize_dit
 
 # spec §6 table: params at input_size 32, 1000 classes
 DIT5_PARAMS = {

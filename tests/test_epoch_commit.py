@@ -22,7 +22,7 @@ import torch
 from _train_data import make_tiny_digits
 
 from ttt_zoo.checkpoint import CheckpointError
-from ttt_zoo.train import checkpointing as ckpt
+from ttt_zoo.train import run_state as ckpt
 
 EPOCHS = 3
 TINY = ["--model", "vit3_tiny", "--model-kwargs", "depth=1", "embed_dim=16", "num_heads=2", "patch_size=4",

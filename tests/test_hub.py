@@ -47,17 +47,6 @@ def vit3(tmp_path_factory):
 
 
 @pytest.fixture
-def hf_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache for this test; the hub is offline (tests/conftest.py)."""
-    from huggingface_hub import constants
-    assert constants.HF_HUB_OFFLINE, "tests must run with HF_HUB_OFFLINE=1"
-    cache = tmp_path / "hf_cache"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return str(cache)
-
-
-@pytest.fixture
 def no_network(monkeypatch):
     import socket
 

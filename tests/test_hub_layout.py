@@ -41,17 +41,6 @@ SMALL_VIT3 = {"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 2, "num
 FAMILIES = ttt_zoo.list_zoo_families(include_diffusion=True)
 
 
-@pytest.fixture
-def hf_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache for this test; the hub is offline (tests/conftest.py)."""
-    from huggingface_hub import constants
-    assert constants.HF_HUB_OFFLINE, "tests must run with HF_HUB_OFFLINE=1"
-    cache = tmp_path / "hf_cache"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return str(cache)
-
-
 def _read(folder, name="config.json"):
     with open(os.path.join(folder, name), encoding="utf-8") as f:
         return json.load(f) if name.endswith(".json") else f.read()

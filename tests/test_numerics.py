@@ -14,7 +14,7 @@ in Vision-TTT's scan grew geometrically over the mini-batches on the photo, neve
 - the Vision-TTT scan paths at N = 3136 (stage 0 of visionttt_h_tiny), both directions, TorchScript, the
   recomputing backward's gradients,
   ``gradient_magnitude_map``, and the Triton kernel (interpreter, one head, N = 196).
-The cases and measurements live in ``tools/numerics_table.py``, which prints the same table.
+The cases and measurements live in ``experiments/numerics_table.py``, which prints the same table.
 """
 import importlib.util
 import os
@@ -30,7 +30,7 @@ from ttt_zoo.kernels.ttt_linear import torch as scan_rc
 from ttt_zoo.models import gradient_magnitude_map
 
 _spec = importlib.util.spec_from_file_location(
-    "numerics_table", os.path.join(os.path.dirname(__file__), "..", "tools", "numerics_table.py"))
+    "numerics_table", os.path.join(os.path.dirname(__file__), "..", "experiments", "numerics_table.py"))
 NT = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(NT)
 
@@ -52,7 +52,7 @@ def _id(case):
 
 def test_every_family_is_covered():
     families = {_family(n) for n in ttt_zoo.list_zoo_models(include_diffusion=True, include_variants=False)}
-    assert families == set(TINY), f"add the new family to TINY and tools/numerics_table.py CASES: {families}"
+    assert families == set(TINY), f"add the new family to TINY and experiments/numerics_table.py CASES: {families}"
     for fam in families:
         sizes = {c[1] for c in NT.CASES if _family(c[0]) == fam}
         models = {c[0] for c in NT.CASES if _family(c[0]) == fam}
@@ -112,16 +112,16 @@ def test_scan_paths_at_n3136(stage0):
     a32, a64 = _scan_args(mixer, x, fs, torch.float32), _scan_args(mixer, x, fs, torch.float64)
     cfg = dict(mini_batch=mixer.mini_batch, rope_theta=mixer.rope_theta)
     true_args = [t.clone().requires_grad_() for t in a64]
-    true, _ = scan_ref.ttt_linear_bidir(*true_args, **cfg, scan=scan_ref.ttt_linear_naive)
+    true, _ = scan_ref.ttt_linear_bidir_naive(*true_args, **cfg)
     with torch.no_grad():
-        paths = {"reference": scan_ref.ttt_linear_bidir(*a32, **cfg)[0],
-                 "TorchScript reference": torch.jit.script(scan_ref.ttt_linear_bidir_reference)(
+        paths = {"reference": scan_rc.ttt_linear_bidir_chunked(*a32, **cfg)[0],
+                 "TorchScript reference": torch.jit.script(scan_rc.ttt_linear_bidir_chunked)(
                      *a32, mixer.mini_batch, True, mixer.rope_theta)[0],
-                 "naive": scan_ref.ttt_linear_bidir(*a32, **cfg, scan=scan_ref.ttt_linear_naive)[0]}
+                 "naive": scan_ref.ttt_linear_bidir_naive(*a32, **cfg)[0]}
         # the state stays fp32 under autocast (bf16 GEMMs in the recursion were 7e-3 off here)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             paths["torch backend under bf16 autocast"] = scan_rc.ttt_linear_bidir_torch(*a32, **cfg)[0]
-        assert NT.rel(scan_ref.ttt_linear_bidir(*a64, **cfg)[0], true) < 1e-12  # the batched form in float64
+        assert NT.rel(scan_rc.ttt_linear_bidir_chunked(*a64, **cfg)[0], true) < 1e-12  # the batched form in float64
     grad_args = [t.clone().requires_grad_() for t in a32]
     paths["recompute (grad)"] = scan_rc.ttt_linear_bidir_torch(*grad_args, **cfg)[0]
     for path, out in paths.items():
@@ -147,14 +147,14 @@ def test_scan_paths_at_n3136(stage0):
         f = (lambda t: t.flip(2)) if flip else (lambda t: t)
         with torch.no_grad():
             ref, _ = scan_ref.ttt_linear_naive(f(q6), f(q6), f(v6), f(lr6), tau6, w06, b06, lw6, lb6, 16)
-            out, _ = scan_ref.ttt_linear_reference(f(q), f(q), f(v), f(lr), tau, w0, b0, lw, lb, 16)
+            out, _ = scan_rc.ttt_linear_chunked(f(q), f(q), f(v), f(lr), tau, w0, b0, lw, lb, 16)
         assert NT.rel(out, ref) <= TOL, f"causal scan (reversed={flip}): {NT.rel(out, ref):.2e}"
 
 
 def test_mixer_torchscript_and_gradient_map_at_n3136(stage0):
     model, mixer, x, fs = stage0
     with torch.no_grad():
-        with NT.backend("torch_naive"):
+        with NT.use_backend("torch_naive"):
             true = mixer.double()(x.double(), fs)
             gtrue = gradient_magnitude_map(model.double(), NT.photo(224, 224)[:1].double(), block=0)
         model.float()
@@ -196,7 +196,7 @@ def test_triton_scan_on_photo_features():
     a64 = [t.double() for t in one_head]
     a64[1] = a64[0]
     with torch.no_grad():
-        true, _ = scan_ref.ttt_linear_bidir(*a64, mini_batch=16, scan=scan_ref.ttt_linear_naive)
+        true, _ = scan_ref.ttt_linear_bidir_naive(*a64, mini_batch=16)
         args = [t.to(dev) for t in one_head]
         args[1] = args[0]
         out, _ = ops.ttt_linear_bidir_op(*args, mini_batch=16)

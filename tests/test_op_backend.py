@@ -159,3 +159,104 @@ def test_bare_kernels_import_is_the_one_package():
                        env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-2] == "True []", r.stdout
+
+
+@pytest.fixture
+def no_backend_set(monkeypatch):
+    """Nothing set, no environment default; whatever a test sets is undone."""
+    monkeypatch.delenv(B.ENV_VAR, raising=False)
+    monkeypatch.setattr(B, "_BACKEND_SET", None)
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_set_backend_changes_every_op_and_none_restores(monkeypatch):
+    from ttt_zoo.kernels import swiglu_ttt_torch
+    cpu = torch.device("cpu")
+    B.set_backend("torch_naive")
+    assert get_op("vit3_swiglu_ttt", cpu) is swiglu_ttt_reference
+    monkeypatch.setenv(B.ENV_VAR, "torch")  # set_backend wins over the environment variable
+    assert resolve_backend(None, cpu) == "torch_naive"
+    assert resolve_backend("torch", cpu) == "torch"  # an explicit argument wins over both
+    B.set_backend(None)  # back to the environment variable, then auto
+    assert resolve_backend(None, cpu) == "torch"
+    monkeypatch.delenv(B.ENV_VAR)
+    assert B.default_backend() == "auto" and get_op("vit3_swiglu_ttt", cpu) is swiglu_ttt_torch
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_use_backend_restores_on_exit_on_error_and_nested():
+    cpu = torch.device("cpu")
+    with kernels.use_backend("torch_naive"):
+        assert get_op("vit3_swiglu_ttt", cpu) is swiglu_ttt_reference
+        with kernels.use_backend("torch"):
+            assert resolve_backend(None, cpu) == "torch" and B.default_backend() == "torch"
+        assert B.default_backend() == "torch_naive"
+        with pytest.raises(RuntimeError, match="boom"):
+            with kernels.use_backend("triton"):
+                raise RuntimeError("boom")
+        assert B.default_backend() == "torch_naive"
+    assert B.default_backend() == "auto"
+    B.set_backend("torch")
+    with kernels.use_backend(None):  # None inside the block: the environment / auto
+        assert B.default_backend() == "auto"
+    assert B.default_backend() == "torch"
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_bad_backend_name_is_one_clear_error():
+    for bad in (lambda: B.set_backend("cudnn"), lambda: kernels.use_backend("cudnn").__enter__()):
+        with pytest.raises(ValueError) as e:
+            bad()
+        assert str(e.value) == ("Unknown TTT backend 'cudnn'; choose one of ('auto', 'torch', 'torch_naive', "
+                                "'triton') (set_backend).")
+    assert B.default_backend() == "auto"  # a rejected name changes nothing
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_set_backend_reaches_the_custom_ops_and_forgets_forced_kernels(monkeypatch):
+    import types
+    cuda = _fake_cuda(monkeypatch)
+    monkeypatch.setattr(B, "gpu_verified", lambda op: False)
+    monkeypatch.setattr(B, "_CUDA_FOLDERS", set())
+    x = types.SimpleNamespace(numel=lambda: 1, device=cuda, dtype=torch.float32, shape=(1, 2, 3, 16))  # a CUDA input
+    assert not B.use_triton(x, "ttt_linear")  # auto, not verified: PyTorch inside the custom op
+    with kernels.use_backend("triton"):
+        assert B.use_triton(x, "ttt_linear")
+        assert resolve_backend(None, cuda, torch.float32, 16, "ttt_linear") == "triton"
+    assert B.use_triton(x, "ttt_linear")  # the kernel chosen inside stays chosen: a later backward matches it
+    B.set_backend("torch")  # a new choice forgets it
+    assert not B.use_triton(x, "ttt_linear")
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_set_backend_under_torch_compile():
+    # dynamo guards on the setting: a compiled function follows set_backend without a reset
+    q = torch.randn(1, 2, 5, 4)
+    w = torch.randn(1, 2, 4, 4)
+    fn = torch.compile(lambda q, w: kernels.swiglu_ttt(q, q, q, w, w, 0.5), backend="eager", fullgraph=False)
+    torch.testing.assert_close(fn(q, w), swiglu_ttt_reference(q, q, q, w, w, 0.5))
+    with kernels.use_backend("triton"):
+        if B.triton_unsupported(q.device, q.dtype, 4, "vit3_swiglu_ttt") is not None:
+            with pytest.raises(B.BackendError):
+                fn(q, w)
+    torch.testing.assert_close(fn(q, w), swiglu_ttt_reference(q, q, q, w, w, 0.5))
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_bench_child_gets_the_backend_as_an_argument(monkeypatch, tmp_path, capsys):
+    # ttt-zoo bench --backend: the spec (the child's argument) carries it, the child calls set_backend; no env var
+    import json
+    from ttt_zoo.bench import child, run
+    cfg = run.BenchConfig(backends=("torch_naive",))
+    config = run._configs(cfg)[0]
+    spec = run._spec(cfg, config, 32, 32, "inference")
+    assert spec["backend"] == "torch_naive" and B.ENV_VAR not in run._env(cfg)
+    seen = []
+    monkeypatch.setattr("ttt_zoo.bench.models.bench_model", lambda s: seen.append(B.default_backend()) or {})
+    child.main("model", json.dumps(spec))
+    assert seen == ["torch_naive"] and B.ENV_VAR not in __import__("os").environ
+    # a --before tree whose child predates the argument would measure the default backend: one clear error instead
+    (tmp_path / "ttt_zoo" / "bench").mkdir(parents=True)
+    (tmp_path / "ttt_zoo" / "bench" / "child.py").write_text("import os\n")
+    r = run._run_model_child("model", cfg, dict(config, src=str(tmp_path)), 32, 32, "infer")
+    assert "predates passing the TTT backend" in r["error"]

@@ -1,8 +1,9 @@
 """The linear-attention Vision-TTT scan: recurrent (naive) vs chunk-parallel (torch) vs Triton (interpreter), and
-both against a per-token autograd inner loop written here (explicit dot-product loss, torch.autograd.grad)."""
+both against a per-token autograd inner loop (tests/_ops.py: explicit dot-product loss, torch.autograd.grad)."""
 import pytest
 import torch
 
+from _ops import autograd_dot_scan
 from ttt_zoo.kernels import linear_attention_bidir
 from ttt_zoo.kernels.linear_attention import la_chunk_torch, la_scan_naive, linear_attention_op
 
@@ -19,33 +20,10 @@ def _inputs(b=2, h=2, n=37, d=8, mb=16, dtype=DT, nw=1):
     return [t.to(dtype) for t in (q, k, v, lr, tau, w0, b0)]
 
 
-def _autograd_scan(q, k, v, lr, tau, w0, b0, mb):
-    """Per mini-batch: per-token gradients of l_j = -<k_j W + b, v_j> at the incoming state by autograd, token i
-    reads W_i = W - sum_{j<=i} tau_i lr_j grad_j (inclusive), the state moves by the last row."""
-    bsz, h, n, d = q.shape
-    w, b = w0.expand(bsz, h, d, d), b0.expand(bsz, h, 1, d)
-    outs = []
-    for s in range(0, n, mb):
-        e = min(s + mb, n)
-        c = e - s
-        wr = w.unsqueeze(2).expand(bsz, h, c, d, d).clone().requires_grad_()  # one copy per token
-        br = b.unsqueeze(2).expand(bsz, h, c, 1, d).clone().requires_grad_()
-        kc = k[:, :, s:e, None, :]
-        loss = -((kc @ wr + br) * v[:, :, s:e, None, :]).sum()
-        gw, gb = torch.autograd.grad(loss, [wr, br])
-        eta = torch.tril(tau[:c, None] * lr[:, :, None, s:e])  # (B, H, c, c)
-        wi = w.unsqueeze(2) - torch.einsum("bhij,bhjxy->bhixy", eta, gw)
-        bi = b.unsqueeze(2) - torch.einsum("bhij,bhjxy->bhixy", eta, gb)
-        outs.append((q[:, :, s:e, None, :] @ wi + bi).squeeze(3))
-        w = w - torch.einsum("bhj,bhjxy->bhxy", eta[:, :, -1], gw)
-        b = b - torch.einsum("bhj,bhjxy->bhxy", eta[:, :, -1], gb)
-    return torch.cat(outs, 2)
-
-
 @pytest.mark.parametrize("n,mb", [(37, 16), (5, 8), (64, 16), (33, 4)])
 def test_recurrent_and_chunk_vs_autograd_inner_loop(n, mb):
     args = _inputs(n=n, mb=mb)
-    ref = _autograd_scan(*args, mb)
+    ref = autograd_dot_scan(*args, mb)
     torch.testing.assert_close(la_scan_naive(*args, mb), ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(la_chunk_torch(*args, mb), ref, rtol=1e-10, atol=1e-10)
     # the inclusive mask matters: an exclusive one (token i without its own update) is far off

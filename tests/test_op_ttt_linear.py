@@ -16,14 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _ops import BACKENDS, DEV, triton_kernels, triton_test
-from ttt_zoo.kernels import BackendError, get_op, ttt_linear, ttt_linear_bidir, ttt_linear_reference
+from _ops import BACKENDS, DEV, compare_kernel, triton_kernels, triton_test
+from ttt_zoo.kernels import BackendError, get_op, ttt_linear, ttt_linear_bidir
 from ttt_zoo.kernels.backend import MAX_HEAD_DIM
 from ttt_zoo.kernels.ttt_linear import ops, ttt_linear_naive
 from ttt_zoo.kernels.ttt_linear import torch as R
-from ttt_zoo.kernels.ttt_linear.naive import token_tau
-from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_bidir as reference_bidir
-from ttt_zoo.kernels.ttt_linear.torch import ttt_linear_torch
+from ttt_zoo.kernels.ttt_linear.common import token_tau
+from ttt_zoo.kernels.ttt_linear.naive import ttt_linear_bidir_naive
+from ttt_zoo.kernels.ttt_linear.torch import ttt_linear_bidir_chunked as reference_bidir
+from ttt_zoo.kernels.ttt_linear.torch import ttt_linear_chunked, ttt_linear_torch
 from ttt_zoo.layers import create_mixer
 
 T = triton_kernels("ttt_linear")
@@ -162,17 +163,17 @@ def test_dual_form_matches_naive_one_direction(n, ln_residual):
     heads, d, mb = 3, 32, 16
     q, k, v, lr, tau, ln_w, ln_b, r = _inputs(2, heads, n, d, mb, seed=n)
     w0, b0 = 0.3 * r(2, heads, d, d), 0.3 * r(2, heads, 1, d)  # a different W0 per sample
-    out, gn = ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual, return_grad_norm=True)
+    out, gn = ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual, return_grad_norm=True)
     ref, ref_gn = naive_scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert (out - ref).abs().max().item() < TOL
     assert (gn - ref_gn).abs().max().item() < TOL
     plain, plain_gn = ttt_linear_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual, return_grad_norm=True)
     assert (plain - ref).abs().max().item() < TOL and (plain_gn - ref_gn).abs().max().item() < TOL
-    shared, _ = ttt_linear_reference(k, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)  # the q = k path
+    shared, _ = ttt_linear_chunked(k, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)  # the q = k path
     shared_ref, _ = ttt_linear_naive(k, k.clone(), v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert (shared - shared_ref).abs().max().item() < TOL
     # the inner updates are not negligible: without them the output would be far off
-    frozen, _ = ttt_linear_reference(q, k, v, 0 * lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
+    frozen, _ = ttt_linear_chunked(q, k, v, 0 * lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert (frozen - ref).abs().max().item() > 1e-2
 
 
@@ -196,11 +197,11 @@ def test_rejects_bad_shapes():
     q, k, v, lr, tau, ln_w, ln_b, r = _inputs(1, 2, 20, 8, 4)
     w0, b0 = r(1, 2, 8, 8), r(1, 2, 1, 8)
     with pytest.raises(ValueError, match="tau"):
-        ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16)
+        ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16)
     with pytest.raises(ValueError, match="lr"):
-        ttt_linear_reference(q, k, v, lr[..., :5], tau, w0, b0, ln_w, ln_b, mini_batch=4)
+        ttt_linear_chunked(q, k, v, lr[..., :5], tau, w0, b0, ln_w, ln_b, mini_batch=4)
     with pytest.raises(ValueError, match="w0"):
-        ttt_linear_reference(q, k, v, lr, tau, r(1, 2, 4, 8), b0, ln_w, ln_b, mini_batch=4)
+        ttt_linear_chunked(q, k, v, lr, tau, r(1, 2, 4, 8), b0, ln_w, ln_b, mini_batch=4)
 
 
 def test_memory_is_linear_in_tokens():
@@ -212,7 +213,7 @@ def test_memory_is_linear_in_tokens():
         q, k, v, lr, tau, ln_w, ln_b, r = _inputs(1, 1, n, d, mb)
         ins = [t.requires_grad_() for t in (q, k, v, lr, r(1, 1, d, d), r(1, 1, 1, d))]
         with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
-            ttt_linear_reference(ins[0], ins[1], ins[2], ins[3], tau, ins[4], ins[5], ln_w, ln_b, mb)
+            ttt_linear_chunked(ins[0], ins[1], ins[2], ins[3], tau, ins[4], ins[5], ln_w, ln_b, mb)
         return sum(sizes), max(sizes)
 
     small, big = saved(256), saved(1024)
@@ -292,9 +293,9 @@ def test_mixer_interface_and_errors():
 def test_low_precision_inputs_use_fp32_state():
     q, k, v, lr, tau, ln_w, ln_b, r = _inputs(1, 2, 40, 32, 16)
     args = [t.float() for t in (q, k, v, lr, tau, 0.3 * r(1, 2, 32, 32), 0.3 * r(1, 2, 1, 32), ln_w, ln_b)]
-    ref, _ = ttt_linear_reference(*args)
+    ref, _ = ttt_linear_chunked(*args)
     low = [t.bfloat16() if i < 3 else t for i, t in enumerate(args)]
-    out, _ = ttt_linear_reference(*low)
+    out, _ = ttt_linear_chunked(*low)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
 
@@ -343,7 +344,7 @@ def test_recompute_matches_reference_autograd(case, bidir):
         ref = lambda *a: reference_bidir(*a, mb, ln_res, 10000.0)[0]  # noqa: E731
     else:
         new = lambda *a: R.ttt_linear_torch(*a, mb, ln_res)[0]  # noqa: E731
-        ref = lambda *a: ttt_linear_reference(*a, mb, ln_res)[0]  # noqa: E731
+        ref = lambda *a: ttt_linear_chunked(*a, mb, ln_res)[0]  # noqa: E731
     inputs = make_inputs(b, h, n, d, mb, nw)
     for shared_qk in (False, True):
         out, gs, do = grads_of(new, inputs, shared_qk=shared_qk)
@@ -438,7 +439,7 @@ def test_dispatch_table():
     assert get_op("ttt_linear", cpu, "torch_naive") is ttt_linear_naive
     assert get_op("ttt_linear_bidir", cpu) is R.ttt_linear_bidir_torch
     assert get_op("ttt_linear_bidir", torch.device("meta")) is R.ttt_linear_bidir_torch
-    assert get_op("ttt_linear_bidir", cpu, "torch_naive") is R.ttt_linear_bidir_naive
+    assert get_op("ttt_linear_bidir", cpu, "torch_naive") is ttt_linear_bidir_naive
 
 
 @triton_test
@@ -473,7 +474,7 @@ def test_inference_path_returns_no_grad_norm_unless_asked():
     ln_w, ln_b = torch.ones(h, d), torch.zeros(h, d)
     with torch.no_grad():
         out, gn = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
-        ref, _ = ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
+        ref, _ = ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8)
         _, gn2 = ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, 8, return_grad_norm=True)
     assert gn is None and gn2.shape == (b, h, n)
     torch.testing.assert_close(out, ref)
@@ -510,22 +511,9 @@ def make_kernel_inputs(b, h, n, d, mb, n_w0):
 
 
 def _compare(f_new, f_ref, inputs, dtype, calls):
-    """Forward and all gradients; the reference runs in float32 on float32 copies of the same low-precision data."""
-    leaves = [t.to(DEV, dtype).requires_grad_() for t in inputs]
-    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
-    out = f_new(*leaves)
-    ref = f_ref(*ref_leaves)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref, **KTOL[dtype])
-    do = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, leaves, do.to(dtype), allow_unused=True)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, do, allow_unused=True)
+    """Forward and all gradients (tests/_ops.py), in one forward and one backward launch."""
+    compare_kernel(f_new, f_ref, [t.to(DEV) for t in inputs], dtype, NAMES, KTOL, ref_may_skip=True)
     assert calls["fwd"] == 1 and calls["bwd"] == 1
-    for name, x, g, r in zip(NAMES, leaves, grads, ref_grads):
-        r = torch.zeros_like(x, dtype=torch.float32) if r is None else r
-        assert g is not None and g.dtype == dtype and g.shape == x.shape, name
-        scale = r.abs().max().clamp_min(1e-6)  # compare relative to the gradient's magnitude
-        torch.testing.assert_close(g.float() / scale, r / scale, **KTOL[dtype], msg=lambda m: f"d{name}: {m}")
 
 
 BIDIR_CASES = [  # (B, heads, N, d, mini_batch, w0 leading dim, ln_residual, rope)
@@ -556,7 +544,7 @@ def test_bidir_kernels(case, dtype, count_launches):
 @triton_test
 def test_causal_kernel(n_w0, count_launches):
     _compare(lambda *a: ttt_linear(*a, mini_batch=8, backend="triton")[0],
-             lambda *a: ttt_linear_reference(*a, 8)[0], make_kernel_inputs(3, 2, 20, 16, 8, n_w0), torch.float32,
+             lambda *a: ttt_linear_chunked(*a, 8)[0], make_kernel_inputs(3, 2, 20, 16, 8, n_w0), torch.float32,
              count_launches)
 
 

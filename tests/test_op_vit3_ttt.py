@@ -13,9 +13,9 @@ import torch
 from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
 from ttt_zoo.kernels.vit3_ttt import ops
-from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, swiglu_ttt_reference
-from ttt_zoo.kernels.vit3_ttt.torch import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd, qkv_ttt_naive,
-                                            qkv_ttt_torch, swiglu_ttt_torch)
+from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, qkv_ttt_naive, swiglu_ttt_reference
+from ttt_zoo.kernels.vit3_ttt.torch import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd, qkv_ttt_torch,
+                                            swiglu_ttt_torch)
 from ttt_zoo.layers import ViT3TTT
 from ttt_zoo.layers.rope import rope_2d_tables
 
@@ -61,17 +61,23 @@ def test_column_norm_bwd_at_zero_column():
     torch.testing.assert_close(normalize_columns_bwd(g.detach(), dghat), ref)
 
 
-@pytest.mark.parametrize("rope", [False, True])
-def test_qkv_gradcheck(rope):
-    b, heads, d, h, w = 2, 2, 4, 3, 4
+def _qkv_leaves(h, w, rope, b=2, heads=2, d=4):
+    """float64 leaves (x, weight, bias, w1, w2, w3) of a small mixer core on an h x w map, and its RoPE tables (or
+    None, None)."""
     c = heads * d
     x, weight, bias = _leaves((b, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,), scale=0.5)
     w1, w2, w3 = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
     cos, sin = [t.double() for t in rope_2d_tables((h, w), c)] if rope else (None, None)
+    return (x, weight, bias, w1, w2, w3), cos, sin
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_qkv_gradcheck(rope):
+    heads, h, w = 2, 3, 4
+    args, cos, sin = _qkv_leaves(h, w, rope, heads=heads)
     f = lambda *a: qkv_ttt_torch(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
-    assert torch.autograd.gradcheck(f, (x, weight, bias, w1, w2, w3), fast_mode=True)
-    torch.testing.assert_close(f(x, weight, bias, w1, w2, w3),
-                               qkv_ttt_naive(x, weight, bias, w1, w2, w3, (h, w), heads, 0.7, True, cos, sin))
+    assert torch.autograd.gradcheck(f, args, fast_mode=True)
+    torch.testing.assert_close(f(*args), qkv_ttt_naive(*args, (h, w), heads, 0.7, True, cos, sin))
 
 
 def test_qkv_without_bias_gradcheck():
@@ -293,13 +299,10 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("rope", [False, True])
 def test_qkv_custom_op_gradcheck(rope):
     # QKVTTTOps: the mixer core over the ttt_zoo::vit3_* custom ops (their float64 kernels run PyTorch)
-    b, heads, d, h, w = 2, 2, 4, 2, 3
-    c = heads * d
-    x, weight, bias = _leaves((b, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,), scale=0.5)
-    w1, w2, w3 = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
-    cos, sin = [t.double() for t in rope_2d_tables((h, w), c)] if rope else (None, None)
+    heads, h, w = 2, 2, 3
+    args, cos, sin = _qkv_leaves(h, w, rope, heads=heads)
     f = lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
-    assert torch.autograd.gradcheck(f, (x, weight, bias, w1, w2, w3), fast_mode=True)
+    assert torch.autograd.gradcheck(f, args, fast_mode=True)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

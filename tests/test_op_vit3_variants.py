@@ -30,12 +30,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _inputs(kind, b=2, heads=2, d=4, h=3, w=4, share_qk=False, dtype=torch.float64, device="cpu", scale=1.0):

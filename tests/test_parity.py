@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from fixtures import load_fixture
+from fixtures import assert_classifier_matches, load_fixture
 from ttt_zoo.layers import ViT3TTT
 from ttt_zoo.models import HViT3, HViT3Backbone, ViT3
 from ttt_zoo.models.hvit3 import backbone_filter_fn, checkpoint_filter_fn as hvit3_filter
@@ -31,11 +31,7 @@ def test_vit3_model_matches_official():
     model = ViT3(img_size=kw["img_size"], patch_size=kw["patch_size"], embed_dim=kw["embed_dim"], depth=kw["depth"],
                  num_heads=kw["num_heads"], num_classes=kw["num_classes"], mlp_ratio=kw["mlp_ratio"]).double().eval()
     model.load_state_dict(vit3_filter({"model": state}, model), strict=True)
-    with torch.no_grad():
-        feats = model.forward_head(model.forward_features(t["input.x"]), pre_logits=True)
-        out = model(t["input.x"])
-    torch.testing.assert_close(feats, t["output_features"], **tol)
-    torch.testing.assert_close(out, t["output"], **tol)
+    assert_classifier_matches(model, t, tol)
 
 
 def _hvit3_from_fixture():
@@ -57,11 +53,7 @@ def test_hvit3_model_matches_official(layout):
     else:
         ckpt = state
     model.load_state_dict(hvit3_filter(ckpt, model), strict=True)
-    with torch.no_grad():
-        feats = model.forward_head(model.forward_features(t["input.x"]), pre_logits=True)
-        out = model(t["input.x"])
-    torch.testing.assert_close(feats, t["output_features"], **tol)
-    torch.testing.assert_close(out, t["output"], **tol)
+    assert_classifier_matches(model, t, tol)
 
 
 def test_det_backbone_matches_official_steady_state():

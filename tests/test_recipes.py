@@ -57,7 +57,7 @@ def test_recipe_keys_are_train_flags(name):
     assert cfg and ("model" in cfg or "linearize_from" in cfg)
     text = open(os.path.join(RECIPE_DIR, name + ".yaml")).read()
     if name.startswith("digits_"):  # the README's digits table, not a paper: it names where its number is
-        assert "README table" in text and "tools/results/digits_models.md" in text
+        assert "README table" in text and "experiments/results/digits_models.md" in text
     else:
         assert "paper" in text and ("Table" in text or "Sec." in text)  # where the numbers come from
     parser = _parser_for(cfg)
@@ -186,7 +186,7 @@ def test_recipe_runs_a_few_steps(name, digits32, tmp_path):
     import torch
     import yaml
 
-    from ttt_zoo.train import checkpointing as ckpt
+    from ttt_zoo.train import run_state as ckpt
     from ttt_zoo.train.trainer import main
     cfg = load_recipe(name)
     diffusion = cfg.get("task") == "diffusion"
@@ -236,13 +236,13 @@ def test_zero_bit_posterize_inside_ttt_zoo_train(digits32, tmp_path):
 
 
 def test_digits_recipes_are_the_readme_table():
-    # one place for the digits settings: every small model of the demo / README table / tools/digits_runs.py is a
+    # one place for the digits settings: every small model of the demo / README table / experiments/digits_runs.py is a
     # shipped recipe, the README shows it, and the number each recipe quotes is the table's row
     import re
     from ttt_zoo.train.digits import SMALL_MODELS
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     readme = open(os.path.join(root, "README.md")).read()
-    table = open(os.path.join(root, "tools", "results", "digits_models.md")).read()
+    table = open(os.path.join(root, "experiments", "results", "digits_models.md")).read()
     assert "ttt-zoo train -c digits_vit3 --data-dir data/digits" in readme
     for key, (recipe, desc) in SMALL_MODELS.items():
         assert recipe in RECIPES, key

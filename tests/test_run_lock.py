@@ -141,7 +141,7 @@ def test_second_resume_of_a_live_run_is_refused_and_changes_nothing(tmp_path):
         first.stderr.close()
     # the killed run's lock file is left behind; the next --resume takes it over and finishes the run
     os.remove(marker)
-    from ttt_zoo.train import checkpointing as ckpt
+    from ttt_zoo.train import run_state as ckpt
     from ttt_zoo.train.trainer import main
     main(["--data-dir", data, "--output", str(out), *TINY, "--epochs", "2", "--resume", str(folder)])
     assert ckpt.load_state(ckpt.state_path(str(folder), "last"))["epoch"] == 2

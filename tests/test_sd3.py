@@ -12,20 +12,15 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import ttt_zoo  # noqa: E402
 from ttt_zoo.kernels import key_norm_reference, mlp_ttt_reference  # noqa: E402
 from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention  # noqa: E402
+from ttt_zoo.linearize import linearize_sd3, sd3_param_groups  # noqa: E402
 from ttt_zoo.sd3 import (SD3LayoutError, SD3T5Transformer2DModel, SD3TTTAttention, TTTProcessorError,  # noqa: E402
-                         default_ttt_layers, linearize_sd3, sd3_param_groups)
+                         default_ttt_layers)
 from ttt_zoo.sd3.tiny import TINY_TRANSFORMER, tiny_transformer_config  # noqa: E402
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to thread wake-up stalls on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _base(**overrides):
@@ -240,7 +235,8 @@ def test_meta_device_init_is_materialised():
 def test_pipeline_generates_and_roundtrips(tmp_path):
     from diffusers import DiffusionPipeline
     from ttt_zoo.sd3.tiny import tiny_sd3_pipeline
-    pipe = tiny_sd3_pipeline(linearize=True)
+    pipe = tiny_sd3_pipeline()
+    pipe.transformer = ttt_zoo.linearize(pipe.transformer)[0]
     kw = dict(prompt="a red square", negative_prompt="blue", height=32, width=48, num_inference_steps=2,
               guidance_scale=3.5, output_type="np", max_sequence_length=16)
     calls = []

@@ -6,7 +6,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from fixtures import load_fixture
+from fixtures import assert_classifier_matches, load_fixture
 from ttt_zoo.layers import T5TTT, neighborhood_attention_2d
 from ttt_zoo.layers.neighborhood import neighborhood_attention_2d_torch
 from ttt_zoo.models import T5
@@ -33,11 +33,7 @@ def test_t5_matches_official(layout):
     else:
         ckpt = state
     model.load_state_dict(checkpoint_filter_fn(ckpt, model), strict=True)
-    with torch.no_grad():
-        feats = model.forward_head(model.forward_features(t["input.x"]), pre_logits=True)
-        out = model(t["input.x"])
-    torch.testing.assert_close(feats, t["output_features"], **tol)
-    torch.testing.assert_close(out, t["output"], **tol)
+    assert_classifier_matches(model, t, tol)
 
 
 def test_filter_rejects_wrong_size():

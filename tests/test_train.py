@@ -12,7 +12,7 @@ import yaml
 
 from _train_data import make_tiny_digits
 
-from ttt_zoo.train import checkpointing as ckpt
+from ttt_zoo.train import run_state as ckpt
 from ttt_zoo.train.args import parse_args
 from ttt_zoo.train.trainer import main
 

@@ -9,7 +9,7 @@ import torch
 
 from _train_data import make_tiny_digits
 
-from ttt_zoo.train import checkpointing as ckpt
+from ttt_zoo.train import run_state as ckpt
 from ttt_zoo.train.trainer import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

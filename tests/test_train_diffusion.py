@@ -213,7 +213,7 @@ def test_exact_resume_dit5_with_ema(tiny_digits, tmp_path):
 
 def test_linearize_from_dit_gives_new_params_lr_scale(tiny_digits, tmp_path):
     from safetensors.torch import save_file
-    from ttt_zoo.linearize import DIFFUSION_LR_MULTIPLIER
+    from ttt_zoo.linearize import LR_SCALES
     from ttt_zoo.train.args import parse_args
     from ttt_zoo.train.trainer import Trainer
     src = _tiny_dit("dit_s_2", num_classes=10)
@@ -229,7 +229,7 @@ def test_linearize_from_dit_gives_new_params_lr_scale(tiny_digits, tmp_path):
     assert model.mixer == "dit5_mixed" and new
     names = {id(p): n for n, p in model.named_parameters()}
     for g in trainer.optimizer.param_groups:
-        scale = DIFFUSION_LR_MULTIPLIER if names[id(g["params"][0])] in new else 1.0
+        scale = LR_SCALES["dit"] if names[id(g["params"][0])] in new else 1.0
         assert g["lr_scale"] == scale and all((names[id(p)] in new) == (scale != 1.0) for p in g["params"])
     for k, v in src.state_dict().items():  # every source tensor inherited
         assert torch.equal(model.state_dict()[k], v)

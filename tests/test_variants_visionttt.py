@@ -1,35 +1,14 @@
 """Vision-TTT paper variants: the plain linear-attention mixer (inner_loss='dot') against a per-token autograd
-inner loop written here, gradient ascent, inner steps, and the variants that do not apply."""
+inner loop (tests/_ops.py), gradient ascent, inner steps, and the variants that do not apply."""
 import pytest
 import timm
 import torch
 
+from _ops import autograd_dot_scan
 from ttt_zoo.kernels import token_tau
 from ttt_zoo.layers.ttt_linear import TTTLinearMixer
 
 DT = torch.float64
-
-
-def _autograd_scan(q, k, v, lr, tau, w0, b0, mb):
-    """Dot loss l_j = -<k_j W + b, v_j>: per-token gradients at the mini-batch's incoming state by autograd;
-    token i reads W_i = W - sum_{j<=i} tau_i lr_j grad_j (inclusive); the state moves by the last row."""
-    bsz, h, n, d = q.shape
-    w, b = w0.expand(bsz, h, d, d), b0.expand(bsz, h, 1, d)
-    outs = []
-    for s in range(0, n, mb):
-        e = min(s + mb, n)
-        c = e - s
-        wr = w.unsqueeze(2).expand(bsz, h, c, d, d).clone().requires_grad_()
-        br = b.unsqueeze(2).expand(bsz, h, c, 1, d).clone().requires_grad_()
-        loss = -((k[:, :, s:e, None, :] @ wr + br) * v[:, :, s:e, None, :]).sum()
-        gw, gb = torch.autograd.grad(loss, [wr, br])
-        eta = torch.tril(tau[:c, None] * lr[:, :, None, s:e])
-        wi = w.unsqueeze(2) - torch.einsum("bhij,bhjxy->bhixy", eta, gw)
-        bi = b.unsqueeze(2) - torch.einsum("bhij,bhjxy->bhixy", eta, gb)
-        outs.append((q[:, :, s:e, None, :] @ wi + bi).squeeze(3))
-        w = w - torch.einsum("bhj,bhjxy->bhxy", eta[:, :, -1], gw)
-        b = b - torch.einsum("bhj,bhjxy->bhxy", eta[:, :, -1], gb)
-    return torch.cat(outs, 2)
 
 
 def _mixer(**kw):
@@ -45,9 +24,9 @@ def _bidir_naive(m, x, feat):
     tau = token_tau(m.tau_offset)
     sign = -1.0 if m.gradient_ascent else 1.0
     lr = lr * sign * m.inner_steps
-    fw = _autograd_scan(q, k, v, lr, tau, m.w0[:1], m.b0[:1], m.mini_batch)
+    fw = autograd_dot_scan(q, k, v, lr, tau, m.w0[:1], m.b0[:1], m.mini_batch)
     i = m.w0.shape[0] - 1
-    bw = _autograd_scan(q.flip(2), k.flip(2), v.flip(2), lr.flip(2), tau, m.w0[i:], m.b0[i:], m.mini_batch).flip(2)
+    bw = autograd_dot_scan(q.flip(2), k.flip(2), v.flip(2), lr.flip(2), tau, m.w0[i:], m.b0[i:], m.mini_batch).flip(2)
     return fw + bw
 
 

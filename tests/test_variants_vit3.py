@@ -22,13 +22,7 @@ from ttt_zoo.layers.vit3_ttt import ViT3TTT, variant_state_dict
 BACKENDS = ["torch", "torch_naive"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # small float64 problems: threads only add contention on a shared CPU
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _col_norm(g, dim):

@@ -197,6 +197,7 @@ def test_loop_op_scan_equals_plain_scan(monkeypatch, n, shared, ln_residual):
     # the export path (one `scan` loop op over zero-lr-padded mini-batches) against the plain per-mini-batch scan,
     # float64, N in the thousands and not a multiple of the mini-batch
     from ttt_zoo.kernels.ttt_linear import naive as scan_lib
+    from ttt_zoo.kernels.ttt_linear import token_tau, torch as scan_rc
     g = torch.Generator().manual_seed(n)
     b, h, d, mb = 2, 3, 16, 16
     f64 = dict(dtype=torch.float64)
@@ -204,11 +205,11 @@ def test_loop_op_scan_equals_plain_scan(monkeypatch, n, shared, ln_residual):
     k = q if shared else torch.randn(b, h, n, d, generator=g, **f64) / d ** 0.5
     v = torch.randn(b, h, n, d, generator=g, **f64)
     lr = torch.rand(b, h, n, generator=g, **f64) / d
-    tau = scan_lib.token_tau(0.1 * torch.randn(mb, generator=g, **f64))
+    tau = token_tau(0.1 * torch.randn(mb, generator=g, **f64))
     w0, b0 = 0.1 * torch.randn(1, h, d, d, generator=g, **f64), 0.1 * torch.randn(1, h, 1, d, generator=g, **f64)
     ln_w, ln_b = 1 + 0.1 * torch.randn(h, d, generator=g, **f64), 0.1 * torch.randn(h, d, generator=g, **f64)
     ref, _ = scan_lib.ttt_linear_naive(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
-    out, _ = scan_lib.ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
+    out, _ = scan_rc.ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert out.shape == ref.shape
     assert (out - ref).abs().max() < 1e-10 * ref.abs().max()

@@ -1,5 +1,9 @@
 """Checkpoints: the one place ttt-zoo reads, unwraps, validates and resolves weights.
 
+Glossary -- "checkpoint" is a weight file (this module; also the ``--checkpoint`` flag); a run folder's resumable
+training state and its ``checkpoint.json`` epoch manifest are "run state" (:mod:`ttt_zoo.train.run_state`);
+recomputing activations in the backward is "grad checkpointing" / recompute (:mod:`ttt_zoo.layers.recompute`).
+
 Every layout is read without running code from the file: ``.safetensors`` with safetensors, anything else with
 ``torch.load(weights_only=True)`` (plus the inert config containers official checkpoints carry).  Layouts:
 official ``{'model': ...}`` (ViT3 / H-ViT3 / T5), ``{'state_dict_ema': ...}`` / ``{'model_ema': ...}`` (EMA runs),
@@ -316,16 +320,13 @@ def _download_official(pc, path: str) -> None:
     if is_offline():
         raise CheckpointError(f"No pretrained weights found offline (HF_HUB_OFFLINE=1) for {looked}the authors' "
                               f"file {path}. {fix}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.partial-{os.getpid()}"
-    try:
-        torch.hub.download_url_to_file(pc.url, tmp, progress=True)
-    except Exception as e:  # noqa: BLE001 - network errors of every kind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise CheckpointError(f"Could not download the pretrained weights of {looked}{pc.url} ({type(e).__name__}: "
-                              f"{e}). {fix}") from e
-    os.replace(tmp, path)
+    from ttt_zoo.fileio import atomic_path
+    with atomic_path(path) as tmp:  # the temp is removed on failure
+        try:
+            torch.hub.download_url_to_file(pc.url, tmp, progress=True)
+        except Exception as e:  # noqa: BLE001 - network errors of every kind
+            raise CheckpointError(f"Could not download the pretrained weights of {looked}{pc.url} "
+                                  f"({type(e).__name__}: {e}). {fix}") from e
 
 
 def resolve_pretrained(variant: str, kwargs: Dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[in
                                     output_names=["output"], opset_version=opset, verbose=False)
     if program is None:
         raise ExportError("torch.onnx.export returned no program (dynamo exporter unavailable?)")
-    from ttt_zoo.bench.measure import atomic_path
+    from ttt_zoo.fileio import atomic_path
     with atomic_path(out) as tmp:  # fsynced, renamed when complete, the normal file mode
         program.save(tmp)
     return mult, min_side

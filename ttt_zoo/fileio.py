@@ -1,14 +1,23 @@
-"""File helpers shared by every writer of the package (the first piece of one I/O module, issue 28)."""
+"""The package's one I/O module for files: the atomic writer, the sha256 of a file and the one-writer folder lock.
+
+Every file ttt-zoo publishes goes through :func:`atomic_write` (text, bytes, or a callback writing to a file
+object) or :func:`atomic_path` (a temporary path for writers that need a name: ``torch.save``, safetensors'
+``save_file``, ONNX, ``savefig``): a temp file in the same folder, flushed and fsync'ed, renamed onto the target,
+the folder fsync'ed; the normal file mode (0644 under umask 022). Writers that commit several files together (the
+epoch commit of :mod:`ttt_zoo.train.run_state`) use the pieces: :func:`write_file`, :func:`fsync_file` and
+:func:`replace_file`. Weight files are *read* by :mod:`ttt_zoo.checkpoint` (safetensors / ``weights_only``).
+"""
 import contextlib
 import errno
 import fcntl
 import hashlib
 import os
-from typing import Iterator, Optional, Set
+from typing import IO, Callable, Iterator, Optional, Set, Union
 
 from ttt_zoo.cli._common import UsageError
 
-__all__ = ["fsync_dir", "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive", "sha256_file"]
+__all__ = ["atomic_write", "atomic_path", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
+           "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive"]
 
 LOCK_NAME = ".ttt-zoo.lock"  # inside a locked folder; beside one: ".<folder name>.lock"
 
@@ -25,6 +34,69 @@ def fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ----- the atomic writer -----
+
+Data = Union[str, bytes, Callable[[IO], object]]
+
+
+def fsync_file(path: str) -> None:
+    """Flush a written (closed) file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(tmp: str, path: str) -> None:
+    """Rename the complete file ``tmp`` onto ``path`` (same folder) and make the rename durable."""
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_file(path: str, data: Data, binary: bool = False) -> None:
+    """Write ``data`` (str, bytes, or a callable given the open file object) to ``path``, flushed and fsync'ed.
+
+    Not atomic on its own: ``path`` is a temp file a caller renames later. The file gets the process's normal
+    mode (0644 under umask 022), as for ``open()``."""
+    with open(path, "wb" if binary else "w", **({} if binary else dict(newline=""))) as f:
+        data(f) if callable(data) else f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _temp_sibling(path: str) -> str:
+    """A fresh hidden name beside ``path`` (same folder, so the rename is atomic; same extension, for writers that
+    pick the format by it)."""
+    base, ext = os.path.splitext(os.path.basename(path))
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, temp: Optional[str] = None) -> Iterator[str]:
+    """Yield a temporary path beside ``path`` for a writer that needs a file name; when the body completes, the
+    file is fsync'ed and renamed onto ``path`` (and the folder fsync'ed); when it raises, the temp file is removed
+    and ``path`` is left as it was. ``temp`` names the temp file instead (a layout that fixes it, e.g. the HF
+    cache's ``<blob>.incomplete``); the folder of ``path`` is created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = temp or _temp_sibling(path)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        replace_file(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str, data: Data, binary: bool = False) -> None:
+    """Replace ``path`` by ``data`` (str, or bytes with ``binary``, or a callable writing to the file object) all
+    at once: a reader sees the old file or the new one, never a part; on any error the old file stays."""
+    with atomic_path(path) as tmp:
+        write_file(tmp, data, binary)
 
 
 # ----- one writer per folder -----

@@ -194,6 +194,6 @@ def save_image_grid(images: torch.Tensor, path: str, nrow: Optional[int] = None,
     """Write ``images`` (B, C, H, W) as one PNG grid (atomically: temp file, fsync, rename); returns the path."""
     from PIL import Image
     grid = Image.fromarray(image_grid(images, nrow, padding, value_range, upscale).numpy())
-    from ttt_zoo.bench.measure import atomic_write
+    from ttt_zoo.fileio import atomic_write
     atomic_write(path, lambda f: grid.save(f, format="PNG"), binary=True)
     return path

@@ -18,7 +18,7 @@ Passes, per (batch, head):
   bwd 4 ``_update_bwd``: recomputes z, silu, silu', silu'', h, e, dh from k, v, W; writes dk, dv, reduces the
       gradient through G into dW partials.
   Token tiles: 64 (apply, update) and 32 (backward) for d <= 64; 32 / 16 / 16 for d = 72 (D = 128): chosen from
-  ptxas register / spill reports for sm_90 (``tools/compile_kernels.py``, results in tools/results/); 8 warps
+  ptxas register / spill reports for sm_90 (``experiments/compile_kernels.py``, results in experiments/results/); 8 warps
   for D >= 64.  Every reduction chunk spans TILES * BLOCK_N = 256 tokens.
   Saved for the backward: q, k, v, W and W' (2 or 3 d x d fp32 per (batch, head)).  Extra memory per (batch, head):
   W' and 2 or 3 fp32 d x d partials per chunk of TILES * BLOCK_N tokens; O(N d) only for out / dq / dk / dv.
@@ -44,7 +44,7 @@ TILES = 4         # tiles reduced per program in the reduction kernels
 
 
 def _block_n(bd: int, pass_: str) -> int:
-    """Tokens per tile, chosen from ptxas register/spill reports for sm_90 (tools/compile_kernels.py): the
+    """Tokens per tile, chosen from ptxas register/spill reports for sm_90 (experiments/compile_kernels.py): the
     backward kernels hold more d x d matrices, so they take shorter token tiles."""
     cap = {"apply": (64, 32), "update": (64, 16), "bwd": (32, 16)}[pass_][1 if bd > 64 else 0]
     return min(BLOCK_N, cap)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..backend import use_triton
 from ..utils import triton_module
-from .naive import check_la_args
+from .common import check_la_args
 from .torch import la_chunk_torch
 
 _OP = "linear_attention"

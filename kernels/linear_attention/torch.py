@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import compute_dtype, no_autocast
-from .naive import check_la_args
+from .common import check_la_args
 
 __all__ = ["la_chunk_torch"]
 

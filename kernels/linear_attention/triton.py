@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import block_d, load_tile, prec, store_tile
-from .naive import check_la_args
+from .common import check_la_args
 
 __all__ = ["la_fwd_triton"]
 

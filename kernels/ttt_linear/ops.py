@@ -22,7 +22,6 @@ from ..backend import use_triton
 from ..utils import needs_grad as _needs_grad
 from ..utils import triton_module
 from . import torch as R
-from .naive import ttt_linear_reference
 
 _OP = "ttt_linear"  # the op name the backend rules (head-dim limit) are looked up under
 
@@ -89,9 +88,9 @@ def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_r
 
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                   eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal scan through the custom ops (the ``triton`` backend); signature of ``ttt_linear_reference``."""
+    """Causal scan through the custom ops (the ``triton`` backend); signature of ``naive.ttt_linear_naive``."""
     if return_grad_norm:
-        return ttt_linear_reference(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
+        return R.ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
     R._check(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = R.single_inputs(q, k, w0, b0)
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None

@@ -5,12 +5,13 @@ apply the updated (per-sample) inner weights to the queries.  Autograd flows thr
 Low-precision inputs (fp16/bf16) are computed in float32 and cast back.
 """
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..utils import compute_dtype
+from .common import qkv_split
 
 __all__ = ["swiglu_ttt_reference", "dwconv_ttt_reference", "qkv_ttt_naive"]
 
@@ -92,31 +93,6 @@ def dwconv_ttt_reference(
     return out.reshape(b, d, h, w).to(out_dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it."""
-    dt = torch.promote_types(x.dtype, torch.float32)
-    xr = x.to(dt).unflatten(-1, (-1, 2))
-    re, im = xr[..., 0], xr[..., 1]
-    cos, sin = cos.to(dt), sin.to(dt)
-    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2).to(x.dtype)
-
-
-def _qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], feat_size: Tuple[int, int],
-               heads: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]
-               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """qkv projection -> SwiGLU-branch q, k, v (B, heads, N, d) and conv-branch q, k, v (B, d, H, W) views."""
-    b, n, c = x.shape[0], x.shape[1], x.shape[2]
-    h, w = feat_size[0], feat_size[1]
-    d = c // heads
-    q1, k1, v1, q2, k2, v2 = torch.split(F.linear(x, weight, bias), [c, c, c, d, d, d], dim=-1)
-    if cos is not None and sin is not None:
-        q1 = _rope(q1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
-        k1 = _rope(k1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
-    t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
-    t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
-    return t1, t2
-
-
 def qkv_ttt_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
                   w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
                   normalize_grad: bool = True, cos: Optional[torch.Tensor] = None,
@@ -124,7 +100,7 @@ def qkv_ttt_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """Reference composition (plain autograd; also the TorchScript path): projection, split, RoPE, both reference
     inner steps, concat."""
     b, n, c = x.shape[0], x.shape[1], x.shape[2]
-    t1, t2 = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+    t1, t2 = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     x1 = swiglu_ttt_reference(t1[0], t1[1], t1[2], w1, w2, scale, normalize_grad)
     x2 = dwconv_ttt_reference(t2[0], t2[1], t2[2], w3, scale, normalize_grad)
     return torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2)], dim=-1)

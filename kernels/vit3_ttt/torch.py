@@ -25,12 +25,12 @@ from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
 from ..utils import reduce_to as _reduce_to
-from .naive import _qkv_split, _rope, qkv_ttt_naive  # noqa: F401  (qkv_ttt_naive re-exported)
+from .common import qkv_split, rope_2d
 
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
     "normalize_columns", "normalize_columns_bwd", "make_function", "make_qkv_function", "qkv_ttt_torch",
-    "qkv_ttt_naive", "qkv_forward", "swiglu_apply",
+    "qkv_forward", "swiglu_apply",
 ]
 
 
@@ -235,7 +235,7 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
     """
     swiglu_f, dwconv_f = swiglu_f or swiglu_fwd, dwconv_f or dwconv_fwd
     # the projection follows the caller's autocast (replayed in the backward); the inner steps do not
-    (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+    (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     b, n, c = x.shape
     d = c // heads
     out = q1.new_empty(b, n, c + d)
@@ -275,7 +275,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
         h, w = feat_size
         d = c // heads
         with torch.no_grad(), _autocast(x.device, *ctx.amp):
-            (q1, k1, v1), (q2, k2, v2) = _qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+            (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
         with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             dq1, dk1, dv1, dw1, dw2 = swiglu_b(dx1, q1, k1, v1, w1, w2, g1, scale, normalize_grad)
@@ -290,7 +290,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
             for i in range(3):
                 dst = dqkv[..., i * c:(i + 1) * c]
                 if cos is not None and i < 2:  # RoPE is a rotation: its transpose turns by -angle
-                    dst.copy_(_rope(parts[i].transpose(1, 2).reshape(b, h, w, c), cos, -sin).reshape(b, n, c))
+                    dst.copy_(rope_2d(parts[i].transpose(1, 2).reshape(b, h, w, c), cos, -sin).reshape(b, n, c))
                 else:
                     dst.unflatten(-1, (heads, d)).copy_(parts[i].transpose(1, 2))
                 parts[i] = None

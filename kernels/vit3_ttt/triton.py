@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import torch as R
 from .torch import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
-from .naive import compute_dtype
+from ..utils import compute_dtype
 from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
     store_tile, tile_rows, wstrides as _wstrides
 
@@ -176,7 +176,7 @@ def _grid_chunks(n: int, bn: int) -> int:
 
 
 def _reduce_cfg(bd: int) -> Tuple[int, int]:
-    """(token tile, warps) of the reduction kernels: from sm_90 ptxas reports (tools/compile_kernels.py), head dims
+    """(token tile, warps) of the reduction kernels: from sm_90 ptxas reports (experiments/compile_kernels.py), head dims
     above 32 spill registers with 64-token tiles on 4 warps and do not with 32-token tiles on 8 warps."""
     return (BLOCK_N, 4) if bd <= 32 else (min(BLOCK_N, 32), 8)
 

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import autocast_state, compute_dtype, no_autocast, reduce_to
-from ..vit3_ttt.torch import _dwconv, _rope, _taps, normalize_columns, normalize_columns_bwd, swiglu_bwd, swiglu_fwd
-from .naive import variant_qkv_naive, variant_qkv_split
+from ..vit3_ttt.common import rope_2d
+from ..vit3_ttt.torch import _dwconv, _taps, normalize_columns, normalize_columns_bwd, swiglu_bwd, swiglu_fwd
+from .common import variant_qkv_split
+from .naive import variant_qkv_naive  # k > 1 full SwiGLU steps: no closed form, the reference's loop (run_variant)
 
 __all__ = ["last_fwd", "last_bwd", "linear_fwd", "linear_bwd", "conv_fwd", "conv_bwd", "all_fwd", "all_bwd",
            "make_variant_function", "variant_qkv_torch", "variant_forward"]
@@ -185,7 +187,7 @@ def make_variant_function(name: str, branches, conv):
             del q1, k1, v1, q2, k2, v2
             heads_merged = [t.transpose(1, 2).reshape(b, n, c) for t in (dq1, dk1, dv1)]
             if cos is not None:  # RoPE is a rotation: its transpose turns by -angle
-                heads_merged[:2] = [_rope(t.reshape(b, h, w, c), cos, -sin).reshape(b, n, c) for t in heads_merged[:2]]
+                heads_merged[:2] = [rope_2d(t.reshape(b, h, w, c), cos, -sin).reshape(b, n, c) for t in heads_merged[:2]]
             conv = [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)]
             if share_qk:  # q is k: its gradient joins k's, and there are no query rows
                 parts = [heads_merged[0] + heads_merged[1], heads_merged[2], conv[0] + conv[1], conv[2]]

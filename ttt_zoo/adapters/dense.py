@@ -180,7 +180,7 @@ class TimmDense(_FreezeMixin, nn.Module):
         super().__init__()
         import timm
         import ttt_zoo  # noqa: F401  (registers the models)
-        from ttt_zoo import list_zoo_models
+        from ttt_zoo.registry import list_zoo_models
         if model_name not in list_zoo_models():
             raise ValueError(f"{model_name!r} is not a ttt_zoo model; choose one of {list_zoo_models()}.")
         self.model = timm.create_model(model_name, pretrained=False, num_classes=0, **(model_kwargs or {}))

@@ -1,6 +1,8 @@
 """Entry point of one fresh measuring process: ``python -m ttt_zoo.bench.child KIND SPEC_JSON``.
 
 Prints one line ``RESULT_TAG + json`` with the result; errors raise (the parent reports the traceback's end).
+The spec's ``backend`` (the parent's ``--backend``) becomes the process-wide TTT op backend
+(``ttt_zoo.kernels.backend.set_backend``); None leaves the default.
 """
 
 import json
@@ -16,6 +18,9 @@ def main(kind: str, spec_json: str) -> None:
     import importlib
     for module in spec.get("imports") or ():  # --import: modules registering more models with timm
         importlib.import_module(module)
+    if spec.get("backend") is not None:
+        from ttt_zoo.kernels.backend import set_backend
+        set_backend(spec["backend"])
     from .measure import RESULT_TAG
     if kind == "model":
         from .models import bench_model as fn

@@ -1,6 +1,7 @@
 """Whole-model ``torch.compile`` checks: graph breaks (``torch._dynamo.explain``) and compiled-vs-eager parity.
 
-Used by ``tests/test_compile.py`` (CI, one block per stage) and ``tools/compile_report.py`` (the report).
+Used by ``tests/test_compile.py`` (CI, one block per stage); ``experiments/results/compile_graph_breaks.md`` came from
+these functions.
 """
 import copy
 import os
@@ -9,19 +10,27 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-import ttt_zoo
+from ttt_zoo.registry import create_model, is_diffusion_model, list_zoo_families
 
 __all__ = ["SMALL", "IMAGE_SIZES", "LATENT_SIZES", "small_model", "model_inputs", "compiled_parity", "parity_ok",
            "graph_breaks"]
+
+
+def _one_block_kwargs() -> Dict[str, Dict]:
+    """family -> its ``ONE_BLOCK_KWARGS`` (each family file keeps its own, beside its size table)."""
+    import importlib
+    from ttt_zoo.models import MODEL_MODULES
+    out = {}
+    for m in MODEL_MODULES:
+        out.update(getattr(importlib.import_module(f"ttt_zoo.models.{m}"), "ONE_BLOCK_KWARGS", {}))
+    return out
+
 
 # one block (per stage): the same block code as the full models, compiled in a fraction of the time.  The
 # hierarchical families keep two of their four stages (stem, blocks, a merge, blocks, head: every code path): with
 # dynamic sizes each further stage nests the size expressions one level deeper, and inductor's symbolic-shape work
 # grows much faster than the graph (four stages took over 10 min on 2 cores; ``small_model(..., full=True)``)
-SMALL = {"vit3": dict(depth=1), "t5": dict(depth=1), "t5_plus": dict(depth=1), "visionttt": dict(depth=1),
-         "hvit3": dict(depths=(1, 1), embed_dim=(64, 128), num_heads=(2, 4)),
-         "visionttt_h": dict(depths=(1, 1), head_dim=(32, 32)), "dit": dict(depth=1),
-         "dit3": dict(depth=1), "dit5": dict(depth=1)}
+SMALL = _one_block_kwargs()
 # non-square first: dynamo's duck sizing would give a square first call one symbol for H and W, and the
 # non-square call would then recompile
 IMAGE_SIZES = ((160, 256), (224, 224))  # classifiers (multiples of 32), not square and square
@@ -31,23 +40,23 @@ LATENT_SIZES = ((24, 40), (32, 32))  # DiT latents (the s_2 models' default is 3
 def small_model(family: str, full: bool = False) -> Tuple[str, torch.nn.Module, Sequence[Tuple[int, int]]]:
     """The family's smallest registered model (one block per stage unless ``full``; zero-initialised weight
     matrices randomised, so that every output depends on every block) and the two sizes to check."""
-    families = ttt_zoo.list_zoo_families(include_diffusion=True)
+    families = list_zoo_families(include_diffusion=True)
     if family not in families:
         raise KeyError(f"unknown family {family!r}; families: {sorted(families)}")
     name = families[family]
     torch.manual_seed(0)
-    model = ttt_zoo.create_model(name, **({} if full else SMALL.get(family, {})))
+    model = create_model(name, **({} if full else SMALL.get(family, {})))
     with torch.no_grad():  # zero-initialised tensors (DiT's adaLN-zero and final layer) would make the output 0
         for p in model.parameters():
             if p.dim() > 1 and not p.any():
                 p.normal_(0.0, 0.02)
-    return name, model, LATENT_SIZES if ttt_zoo.is_diffusion_model(name) else IMAGE_SIZES
+    return name, model, LATENT_SIZES if is_diffusion_model(name) else IMAGE_SIZES
 
 
 def model_inputs(name: str, model: torch.nn.Module, hw: Tuple[int, int], batch: int = 2, seed: int = 0) -> Tuple:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, getattr(model, "in_chans", 3), *hw, generator=g)
-    if ttt_zoo.is_diffusion_model(name):
+    if is_diffusion_model(name):
         return x, torch.rand(batch, generator=g) * 999, torch.randint(0, 1000, (batch,), generator=g)
     return (x,)
 

@@ -1,5 +1,5 @@
 """The measuring code every benchmark mode shares: step timing, peak memory, the fresh-subprocess runner, the
-machine description and atomic writes.
+machine description (files are written with :mod:`ttt_zoo.fileio`).
 
 Peak memory is the growth over the state before the first measured call (model and inputs already built):
 on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated``; on the CPU the process's peak resident set
@@ -7,7 +7,6 @@ on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated``; on the C
 process by X"), it covers every allocator (PyTorch's CPU allocator is plain malloc) and needs no tracing hooks.
 """
 
-import contextlib
 import json
 import os
 import platform
@@ -18,10 +17,8 @@ import sys
 import time
 from typing import Callable, Dict, Optional
 
-from ttt_zoo.fileio import fsync_dir
-
 __all__ = ["rss_kb", "reset_peak", "peak_kb", "PeakMemory", "measure_steps", "run_child", "machine_info",
-           "describe_machine", "atomic_write", "atomic_path", "RESULT_TAG"]
+           "describe_machine", "RESULT_TAG"]
 
 RESULT_TAG = "@@ttt-zoo-bench@@ "  # prefixes the one result line a child prints
 
@@ -188,42 +185,3 @@ def describe_machine(info: Dict[str, str]) -> str:
              f"triton {info['triton']}", f"CUDA {info['cuda']}", f"load before the run {info.get('load_before', '?')}",
              info["date"]]
     return "; ".join(p for p in parts if p)
-
-
-def _sibling_temp(path: str) -> str:
-    base, ext = os.path.splitext(os.path.basename(path))
-    return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
-
-
-@contextlib.contextmanager
-def atomic_path(path: str):
-    """Yield a temporary sibling path for a writer that needs a file name (ONNX, savefig); on success it is
-    fsynced and renamed onto ``path``, on failure removed. The file gets the process's normal mode (umask)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = _sibling_temp(path)
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(folder)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write(path: str, data, binary: bool = False) -> None:
-    """Write ``data`` (str or bytes, or a callable writing to a file object) to a temporary sibling, fsync it, then
-    os.replace it onto ``path``. The file gets the process's normal mode (0644 under umask 022; mkstemp's 0600
-    was not)."""
-    with atomic_path(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else dict(newline=""))) as f:
-            data(f) if callable(data) else f.write(data)
-            f.flush()
-            os.fsync(f.fileno())

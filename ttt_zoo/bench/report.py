@@ -8,7 +8,7 @@ import math
 import os
 from typing import Dict, List, Optional
 
-from .measure import atomic_write
+from ttt_zoo.fileio import atomic_write
 
 __all__ = ["PHASES", "write_results", "format_table", "format_ops_table", "scaling_exponents", "plot_results"]
 

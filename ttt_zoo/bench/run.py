@@ -37,7 +37,7 @@ class BenchConfig:
     num_warm_iter: int = 2
     num_bench_iter: int = 10
     threads: Optional[int] = None
-    backends: Sequence[Optional[str]] = (None,)  # TTT_ZOO_BACKEND per run of the zoo models; None: leave as is
+    backends: Sequence[Optional[str]] = (None,)  # TTT op backend per run of the zoo models (the child's --backend); None: leave as is
     # "torch" (eager, or --torchcompile), "compile" (torch.compile with --torchcompile's backend, default inductor,
     # side by side with eager) and/or "onnxruntime" (CPU inference)
     runtimes: Sequence[str] = ("torch",)
@@ -76,10 +76,8 @@ def _batch(cfg: BenchConfig, h: int, w: int) -> int:
     return max(1, cfg.batch_tokens // max(1, (h // 16) * (w // 16))) if cfg.batch_tokens else cfg.batch_size
 
 
-def _env(cfg: BenchConfig, backend: Optional[str]) -> Dict[str, Optional[str]]:
+def _env(cfg: BenchConfig) -> Dict[str, Optional[str]]:
     env: Dict[str, Optional[str]] = {}
-    if backend is not None:
-        env["TTT_ZOO_BACKEND"] = backend
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
     if cfg.malloc_trim:
@@ -107,7 +105,27 @@ def _spec(cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
                 num_warm_iter=cfg.num_warm_iter, num_bench_iter=cfg.num_bench_iter, threads=cfg.threads,
                 model_kwargs=cfg.model_kwargs, set_attr=cfg.set_attr if c["role"] == "model" else {},
                 saved_mem=cfg.saved_mem, src=c["src"], top=cfg.top, runtime=rt,
-                imports=list(cfg.imports))
+                imports=list(cfg.imports), backend=c["backend"])
+
+
+def _child_takes_backend(src: Optional[str]) -> bool:
+    """Whether the benchmark child of source tree ``src`` (None: this one) sets the spec's ``backend`` (older trees
+    read the environment instead and would measure the default backend)."""
+    if src is None:
+        return True
+    try:
+        with open(os.path.join(src, "ttt_zoo", "bench", "child.py")) as f:
+            return "set_backend" in f.read()
+    except OSError:
+        return False
+
+
+def _run_model_child(kind: str, cfg: BenchConfig, c: Dict, h: int, w: int, phase: str) -> Dict:
+    if c["backend"] is not None and not _child_takes_backend(c["src"]):
+        return dict(error=f"the source tree {c['src']} predates passing the TTT backend to the benchmark child; "
+                          f"measure it without --backend")
+    return run_child(kind, _spec(cfg, c, h, w, "train" if phase == "train" else "inference"), _env(cfg),
+                     src=c["src"], timeout=cfg.timeout)
 
 
 def _merge(runs: List[Dict]) -> Dict:
@@ -136,8 +154,7 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
                 for p in cfg.phases:
                     if p == "train" and c.get("runtime") == "onnxruntime":  # an inference runtime
                         continue
-                    r = run_child("model", _spec(cfg, c, h, w, "train" if p == "train" else "inference"),
-                                  _env(cfg, c["backend"]), src=c["src"], timeout=cfg.timeout)
+                    r = _run_model_child("model", cfg, c, h, w, p)
                     runs.setdefault((c["label"], h, w, p), []).append(r)
                     if "error" in r:
                         log(f"FAILED {c['label']} {h}x{w} {p}: {r['error']}\n{r.get('traceback', '')}")
@@ -175,8 +192,7 @@ def run_profiles(cfg: BenchConfig, log=print) -> List[Dict]:
     for h, w in cfg.img_sizes:
         for c in _configs(cfg):
             for p in cfg.phases:
-                r = run_child("profile", _spec(cfg, c, h, w, "train" if p == "train" else "inference"),
-                              _env(cfg, c["backend"]), src=c["src"], timeout=cfg.timeout)
+                r = _run_model_child("profile", cfg, c, h, w, p)
                 r.update(label=c["label"], img_size=f"{h}x{w}", phase=p)
                 log(f"{c['label']} {h}x{w} {p}: " + (f"FAILED {r['error']}" if "error" in r else
                                                      f"{r['total_ms']:.1f} ms self time per step"))

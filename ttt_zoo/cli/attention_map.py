@@ -33,7 +33,7 @@ def plot_maps(rgb, query_pixel, maps, path: str, title: str, orig_size=None) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch.nn.functional as F
-    from ttt_zoo.bench.measure import atomic_write
+    from ttt_zoo.fileio import atomic_write
     h, w = rgb.shape[:2]
     oh, ow = orig_size or (h, w)
     extent = (0, ow, oh, 0)  # model-size pixels drawn over the original's extent: the aspect ratio is kept
@@ -69,11 +69,11 @@ def plot_maps(rgb, query_pixel, maps, path: str, title: str, orig_size=None) -> 
 def run(args) -> int:
     import timm
     import torch
-    import ttt_zoo
+    from ttt_zoo.registry import create_model, is_diffusion_model, list_zoo_models
     from ttt_zoo.analysis import image_attention_maps
     from ._common import model_kwargs
-    if args.model.split(".")[0] in ttt_zoo.list_zoo_models(include_diffusion=True) \
-            and ttt_zoo.is_diffusion_model(args.model):
+    if args.model.split(".")[0] in list_zoo_models(include_diffusion=True) \
+            and is_diffusion_model(args.model):
         raise SystemExit(f"error: {args.model} is a diffusion model (forward(x, t, y)); attention-map takes an image "
                          f"model, e.g. vit3_tiny, t5_tiny, visionttt_tiny")
     try:
@@ -99,7 +99,7 @@ def run(args) -> int:
             raise SystemExit(f"error: {e}") from None
         note = f"weights: {os.path.basename(args.checkpoint)}"
     else:
-        model = ttt_zoo.create_model(args.model, pretrained=False, **model_kwargs(args))
+        model = create_model(args.model, pretrained=False, **model_kwargs(args))
         note = "random init (no checkpoint given)"
     model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
     cfg = timm.data.resolve_data_config({}, model=model)

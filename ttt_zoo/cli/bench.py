@@ -16,11 +16,11 @@ import os
 import shlex
 import sys
 
+from ttt_zoo.kernels.backend import BACKENDS
+
 from ._common import positive_int
 
 __all__ = ["add_parser", "run", "parse_img_size"]
-
-BACKENDS = ("auto", "torch", "torch_naive", "triton")
 
 
 def parse_img_size(text: str):
@@ -75,7 +75,7 @@ def _resolve_models(p: argparse.ArgumentParser, names, flag: str):
 
 
 def _write_md(path: str, title: str, cmd: str, machine: str, protocol: str, body: str) -> None:
-    from ttt_zoo.bench.measure import atomic_write
+    from ttt_zoo.fileio import atomic_write
     atomic_write(path, f"# {title}\n\n`{cmd}`\n\nMachine: {machine}.\n\n{protocol}\n\n{body}\n")
 
 
@@ -227,7 +227,7 @@ def add_parser(sub) -> None:
     g.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
                    help="instead of -b: batch = max(1, N // (H/16 * W/16)), the same tokens at every size")
     g.add_argument("--backend", nargs="+", choices=BACKENDS, default=None,
-                   help="TTT op backend(s) (TTT_ZOO_BACKEND in the child); several: each is measured")
+                   help="TTT op backend(s) (set_backend in the child); several: each is measured")
     g.add_argument("--model-kwargs", nargs="+", type=_kwarg, metavar="KEY=VALUE", help="passed to create_model")
     g.add_argument("--set-attr", nargs="+", type=_kwarg, metavar="KEY=VALUE",
                    help="set this attribute on every submodule of --model that has it (e.g. recompute=False)")

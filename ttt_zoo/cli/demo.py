@@ -35,7 +35,7 @@ def run(args) -> int:
     from ttt_zoo.train.recipes import load_recipe
     from ttt_zoo.train.trainer import main as train_main
     from ttt_zoo.train.validate import validate
-    from ttt_zoo import list_zoo_families, list_zoo_models
+    from ttt_zoo.registry import list_zoo_families, list_zoo_models
     families = list_zoo_families(include_diffusion=True)
     print(f"== ttt-zoo: {len(list_zoo_models(include_diffusion=True))} models in {len(families)} families, registered "
           f"with timm (`ttt-zoo list` shows them all with sizes and GFLOPs) ==\n   smallest of each: "
@@ -61,7 +61,7 @@ def run(args) -> int:
           f"   {desc}: top-1 {r['top1']:.2f} %, top-5 {r['top5']:.2f} % (chance: 10 %), "
           f"{r['param_count']} M parameters\n   run folder: {folder} (summary.csv, train_plot.png, checkpoints)")
     if args.bench:
-        from ttt_zoo import list_zoo_families
+        from ttt_zoo.registry import list_zoo_families
         from ttt_zoo.bench import format_table, scaling_table
         vit3 = list_zoo_families()["vit3"]
         print(f"\n== CPU scaling, batch 1, inference: {vit3} vs timm deit_tiny_patch16_224 (side by side) ==")

@@ -15,14 +15,14 @@ __all__ = ["add_parser", "run"]
 
 
 def run(args) -> int:
-    import ttt_zoo
+    from ttt_zoo.registry import create_model
     from ttt_zoo.export import ExportError, export_onnx
     try:
         check_out(args.out, True)  # the folder must be writable; an existing --out is refused before the export
         kwargs = model_kwargs(args)
         if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
             kwargs["pretrained_cfg_overlay"] = dict(file=args.checkpoint)
-        model = ttt_zoo.create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
+        model = create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
         mult, min_side = export_onnx(model, args.out, args.img_size, overwrite=args.force)
     except (CheckpointError, ExportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

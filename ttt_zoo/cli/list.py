@@ -56,7 +56,7 @@ def select_models(names: Sequence[str], filters: Sequence[str]) -> List[str]:
 
 
 def run(args) -> int:
-    from ttt_zoo import list_zoo_models
+    from ttt_zoo.registry import list_zoo_models
     from ._common import UsageError
     names = select_models(list_zoo_models(include_diffusion=True), args.filter)
     if not names:

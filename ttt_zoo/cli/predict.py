@@ -270,7 +270,7 @@ def run(args) -> int:
 
     import torch
     from timm.data import DatasetInfoLabelMapper, create_transform, resolve_data_config
-    from ttt_zoo.train.reporting import atomic_write_text
+    from ttt_zoo.fileio import atomic_write
     from ._common import UsageError, check_out
     sources = list(args.data) + ([args.data_dir] if args.data_dir else [])
     if not sources:
@@ -319,7 +319,7 @@ def run(args) -> int:
     if args.results_separate_col:
         rows = [_columns(r) for r in rows]
     for fmt, path in out_paths.items():
-        atomic_write_text(path, _render(rows, fmt, args.filename_col))
+        atomic_write(path, _render(rows, fmt, args.filename_col))
     if not args.no_console_results:
         sys.stdout.write(_render(rows, "json", args.filename_col))
     where = f"; results written to {', '.join(out_paths.values())}" if out_paths else ""

@@ -40,8 +40,8 @@ def load_run_args(folder: str) -> Dict[str, Any]:
 
 def find_weights(folder: str) -> str:
     """The weights file of a training folder, EMA weights first (see :data:`RUN_WEIGHTS`), as its commit manifest
-    names it (:func:`ttt_zoo.train.checkpointing.committed_weights`: never a file the manifest does not commit)."""
-    from ttt_zoo.train.checkpointing import committed_weights
+    names it (:func:`ttt_zoo.train.run_state.committed_weights`: never a file the manifest does not commit)."""
+    from ttt_zoo.train.run_state import committed_weights
     for name in RUN_WEIGHTS:
         tag, ema = name[: -len(".safetensors")].removesuffix("_ema"), name.endswith("_ema.safetensors")
         path = committed_weights(folder, tag, ema)
@@ -71,9 +71,9 @@ def _shape_kwargs(sd, model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _check_diffusion(name: str) -> None:
-    import ttt_zoo
-    if not (name.split(".")[0] in ttt_zoo.list_zoo_models(include_diffusion=True)
-            and ttt_zoo.is_diffusion_model(name)):
+    from ttt_zoo.registry import is_diffusion_model, list_zoo_models
+    if not (name.split(".")[0] in list_zoo_models(include_diffusion=True)
+            and is_diffusion_model(name)):
         raise ValueError(f"--model {name} is not a diffusion model (forward(x, t, y)); sample takes a DiT-family "
                          f"model, e.g. dit3_s_2, dit5_s_2 or dit_s_2")
 

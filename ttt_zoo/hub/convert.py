@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from ttt_zoo.fileio import pid_alive, sha256_file
+from ttt_zoo.fileio import atomic_path, pid_alive, sha256_file
 
 from .cards import PAPER_RESULTS, paper_results, render_card
 from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, LOADER_ARGS, WEIGHTS_NAME, HubFolderError,
@@ -286,9 +286,8 @@ def convert_all(out_root: str, checkpoint_dir: Optional[str] = None, pattern: st
             url = get_pretrained_cfg(n).url
             if download and url:
                 os.makedirs(checkpoint_dir, exist_ok=True)
-                tmp = os.path.join(checkpoint_dir, n + ".pth.partial")
-                torch.hub.download_url_to_file(url, tmp, progress=True)
-                os.replace(tmp, os.path.join(checkpoint_dir, n + ".pth"))
+                with atomic_path(os.path.join(checkpoint_dir, n + ".pth")) as tmp:
+                    torch.hub.download_url_to_file(url, tmp, progress=True)
             else:
                 missing.append(n)
     if missing and not skip_missing:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ttt_zoo.checkpoint import (HUB_ORG, CheckpointError, check_safetensors, hub_unavailable_error,
                                 load_checkpoint_file, unwrap_checkpoint)
-from ttt_zoo.fileio import sha256_file
+from ttt_zoo.fileio import atomic_path, atomic_write, sha256_file
 
 from .cards import REQUIRED_CARD_KEYS, arxiv_ids, parse_card
 
@@ -409,16 +409,13 @@ def install_to_hub_cache(folder: str, repo_id: str, cache_dir: Optional[str] = N
         if not os.path.isfile(src):
             continue
         blob = os.path.join(repo_dir, "blobs", sha256_file(src))
-        shutil.copyfile(src, blob + ".incomplete")  # huggingface_hub's own partial-file suffix
-        os.replace(blob + ".incomplete", blob)
+        with atomic_path(blob, temp=blob + ".incomplete") as tmp:  # huggingface_hub's own partial-file suffix
+            shutil.copyfile(src, tmp)
         dst = os.path.join(snap, name)
         if os.path.lexists(dst):
             os.remove(dst)
         os.symlink(os.path.relpath(blob, snap), dst)
-    ref = os.path.join(repo_dir, "refs", "main")
-    with open(ref + ".tmp", "w") as f:
-        f.write(revision)
-    os.replace(ref + ".tmp", ref)
+    atomic_write(os.path.join(repo_dir, "refs", "main"), revision)
     return snap
 
 

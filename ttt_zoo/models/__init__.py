@@ -11,9 +11,8 @@ for _m in MODEL_MODULES:
 from .vit3 import ViT3  # noqa: E402
 from .hvit3 import HViT3, HViT3Backbone, HVIT3_SIZES  # noqa: E402
 from .dit import DiT  # noqa: E402
-from .dit5 import linearize_dit  # noqa: E402
 from .t5 import T5  # noqa: E402
 from .visionttt import VisionTTT, VisionTTTH, gradient_magnitude_map  # noqa: E402
 
-__all__ = ["ViT3", "HViT3", "HViT3Backbone", "HVIT3_SIZES", "DiT", "linearize_dit", "T5", "VisionTTT", "VisionTTTH",
+__all__ = ["ViT3", "HViT3", "HViT3Backbone", "HVIT3_SIZES", "DiT", "T5", "VisionTTT", "VisionTTTH",
            "gradient_magnitude_map"]

@@ -2,13 +2,13 @@
 
 import contextlib
 import inspect
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import register_notrace_function, trunc_normal_
-from timm.models import build_model_with_cfg
+from timm.models import build_model_with_cfg, checkpoint
 from timm.models._features import feature_take_indices
 
 # checkpoint loading lives in ttt_zoo.checkpoint; re-exported for the model files' checkpoint_filter_fn
@@ -19,7 +19,8 @@ from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
-           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier"]
+           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier",
+           "run_blocks"]
 
 
 @register_notrace_function
@@ -109,6 +110,17 @@ def factory_device(device: Optional[Union[str, torch.device]]):
 def drop_path_schedule(rate: float, depth: int) -> List[float]:
     """Stochastic-depth rates rising linearly 0 -> rate over ``depth`` blocks (no tensors: meta-device safe)."""
     return [rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]
+
+
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, *args: Any, grad_checkpointing: bool = False
+               ) -> torch.Tensor:
+    """``x = blk(x, *args)`` for each block (``args``: the feature size, DiT's conditioning); with
+    ``grad_checkpointing`` each block runs under timm's ``checkpoint`` (timm's ``use_reentrant`` default, False), so
+    its activations are recomputed in the backward.  Eager only: TorchScript callers loop over the blocks
+    themselves (the one runner of every family; timm's ``checkpoint_seq`` takes blocks of one argument only)."""
+    for blk in blocks:
+        x = checkpoint(blk, x, *args) if grad_checkpointing else blk(x, *args)
+    return x
 
 
 def init_weights(m: nn.Module) -> None:

@@ -11,11 +11,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
-from timm.models import checkpoint
 
 from ttt_zoo.layers import TTTBlock
 from ._common import (CheckpointError, TTTClassifier, check_image, drop_path_schedule, init_weights,
-                      reset_inner_parameters)
+                      reset_inner_parameters, run_blocks)
 
 __all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
 
@@ -144,6 +143,8 @@ class PlainTTTViT(TTTClassifier):
         self.patch_size = patch_size
         self.min_size = max(min_size, patch_size)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        # forward_features is NHWC (timm's output_fmt, as Swin): the blocks work on channels-last tokens
+        # (docs/models.md, "forward_features layout")
         self.output_fmt = "NHWC"
         self.grad_checkpointing = False
 
@@ -204,11 +205,11 @@ class PlainTTTViT(TTTClassifier):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the normalised (B, H, W, C) token map."""
         x, feat_size = self._embed(x)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
+        if torch.jit.is_scripting():  # no checkpointing in TorchScript
+            for blk in self.blocks:
                 x = blk(x, feat_size)
+        else:
+            x = run_blocks(self.blocks, x, feat_size, grad_checkpointing=self.grad_checkpointing)
         x = self.norm(x)
         return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[-1])
 
@@ -222,10 +223,7 @@ class PlainTTTViT(TTTClassifier):
         b = x.shape[0]
         intermediates = []
         for i, blk in enumerate(self.blocks[:last]):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
+            x = run_blocks((blk,), x, feat_size, grad_checkpointing=self.grad_checkpointing)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 if output_fmt == "NCHW":

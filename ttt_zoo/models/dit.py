@@ -19,12 +19,13 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function
-from timm.models import checkpoint, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_as_map
-from ._common import build_ttt_model, check_image, unwrap_checkpoint, validate_state_dict, with_hub_ids
+from ._common import build_ttt_model, check_image, run_blocks, unwrap_checkpoint, validate_state_dict, with_hub_ids
 
-__all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn"]
+__all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn", "DIT_SIZES",
+           "ONE_BLOCK_KWARGS"]
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -282,11 +283,11 @@ class DiT(nn.Module):
         x = self.x_embedder.norm(x.flatten(2).transpose(1, 2).contiguous())  # B, h*w, D
         x = x + runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
         c = self.t_embedder(t) + self.y_embedder(y)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, c, feat_size)
-            else:
+        if torch.jit.is_scripting():  # no checkpointing in TorchScript
+            for blk in self.blocks:
                 x = blk(x, c, feat_size)
+        else:
+            x = run_blocks(self.blocks, x, c, feat_size, grad_checkpointing=self.grad_checkpointing)
         x = self.final_layer(x, c)
         return self.unpatchify(x, feat_size)
 
@@ -341,13 +342,20 @@ def dit_cfg(url: str = "", input_size: int = 32, **kwargs) -> Dict[str, Any]:
     }
 
 
-#: depth, hidden size, heads of the DiT sizes (shared by dit, dit3, dit5)
-DIT_SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 1152, 16)}
+#: the DiT sizes (one table for the three DiT-skeleton families: dit, dit3, dit5; the patch size is in the name)
+DIT_SIZES = {
+    "s": dict(depth=12, hidden_size=384, num_heads=6),
+    "b": dict(depth=12, hidden_size=768, num_heads=12),
+    "l": dict(depth=24, hidden_size=1024, num_heads=16),
+    "xl": dict(depth=28, hidden_size=1152, num_heads=16),
+}
+#: family -> the overrides that shrink its smallest model to one block (the same block code; the compile checks)
+ONE_BLOCK_KWARGS = {"dit": dict(depth=1)}
 
 
 def dit_args(size: str, patch_size: int) -> Dict[str, Any]:
-    depth, hidden, heads = DIT_SIZES[size]
-    return dict(depth=depth, hidden_size=hidden, num_heads=heads, patch_size=patch_size)
+    """The registered arguments of the ``{size}_{patch_size}`` model of a DiT-skeleton family."""
+    return dict(DIT_SIZES[size], patch_size=patch_size)
 
 
 _FAIR = "https://dl.fbaipublicfiles.com/DiT/models/{}"

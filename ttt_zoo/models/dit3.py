@@ -13,7 +13,10 @@ from timm.models import generate_default_cfgs, register_model
 from ._common import with_hub_ids
 from .dit import DiT, checkpoint_filter_fn, create_dit, dit_args, dit_cfg
 
-__all__ = ["checkpoint_filter_fn"]
+__all__ = ["checkpoint_filter_fn", "ONE_BLOCK_KWARGS"]
+
+#: family -> the overrides that shrink its smallest model to one block (sizes: ``dit.DIT_SIZES``; compile checks)
+ONE_BLOCK_KWARGS = {"dit3": dict(depth=1)}
 
 _TSINGHUA = "https://cloud.tsinghua.edu.cn/f/{}/?dl=1"
 

@@ -9,16 +9,17 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from timm.models import checkpoint, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
 from ttt_zoo.layers.mixer import set_inner_steps
 from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
-                      reset_inner_parameters, unwrap_checkpoint, validate_state_dict, with_hub_ids)
+                      reset_inner_parameters, run_blocks, unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from .vit3 import TSINGHUA_URL, VARIANTS, VIT3_PAPER, variant_kwargs
 
-__all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ConvNormAct", "Stem", "PatchMerging", "HViT3Stage"]
+__all__ = ["HViT3", "HViT3Backbone", "HVIT3_SIZES", "ONE_BLOCK_KWARGS", "ConvNormAct", "Stem", "PatchMerging",
+           "HViT3Stage"]
 
 #: the H-ViT3 sizes (one table: the classifiers below, the dense-prediction backbones and the hub use it)
 HVIT3_SIZES = {
@@ -27,6 +28,9 @@ HVIT3_SIZES = {
     "base": dict(embed_dim=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20)),
 }
 _TINY = HVIT3_SIZES["tiny"]
+#: family -> the overrides that shrink its smallest model to one block in each of two stages (stem, blocks, a merge,
+#: blocks, head: every code path; the compile checks)
+ONE_BLOCK_KWARGS = {"hvit3": dict(depths=(1, 1), embed_dim=_TINY["embed_dim"][:2], num_heads=_TINY["num_heads"][:2])}
 
 
 class ConvNormAct(nn.Module):
@@ -96,11 +100,11 @@ class HViT3Stage(nn.Module):
         """(B, C, H, W) -> (B, C, H, W) through the TTT blocks."""
         feat_size = (x.shape[2], x.shape[3])
         t = map_to_tokens(x).contiguous()  # tokens, not a view of the map (faster norms; see tokens_to_map)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                t = checkpoint(blk, t, feat_size)
-            else:
+        if torch.jit.is_scripting():  # no checkpointing in TorchScript
+            for blk in self.blocks:
                 t = blk(t, feat_size)
+        else:
+            t = run_blocks(self.blocks, t, feat_size, grad_checkpointing=self.grad_checkpointing)
         return tokens_to_map(t, feat_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +135,9 @@ class HViT3(HierarchicalTTT):
             raise ValueError("embed_dim, depths and num_heads need one entry per stage")
         self.embed_dim = list(embed_dim)
         self.num_stages = len(depths)
+        # forward_features is NCHW (timm's output_fmt, as ConvNeXt): the official stem, merges and final BatchNorm
+        # are convolutions over channels-first maps (docs/models.md, "forward_features layout")
+        self.output_fmt = "NCHW"
 
         self.patch_embed = Stem(self.in_chans, embed_dim[0])
         self.pos_drop = nn.Dropout(drop_rate)

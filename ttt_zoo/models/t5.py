@@ -16,7 +16,16 @@ from ttt_zoo.layers import family_mixer_kwargs
 from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict
 from ._plain import PlainTTTViT, fit_checkpoint_pos_embed, resample_pos_embed  # noqa: F401 (re-exported)
 
-__all__ = ["T5", "resample_pos_embed"]
+__all__ = ["T5", "resample_pos_embed", "T5_SIZES", "ONE_BLOCK_KWARGS"]
+
+#: the T5 / T5+ sizes (DeiT-T and DeiT-S layouts; the official base is 512 wide, 24 deep)
+T5_SIZES = {
+    "tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "base": dict(patch_size=16, embed_dim=512, depth=24, num_heads=8),
+}
+#: family -> the overrides that shrink its smallest model to one block (the same block code; the compile checks)
+ONE_BLOCK_KWARGS = {"t5": dict(depth=1), "t5_plus": dict(depth=1)}
 
 
 class T5(PlainTTTViT):
@@ -75,42 +84,37 @@ default_cfgs = generate_default_cfgs({
     "t5_plus_base.untrained": _cfg(),
 })
 
-_TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
-_SMALL = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
-_BASE = dict(patch_size=16, embed_dim=512, depth=24, num_heads=8)
-
-
 @register_model
 def t5_tiny(pretrained: bool = False, **kwargs) -> T5:
     """T5-T (DeiT-T layout): 6,205,480 params."""
-    return _create_t5("t5_tiny", pretrained, **dict(_TINY, **kwargs))
+    return _create_t5("t5_tiny", pretrained, **dict(T5_SIZES["tiny"], **kwargs))
 
 
 @register_model
 def t5_small(pretrained: bool = False, **kwargs) -> T5:
     """T5-S (DeiT-S layout): 23,026,792 params."""
-    return _create_t5("t5_small", pretrained, **dict(_SMALL, **kwargs))
+    return _create_t5("t5_small", pretrained, **dict(T5_SIZES["small"], **kwargs))
 
 
 @register_model
 def t5_base(pretrained: bool = False, **kwargs) -> T5:
     """T5-B (official: 512 wide, 24 deep, 8 heads): 79,270,376 params."""
-    return _create_t5("t5_base", pretrained, **dict(_BASE, **kwargs))
+    return _create_t5("t5_base", pretrained, **dict(T5_SIZES["base"], **kwargs))
 
 
 @register_model
 def t5_plus_tiny(pretrained: bool = False, **kwargs) -> T5:
     """T5+-T: T5-T averaged with 5x5 neighbourhood attention (``na_kernel=3`` for NAT3); no extra params."""
-    return _create_t5("t5_plus_tiny", pretrained, **dict(_TINY, na_kernel=5) | kwargs)
+    return _create_t5("t5_plus_tiny", pretrained, **dict(T5_SIZES["tiny"], na_kernel=5) | kwargs)
 
 
 @register_model
 def t5_plus_small(pretrained: bool = False, **kwargs) -> T5:
     """T5+-S: T5-S averaged with 5x5 neighbourhood attention (``na_kernel=3`` selectable)."""
-    return _create_t5("t5_plus_small", pretrained, **dict(_SMALL, na_kernel=5) | kwargs)
+    return _create_t5("t5_plus_small", pretrained, **dict(T5_SIZES["small"], na_kernel=5) | kwargs)
 
 
 @register_model
 def t5_plus_base(pretrained: bool = False, **kwargs) -> T5:
     """T5+-B: T5-B averaged with 5x5 neighbourhood attention (``na_kernel=3`` selectable)."""
-    return _create_t5("t5_plus_base", pretrained, **dict(_BASE, na_kernel=5) | kwargs)
+    return _create_t5("t5_plus_base", pretrained, **dict(T5_SIZES["base"], na_kernel=5) | kwargs)

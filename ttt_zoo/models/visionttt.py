@@ -16,15 +16,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from timm.layers import register_notrace_function
-from timm.models import checkpoint, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
 from ttt_zoo.layers.recompute import can_recompute, linear_of_recomputed
-from ._common import build_ttt_model, check_image, image_cfg, unwrap_checkpoint, validate_state_dict
+from ._common import build_ttt_model, check_image, image_cfg, run_blocks, unwrap_checkpoint, validate_state_dict
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
 
-__all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging"]
+__all__ = ["VisionTTT", "VisionTTTH", "SwiGluMlp", "PatchMerging", "VISIONTTT_SIZES", "VISIONTTT_H_SIZES",
+           "ONE_BLOCK_KWARGS"]
+
+#: the plain Vision-TTT sizes (heads = width / head_dim); the ``_la`` models share them
+VISIONTTT_SIZES = {
+    "tiny": dict(patch_size=16, embed_dim=192, depth=12, head_dim=64),
+    "small": dict(patch_size=16, embed_dim=384, depth=12, head_dim=64),
+    "base": dict(patch_size=16, embed_dim=768, depth=12, head_dim=64),
+}
+#: the hierarchical Vision-TTT-H sizes (stem width, doubling per stage; Swin-T/S/B depths)
+VISIONTTT_H_SIZES = {
+    "tiny": dict(embed_dim=96, depths=(2, 2, 6, 2)),
+    "small": dict(embed_dim=96, depths=(2, 2, 18, 2)),
+    "base": dict(embed_dim=128, depths=(2, 2, 18, 2)),
+}
+#: family -> the overrides that shrink its smallest model to one block (per stage; Vision-TTT-H keeps two stages:
+#: stem, blocks, a merge, blocks, head: every code path; the compile checks)
+ONE_BLOCK_KWARGS = {"visionttt": dict(depth=1), "visionttt_h": dict(depths=(1, 1), head_dim=(32, 32))}
 
 
 class SwiGluMlp(nn.Module):
@@ -131,11 +148,11 @@ class VisionTTTStage(nn.Module):
         b, h, w, c = x.shape
         feat_size = (h, w)
         t = x.reshape(b, h * w, c)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                t = checkpoint(blk, t, feat_size)
-            else:
+        if torch.jit.is_scripting():  # no checkpointing in TorchScript
+            for blk in self.blocks:
                 t = blk(t, feat_size)
+        else:
+            t = run_blocks(self.blocks, t, feat_size, grad_checkpointing=self.grad_checkpointing)
         return t.reshape(b, h, w, c)
 
 
@@ -170,6 +187,8 @@ class VisionTTTH(HierarchicalTTT):
         self.num_stages = len(depths)
         dims = [embed_dim * 2 ** i for i in range(self.num_stages)]
         self.embed_dim = dims
+        # forward_features is NHWC (timm's output_fmt, as Swin, whose layout this is): stem LN, merges and blocks all
+        # work channels-last (docs/models.md, "forward_features layout")
         self.output_fmt = "NHWC"
 
         self.patch_embed = nn.Sequential()
@@ -287,85 +306,81 @@ def _la_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return dict(kwargs, mixer_kwargs=dict(_LA, **(kwargs.get("mixer_kwargs") or {})))
 
 
+def _visionttt(variant: str, size: str, pretrained: bool, kwargs: Dict[str, Any]) -> VisionTTT:
+    return _create(VisionTTT, variant, pretrained, 3, **dict(VISIONTTT_SIZES[size], **kwargs))
+
+
+def _visionttt_h(variant: str, size: str, pretrained: bool, kwargs: Dict[str, Any]) -> VisionTTTH:
+    return _create(VisionTTTH, variant, pretrained, (0, 1, 2, 3), **dict(VISIONTTT_H_SIZES[size], **kwargs))
+
+
 @register_model
 def visionttt_tiny(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-T: 5.91M params, 1.44 GFLOPs, 77.3% top-1 (paper). 3 heads of 64."""
-    args = dict(patch_size=16, embed_dim=192, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_tiny", pretrained, 3, **dict(args, **kwargs))
+    return _visionttt("visionttt_tiny", "tiny", pretrained, kwargs)
 
 
 @register_model
 def visionttt_small(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-S: 22M params, 5.3 GFLOPs, 81.2% top-1 (paper)."""
-    args = dict(patch_size=16, embed_dim=384, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_small", pretrained, 3, **dict(args, **kwargs))
+    return _visionttt("visionttt_small", "small", pretrained, kwargs)
 
 
 @register_model
 def visionttt_base(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-B: 87M params, 20.3 GFLOPs, 82.5% top-1 (paper)."""
-    args = dict(patch_size=16, embed_dim=768, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_base", pretrained, 3, **dict(args, **kwargs))
+    return _visionttt("visionttt_base", "base", pretrained, kwargs)
 
 
 @register_model
 def visionttt_h_tiny(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-T: 28M params, 5.6 GFLOPs, 82.6% top-1 (paper)."""
-    args = dict(embed_dim=96, depths=(2, 2, 6, 2))
-    return _create(VisionTTTH, "visionttt_h_tiny", pretrained, (0, 1, 2, 3), **dict(args, **kwargs))
+    return _visionttt_h("visionttt_h_tiny", "tiny", pretrained, kwargs)
 
 
 @register_model
 def visionttt_h_small(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-S: 50M params, 10.8 GFLOPs (paper)."""
-    args = dict(embed_dim=96, depths=(2, 2, 18, 2))
-    return _create(VisionTTTH, "visionttt_h_small", pretrained, (0, 1, 2, 3), **dict(args, **kwargs))
+    return _visionttt_h("visionttt_h_small", "small", pretrained, kwargs)
 
 
 @register_model
 def visionttt_h_base(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-B: 88M params, 18.8 GFLOPs (paper)."""
-    args = dict(embed_dim=128, depths=(2, 2, 18, 2))
-    return _create(VisionTTTH, "visionttt_h_base", pretrained, (0, 1, 2, 3), **dict(args, **kwargs))
+    return _visionttt_h("visionttt_h_base", "base", pretrained, kwargs)
 
 
 @register_model
 def visionttt_tiny_la(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-T with the plain linear-attention inner loop (dot-product loss, no inner LayerNorm)."""
-    args = dict(patch_size=16, embed_dim=192, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_tiny_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt("visionttt_tiny_la", "tiny", pretrained, _la_kwargs(kwargs))
 
 
 @register_model
 def visionttt_small_la(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-S, linear-attention inner loop."""
-    args = dict(patch_size=16, embed_dim=384, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_small_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt("visionttt_small_la", "small", pretrained, _la_kwargs(kwargs))
 
 
 @register_model
 def visionttt_base_la(pretrained: bool = False, **kwargs) -> VisionTTT:
     """Vittt-B, linear-attention inner loop."""
-    args = dict(patch_size=16, embed_dim=768, depth=12, head_dim=64)
-    return _create(VisionTTT, "visionttt_base_la", pretrained, 3, **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt("visionttt_base_la", "base", pretrained, _la_kwargs(kwargs))
 
 
 @register_model
 def visionttt_h_tiny_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-T, linear-attention inner loop."""
-    args = dict(embed_dim=96, depths=(2, 2, 6, 2))
-    return _create(VisionTTTH, "visionttt_h_tiny_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt_h("visionttt_h_tiny_la", "tiny", pretrained, _la_kwargs(kwargs))
 
 
 @register_model
 def visionttt_h_small_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-S, linear-attention inner loop."""
-    args = dict(embed_dim=96, depths=(2, 2, 18, 2))
-    return _create(VisionTTTH, "visionttt_h_small_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt_h("visionttt_h_small_la", "small", pretrained, _la_kwargs(kwargs))
 
 
 @register_model
 def visionttt_h_base_la(pretrained: bool = False, **kwargs) -> VisionTTTH:
     """Vittt-H-B, linear-attention inner loop."""
-    args = dict(embed_dim=128, depths=(2, 2, 18, 2))
-    return _create(VisionTTTH, "visionttt_h_base_la", pretrained, (0, 1, 2, 3), **dict(args, **_la_kwargs(kwargs)))
+    return _visionttt_h("visionttt_h_base_la", "base", pretrained, _la_kwargs(kwargs))

@@ -14,7 +14,16 @@ from ttt_zoo.layers.mixer import set_inner_steps
 from ._common import build_ttt_model, image_cfg, unwrap_checkpoint, validate_state_dict, with_hub_ids
 from ._plain import PlainTTTViT
 
-__all__ = ["ViT3", "VARIANTS"]
+__all__ = ["ViT3", "VARIANTS", "VIT3_SIZES", "ONE_BLOCK_KWARGS"]
+
+#: the ViT3 sizes (one table: the registered models below, their Table-2 variants and the hub read it)
+VIT3_SIZES = {
+    "tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=6),
+    "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+}
+#: family -> the overrides that shrink its smallest model to one block (the same block code; the compile checks)
+ONE_BLOCK_KWARGS = {"vit3": dict(depth=1)}
 
 #: the ViTTT ablation trajectory of Liu et al., "Test-Time Training with KV Binding Is Secretly Linear Attention",
 #: Table 2 (cumulative; top-1 of ViTTT-B on ImageNet in the paper: baseline 79.34%).  Variants 2, 4 and 5 do not
@@ -75,39 +84,31 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
     "vit3_tiny.in1k": _cfg(url=TSINGHUA_URL.format("e12d1bd1c20c4e06a2da")),
     "vit3_small.in1k": _cfg(url=TSINGHUA_URL.format("4ab59ca54b474dff9b70")),
     "vit3_base.in1k": _cfg(url=TSINGHUA_URL.format("c9e9bb09f85d449ab8cf")),
-    **{f"vit3_{size}_{v}": _cfg() for size in ("tiny", "small", "base") for v in VARIANTS},
+    **{f"vit3_{size}_{v}": _cfg() for size in VIT3_SIZES for v in VARIANTS},
 }))
 
 
 @register_model
 def vit3_tiny(pretrained: bool = False, **kwargs) -> ViT3:
     """ViT3-T: 6.1M params, 1.2 GFLOPs, 76.5% top-1 (paper). Six heads of 32, unlike DeiT-T."""
-    args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=6)
-    return _create_vit3("vit3_tiny", pretrained, **dict(args, **kwargs))
+    return _create_vit3("vit3_tiny", pretrained, **dict(VIT3_SIZES["tiny"], **kwargs))
 
 
 @register_model
 def vit3_small(pretrained: bool = False, **kwargs) -> ViT3:
     """ViT3-S: 23.8M params, 4.8 GFLOPs, 81.6% top-1 (paper)."""
-    args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
-    return _create_vit3("vit3_small", pretrained, **dict(args, **kwargs))
+    return _create_vit3("vit3_small", pretrained, **dict(VIT3_SIZES["small"], **kwargs))
 
 
 @register_model
 def vit3_base(pretrained: bool = False, **kwargs) -> ViT3:
     """ViT3-B: 90.1M params, 18.0 GFLOPs, 82.6% top-1 (paper)."""
-    args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
-    return _create_vit3("vit3_base", pretrained, **dict(args, **kwargs))
+    return _create_vit3("vit3_base", pretrained, **dict(VIT3_SIZES["base"], **kwargs))
 
 
 # ---------------------------------------------------------------------------------- Table 2 (Liu et al.) variants
-_SIZES = {"tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=6),
-          "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-          "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)}
-
-
 def _variant(size: str, v: str, pretrained: bool, kwargs: Dict[str, Any]) -> ViT3:
-    return _create_vit3(f"vit3_{size}_{v}", pretrained, **dict(_SIZES[size], **variant_kwargs(v, kwargs)))
+    return _create_vit3(f"vit3_{size}_{v}", pretrained, **dict(VIT3_SIZES[size], **variant_kwargs(v, kwargs)))
 
 
 @register_model

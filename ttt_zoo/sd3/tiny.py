@@ -76,11 +76,7 @@ def tiny_sd3_components(seed: int = 0, transformer: bool = True) -> Dict[str, An
     return comps
 
 
-def tiny_sd3_pipeline(seed: int = 0, linearize: bool = False):
-    """A tiny ``StableDiffusion3Pipeline`` (softmax, or SD3.5-T5 with ``linearize=True``)."""
+def tiny_sd3_pipeline(seed: int = 0):
+    """A tiny softmax ``StableDiffusion3Pipeline`` (``ttt_zoo.linearize(pipe.transformer)`` makes it SD3.5-T5)."""
     from diffusers import StableDiffusion3Pipeline
-    comps = tiny_sd3_components(seed)
-    if linearize:
-        from .convert import linearize_sd3
-        comps["transformer"] = linearize_sd3(comps["transformer"])[0]
-    return StableDiffusion3Pipeline(**comps)
+    return StableDiffusion3Pipeline(**tiny_sd3_components(seed))

@@ -68,7 +68,8 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
         src = timm.create_model(args.linearize_from, pretrained=args.pretrained, **kw)
         if sd is not None:
             _load_weights(src, args.initial_checkpoint, sd)
-        model, new = ttt_zoo.linearize(src, **({"img_size": args.img_size} if args.img_size else {}))
+        from ttt_zoo.linearize import linearize
+        model, new = linearize(src, **({"img_size": args.img_size} if args.img_size else {}))
         if num_classes is not None and num_classes != model.num_classes:
             model.reset_classifier(num_classes)
         return model, list(new)

@@ -242,7 +242,7 @@ class DiffusionTask(Task):
                             "--initial-checkpoint)")
         g.add_argument("--ttt-lr-scale", type=float, default=None,
                        help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 2x, "
-                            "ttt_zoo.linearize.DIFFUSION_LR_MULTIPLIER)")
+                            "ttt_zoo.linearize.LR_SCALES['dit'])")
 
     def __init__(self, args: argparse.Namespace, dist: DistInfo):
         super().__init__(args, dist)
@@ -337,8 +337,8 @@ class DiffusionTask(Task):
         return model
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-        from ttt_zoo.linearize import DIFFUSION_LR_MULTIPLIER, param_groups
-        mult = (getattr(self.args, "ttt_lr_scale", None) or DIFFUSION_LR_MULTIPLIER) if self.new_param_names else 1.0
+        from ttt_zoo.linearize import LR_SCALES, param_groups
+        mult = (getattr(self.args, "ttt_lr_scale", None) or LR_SCALES["dit"]) if self.new_param_names else 1.0
         return param_groups(_unwrap(model), self.new_param_names, multiplier=mult, weight_decay=weight_decay,
                             layer_decay=getattr(self.args, "layer_decay", None))
 

@@ -20,7 +20,7 @@ MANIFEST = "digits.json"
 
 # key -> (the shipped `ttt-zoo train -c` recipe, description): small versions of each family that train on the CPU
 # in a minute or two.  The recipes (ttt_zoo/train/recipes/digits_*.yaml) hold every setting; the demo, the README
-# table and tools/digits_runs.py all run them.
+# table and experiments/digits_runs.py all run them.
 SMALL_MODELS = {
     "vit3": ("digits_vit3", "ViT3, 4 blocks, width 96"),
     "hvit3": ("digits_hvit3", "H-ViT3, 4 stages, widths 32-256"),

@@ -2,7 +2,7 @@
 
 summary.csv uses timm's column names (``epoch``, ``train_<k>``, ``eval_<k>``, ``lr``) plus ``train_img_per_sec``
 and ``epoch_time``; the trainer commits its whole text with the epoch's checkpoint (one atomic set, see
-:mod:`ttt_zoo.train.checkpointing`), so it is never torn and never loses a committed epoch's row.
+:mod:`ttt_zoo.train.run_state`), so it is never torn and never loses a committed epoch's row.
 """
 from __future__ import annotations
 
@@ -13,15 +13,11 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-__all__ = ["setup_logging", "Summary", "write_plot", "atomic_write_text"]
+from ttt_zoo.fileio import atomic_path, atomic_write
+
+__all__ = ["setup_logging", "Summary", "write_plot"]
 
 _logger = logging.getLogger("ttt_zoo.train")
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """``text`` to ``path`` through a temporary sibling, fsync and rename, with the process's normal file mode."""
-    from ttt_zoo.bench.measure import atomic_write
-    atomic_write(path, text)
 
 
 def setup_logging(log_file: Optional[str], is_primary: bool) -> logging.Logger:
@@ -70,7 +66,7 @@ class Summary:
     def add(self, row: Dict[str, Any]) -> None:
         """Append ``row`` and rewrite the file on its own (the trainer instead commits :meth:`render`'s text)."""
         self.rows.append(row)
-        atomic_write_text(self.path, self.render(self.rows))
+        atomic_write(self.path, self.render(self.rows))
 
 
 def write_plot(rows: List[Dict[str, Any]], path: str, eval_metric: str) -> None:
@@ -98,7 +94,6 @@ def write_plot(rows: List[Dict[str, Any]], path: str, eval_metric: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=80)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -114,6 +114,7 @@ class SD3Task(Task):
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
+        from ttt_zoo.linearize import LR_SCALES
         parser.set_defaults(model="sd3_t5")  # names the experiment folder; the task builds the model
         g = parser.add_argument_group("SD3.5-T5 (--task sd3)")
         g.add_argument("--sd3-pipeline", default=None, metavar="DIR",
@@ -128,7 +129,7 @@ class SD3Task(Task):
         g.add_argument("--ttt-rms-qk-norm", default="keep", choices=("keep", "skip"))
         g.add_argument("--softmax", action="store_true",
                        help="fine-tune the softmax transformer itself (the paper's SD3.5-FT baseline)")
-        g.add_argument("--ttt-lr-scale", type=float, default=1.0,
+        g.add_argument("--ttt-lr-scale", type=float, default=LR_SCALES["sd3"],
                        help="lr multiplier of the new TTT parameters (the paper's SD3 recipe states none)")
         g.add_argument("--eval-data-dir", default=None, metavar="DIR", help="default: --data-dir")
         g.add_argument("--max-sequence-length", type=int, default=256, help="T5 tokens per caption")
@@ -175,7 +176,7 @@ class SD3Task(Task):
 
     def build_model(self) -> nn.Module:
         from diffusers import SD3Transformer2DModel
-        import ttt_zoo
+        from ttt_zoo.linearize import linearize
         from ttt_zoo.sd3 import SD3T5Transformer2DModel
         a = self.args
         self._load_components()
@@ -195,7 +196,7 @@ class SD3Task(Task):
                                                             subfolder=None if a.teacher else "transformer")
         else:
             source = SD3Transformer2DModel.from_pretrained(a.sd3_pipeline, subfolder="transformer")
-            model, self.new_names = ttt_zoo.linearize(
+            model, self.new_names = linearize(
                 source, ttt_dual_layers=a.ttt_dual_layers, ttt_joint_layers=a.ttt_joint_layers,
                 ttt_key_norm_span=a.ttt_key_norm_span, ttt_rms_qk_norm=a.ttt_rms_qk_norm)
             teacher = SD3Transformer2DModel.from_pretrained(a.teacher) if a.teacher else source
@@ -213,7 +214,7 @@ class SD3Task(Task):
         return model
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-        from ttt_zoo.sd3 import sd3_param_groups
+        from ttt_zoo.linearize import sd3_param_groups
         return sd3_param_groups(model, self.new_names, lr_scale=self.args.ttt_lr_scale, weight_decay=weight_decay)
 
     # ----- data ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ timm's components do the work: ``create_optimizer_v2`` (on the task's parameter 
 ``lr_scale``), ``create_scheduler_v2`` (stepped per optimizer update), ``NativeScaler`` (float16 AMP),
 ``dispatch_clip_grad``, ``AverageMeter``; torch's DDP averages gradients under torchrun.
 The experiment folder (timm's layout) holds args.yaml, summary.csv, log.txt, train_plot.png and the checkpoints of
-:mod:`ttt_zoo.train.checkpointing`.  Only rank 0 writes files.
+:mod:`ttt_zoo.train.run_state`.  Only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from ttt_zoo.fileio import folder_lock
+from ttt_zoo.fileio import atomic_write, folder_lock
 
-from . import checkpointing as ckpt
+from . import run_state
 from .args import parse_args
 from .distributed import (DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object,
                           destroy_distributed, init_distributed)
-from .reporting import Summary, atomic_write_text, setup_logging, write_plot
+from .reporting import Summary, setup_logging, write_plot
 
 __all__ = ["Trainer", "main"]
 
@@ -108,7 +108,7 @@ def _parse_with_run_args(argv: Sequence[str], prog: str):
     first, _ = pre.parse_known_args(list(argv))
     if not first.resume:
         return parse_args(argv, prog)
-    state_file = ckpt.resolve_resume(first.resume)
+    state_file = run_state.resolve_resume(first.resume)
     recorded = _recorded_args(os.path.dirname(os.path.abspath(state_file)))
     if not recorded:
         return parse_args(argv, prog)
@@ -162,12 +162,12 @@ class Trainer:
     def _experiment_folder(self) -> str:
         a, d = self.args, self.dist
         if a.resume:
-            self.resume_file = ckpt.resolve_resume(a.resume)
+            self.resume_file = run_state.resolve_resume(a.resume)
             folder = os.path.dirname(os.path.abspath(self.resume_file))
 
             def lock_and_recover():  # with the lock held: finish / discard a commit cut off by a kill
                 self._lock_folder(folder)
-                ckpt.recover(folder)
+                run_state.recover(folder)
             _raise_everywhere(_first_error(lock_and_recover) if d.is_primary else None, d)
             return folder
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -255,14 +255,14 @@ class Trainer:
         if self.resume_file:
             self._resume(self.resume_file)
 
-        need = 4 * ckpt.estimate_checkpoint_bytes(model, ema=self.ema is not None)
-        _raise_everywhere(_first_error(lambda: ckpt.check_output_dir(self.folder, need)) if d.is_primary else None,
+        need = 4 * run_state.estimate_checkpoint_bytes(model, ema=self.ema is not None)
+        _raise_everywhere(_first_error(lambda: run_state.check_output_dir(self.folder, need)) if d.is_primary else None,
                           d)
         if d.is_primary:
             import yaml
             name = "args.yaml" if not self.resume_file else f"args.resume-epoch{self.start_epoch}.yaml"
-            atomic_write_text(os.path.join(self.folder, name),
-                              yaml.safe_dump(dict(vars(a), world_size=d.world_size), sort_keys=False))
+            atomic_write(os.path.join(self.folder, name),
+                         yaml.safe_dump(dict(vars(a), world_size=d.world_size), sort_keys=False))
         n_params = sum(p.numel() for p in model.parameters())
         self.log.info(f"{type(model).__name__}: {n_params / 1e6:.3f}M params; {d.world_size} process(es) on "
                       f"{d.device.type}; lr {a.lr:g}; {self.updates_per_epoch} updates/epoch; "
@@ -272,7 +272,7 @@ class Trainer:
 
     def _resume(self, path: str) -> None:
         d, a = self.dist, self.args
-        s = ckpt.load_state(path)
+        s = run_state.load_state(path)
         saved = s.get("args") or {}
         for k in _SAME_ON_RESUME:  # also when args.yaml is missing
             if k in saved and hasattr(a, k) and saved[k] != getattr(a, k):
@@ -307,7 +307,7 @@ class Trainer:
         self.best_metric, self.best_epoch = s.get("best_metric"), s.get("best_epoch")
         rng = s.get("rng") or []
         if len(rng) == d.world_size:
-            ckpt.set_rng_state(rng[d.rank])
+            run_state.set_rng_state(rng[d.rank])
         else:
             self.log.warning(f"resume: saved with {len(rng)} process(es), now {d.world_size}: RNG streams reseeded")
         if d.is_primary:
@@ -421,7 +421,7 @@ class Trainer:
     def _save(self, epoch_done: int, metric: Optional[float], better: bool, summary_csv: str) -> None:
         """Commit the epoch: last.*, best.* when ``better``, and summary.csv, as one atomic set."""
         d = self.dist
-        rngs = all_gather_object(ckpt.rng_state())  # every rank's, so every rank resumes its own streams
+        rngs = all_gather_object(run_state.rng_state())  # every rank's, so every rank resumes its own streams
         if not d.is_primary:
             return
         state = {"epoch": epoch_done, "num_updates": self.num_updates, "metric": metric,
@@ -433,9 +433,9 @@ class Trainer:
                  "args": {k: v for k, v in vars(self.args).items()}}
         meta = {"epoch": epoch_done, "arch": self.args.model or getattr(self.args, "linearize_from", "") or "", "metric": metric,
                 "task": self.task.name}
-        ckpt.commit_epoch(self.folder, state, self.model.state_dict(),
-                          self.ema.module.state_dict() if self.ema is not None else None, meta, best=better,
-                          summary_csv=summary_csv)
+        run_state.commit_epoch(self.folder, state, self.model.state_dict(),
+                               self.ema.module.state_dict() if self.ema is not None else None, meta, best=better,
+                               summary_csv=summary_csv)
 
     def _remove_failed_start(self) -> None:
         """A run that failed before saving anything removes the folder it created (so the same command works)."""

@@ -16,7 +16,8 @@ import torch
 
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, unwrap_checkpoint,
                                 validate_state_dict)
-from ttt_zoo.train import checkpointing as ckpt
+from ttt_zoo.fileio import atomic_write
+from ttt_zoo.train import run_state
 
 __all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path", "load_weights",
            "write_results", "RESULT_COLUMNS"]
@@ -54,32 +55,32 @@ def find_checkpoints(path: str) -> List[str]:
 def _run_weights_name(path: str) -> Optional[Tuple[str, bool]]:
     """(tag, ema) when ``path`` is named like a trainer's weights file (``last.safetensors``, ``best_ema...``)."""
     name = os.path.basename(path)
-    for tag in ckpt.TAGS:
+    for tag in run_state.TAGS:
         for ema in (False, True):
-            if name == os.path.basename(ckpt.weights_path("", tag, ema)):
+            if name == os.path.basename(run_state.weights_path("", tag, ema)):
                 return tag, ema
     return None
 
 
 def _committed_names(folder: str) -> Set[str]:
-    manifest = ckpt.read_manifest(folder) if os.path.isdir(folder) else None
+    manifest = run_state.read_manifest(folder) if os.path.isdir(folder) else None
     return set(manifest["files"]) if manifest else set()
 
 
 def committed_path(path: str, use_ema: bool) -> str:
     """The file to load for ``path``: a trainer's weights file in a run folder with a commit manifest is the
-    committed one (:func:`ckpt.committed_weights`); anything else is ``path`` itself."""
+    committed one (:func:`run_state.committed_weights`); anything else is ``path`` itself."""
     run_name = _run_weights_name(path)
     folder = os.path.dirname(os.path.abspath(path))
-    if run_name is None or ckpt.read_manifest(folder) is None:
+    if run_name is None or run_state.read_manifest(folder) is None:
         return path
     tag, ema = run_name
-    committed = ckpt.committed_weights(folder, tag, ema or use_ema)
+    committed = run_state.committed_weights(folder, tag, ema or use_ema)
     if committed is None:
         if use_ema and not ema:
             raise CheckpointError(f"--use-ema: the run in {folder} has no committed EMA weights (not trained with "
                                   f"--model-ema?). Leave out --use-ema to validate the model's own weights.")
-        raise CheckpointError(f"{path} is not committed by {ckpt.manifest_path(folder)}; it is not a checkpoint "
+        raise CheckpointError(f"{path} is not committed by {run_state.manifest_path(folder)}; it is not a checkpoint "
                               f"of this run: give last.safetensors or best.safetensors.")
     return committed
 
@@ -206,7 +207,7 @@ def _results_format(path: str) -> str:
 
 
 def write_results(rows: Sequence[Dict[str, Any]], path: str) -> None:
-    """``rows`` as CSV or JSON (by extension), written to a temporary file and renamed into place."""
+    """``rows`` as CSV or JSON (by extension), written atomically (its folder is created)."""
     fmt = _results_format(path)
     if fmt == "csv":
         buf = io.StringIO()
@@ -216,11 +217,4 @@ def write_results(rows: Sequence[Dict[str, Any]], path: str) -> None:
         text = buf.getvalue()
     else:
         text = json.dumps(list(rows), indent=2) + "\n"
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text)

@@ -1,0 +1,155 @@
+"""Compile the Triton kernels ahead of time for a CUDA target (no GPU needed) and report registers and spills per
+kernel from ptxas -v: a check that the kernels build for a real GPU and how much register pressure each
+configuration has.  One section per kernel family; each writes experiments/results/<family>_triton_compile.md.
+
+    python experiments/compile_kernels.py                       # every family, sm_90
+    python experiments/compile_kernels.py --families vit3 ttt_linear --block-d 64 128
+"""
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402  (compile for the GPU, not the interpreter)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
+from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
+from ttt_zoo.kernels.ttt_linear import triton as LT  # noqa: E402
+from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
+
+_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww")
+_IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
+_FLOAT = ("c", "eps", "alpha")
+
+
+def _signature(fn, consts, io=_IO):
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in _FLOAT:
+            sig[a] = "fp32"
+        elif a in _INT or a[0].islower():
+            sig[a] = "i32"
+        else:
+            sig[a] = "*bf16" if a in io else "*fp32"
+    return sig
+
+
+def _compile(fn, consts, arch, num_warps, io=_IO):
+    t0 = time.time()
+    k = triton.compile(ASTSource(fn, _signature(fn, consts, io), consts), target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps))
+    secs = time.time() - t0
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", f.name,
+                        "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return secs, regs.group(1) if regs else "?", spill.group(1) if spill else "?"
+
+
+def _header(title, arch, note):
+    return [f"# {title} Triton kernels compiled for sm_{arch} (no GPU; ptxas -v)", "",
+            f"triton {triton.__version__}; {note}  Compile seconds on a shared 2-core CPU (noisy).", "",
+            "| kernel | variant | BLOCK_D | tile | warps | compile s | registers/thread | spill stores (bytes) |",
+            "|---|---|---|---|---|---|---|---|"]
+
+
+def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO):
+    try:
+        secs, regs, spill = _compile(fn, consts, arch, warps, io)
+        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | {secs:.0f} | {regs} | {spill} |"
+    except Exception as e:  # report, do not hide
+        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | - | FAILED {type(e).__name__}: {str(e)[:80]} | |"
+    print(row, flush=True)
+    return row
+
+
+def vit3_rows(block_ds, arch):
+    """ViT3 SwiGLU kernels (column blocks above MAX_COLS) and the 3x3 conv-branch kernels, shipped tile sizes."""
+    lines = []
+    for bd in block_ds:
+        bc = VT._block_c(bd)
+        tiles = dict(TILES=VT.TILES)  # the reduction kernels
+        for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False, **tiles)),
+                                 (VT._swiglu_apply, "apply", {}),
+                                 (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
+                                 (VT._swiglu_update_bwd, "update bwd", tiles)):
+            bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
+            consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC="tf32", **extra)
+            lines.append(_row(fn, f"{pass_}, {bd // bc} column block(s) of {bc}", bd, bn, warps, consts, arch))
+    for fn in (VT._taps, VT._dwconv):
+        consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
+        consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
+        lines.append(_row(fn, "3x3 conv branch", "-", VT.BLOCK_P, 4, consts, arch, io=("X", "E", "O")))
+    return lines
+
+
+def ttt_linear_rows(block_ds, arch, mini_batch=16):
+    """TTT-Linear scan kernels (one program per direction x batch x head), both LN-residual settings."""
+    lines = []
+    for bd in block_ds:
+        bc, _, warps = LT._launch_cfg(bd, mini_batch)
+        for ln in (True, False):
+            fwd = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, SAVE=True, PREC="tf32")
+            bwd = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC="tf32")
+            for fn, consts in ((LT._scan_fwd, fwd), (LT._scan_bwd, bwd)):
+                lines.append(_row(fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts, arch))
+    return lines
+
+
+def inner_mlp_rows(block_ds, arch):
+    """T5 (gated) / DiT5 inner-step kernels and the key instance-norm."""
+    lines = []
+    for bd in block_ds:
+        warps = T._warps(bd)
+        for fn, pass_, extra in ((T._vjp, "update", dict(UPDATE=True)), (T._apply, "apply", {}),
+                                 (T._vjp, "bwd", dict(UPDATE=False)), (T._update_bwd, "bwd", {})):
+            bn = T._block_n(bd, pass_)
+            for gated in (True, False):
+                consts = dict(GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC="tf32", **extra)
+                if "TILES" in fn.arg_names:
+                    consts["TILES"] = T._tiles(bn)
+                variant = ("T5" if gated else "DiT5") + ("" if not extra else f", {pass_}")
+                lines.append(_row(fn, variant, bd, bn, warps, consts, arch))
+    for fn in (KT._knorm_fwd, KT._knorm_bwd):
+        lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
+                          dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))
+    return lines
+
+
+FAMILIES = {
+    "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes."),
+    "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "bf16 q/k/v, fp32 state; shipped launch config."),
+    "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,
+           "bf16 activations, fp32 weights/partials; BLOCK_N and num_warps as the launchers choose them."),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--block-d", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    for fam in args.families:
+        title, rows, note = FAMILIES[fam]
+        lines = _header(title, args.arch, note) + rows(args.block_d, args.arch)
+        with open(os.path.join(args.out_dir, f"{fam}_triton_compile.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Helpers shared by the ViT3 reference (``naive.py``) and the PyTorch / Triton paths: H-ViT3's 2-D RoPE and the
+qkv projection split into both branches' q, k, v (TorchScript-compilable)."""
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rope_2d", "qkv_split"]
+
+
+def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xr = x.to(dt).unflatten(-1, (-1, 2))
+    re, im = xr[..., 0], xr[..., 1]
+    cos, sin = cos.to(dt), sin.to(dt)
+    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2).to(x.dtype)
+
+
+def qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], feat_size: Tuple[int, int],
+               heads: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """qkv projection -> SwiGLU-branch q, k, v (B, heads, N, d) and conv-branch q, k, v (B, d, H, W) views."""
+    b, n, c = x.shape[0], x.shape[1], x.shape[2]
+    h, w = feat_size[0], feat_size[1]
+    d = c // heads
+    q1, k1, v1, q2, k2, v2 = torch.split(F.linear(x, weight, bias), [c, c, c, d, d, d], dim=-1)
+    if cos is not None and sin is not None:
+        q1 = rope_2d(q1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+        k1 = rope_2d(k1.reshape(b, h, w, c), cos, sin).reshape(b, n, c)
+    t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
+    t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
+    return t1, t2
