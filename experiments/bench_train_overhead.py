@@ -134,11 +134,8 @@ def main():
             f"| loop | images/s (median) | epochs measured |\n|---|---:|---:|\n"
             f"| bare loop | {b:.1f} | {len(bare)} |\n| ttt-zoo train | {o:.1f} | {len(ours)} |\n\n"
             f"Overhead: **{overhead:+.2f}%** (target: at most 5%: {'met' if overhead <= 5 else 'NOT met'}).\n")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    tmp_out = a.out + ".tmp"
-    with open(tmp_out, "w") as f:
-        f.write(text)
-    os.replace(tmp_out, a.out)
+    from ttt_zoo.fileio import atomic_write
+    atomic_write(a.out, text)
     print(text)
 
 

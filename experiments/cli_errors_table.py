@@ -45,10 +45,8 @@ def main(argv=None) -> int:
     for r in rows:
         line = r["first_line"].replace("|", "\\|")
         lines.append(f"| {r['name']} | `{_shown(r['argv'])}` | {r['rc']} | {line} |")
-    tmp_out = out + ".tmp"
-    with open(tmp_out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp_out, out)
+    from ttt_zoo.fileio import atomic_write
+    atomic_write(out, "\n".join(lines) + "\n")
     print(f"wrote {out}: {len(rows)} rows; {summary}")
     return proc.returncode
 

@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 from ttt_zoo.train.digits import SMALL_MODELS, model_kwargs_flags  # noqa: E402  (the digits_* recipes: one place)
 from ttt_zoo.train.recipes import load_recipe  # noqa: E402
+from ttt_zoo.fileio import atomic_write  # noqa: E402
 VARIANTS = {  # ViT3 mixer options of "TTT with KV binding is secretly linear attention" (Tables 1 and 2)
     "baseline": {},
     "v1": dict(inner_update="last"),
@@ -169,16 +170,11 @@ def _plot_variants(rows, path):
 
 def _save_fig(fig, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
 
 
 def _write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,6 @@ import copy
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -169,17 +168,8 @@ def table(rows: List[Tuple[str, str, str, Dict[str, float]]]) -> str:
 
 
 def write_atomic(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".numerics_", suffix=".md")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from ttt_zoo.fileio import atomic_write
+    atomic_write(path, text)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -150,11 +150,8 @@ def main():
         after = float(res[name][-1]["eval_mse_teacher"])
         lines.append(f"- {name}: MSE to the teacher {gap0:.4f} -> {after:.4f} ({100 * (1 - after / gap0):.0f}% of the "
                      f"gap closed; the softmax model fine-tuned the same way ends {floor:.4f} from the teacher).")
-    os.makedirs(os.path.dirname(a.results), exist_ok=True)
-    tmp = a.results + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    os.replace(tmp, a.results)
+    from ttt_zoo.fileio import atomic_write
+    atomic_write(a.results, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

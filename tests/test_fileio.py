@@ -51,3 +51,14 @@ def test_replaces_an_existing_file(tmp_path):
     path.write_text("old")
     atomic_write(str(path), "a,b\n1,2\n")
     assert path.read_text() == "a,b\n1,2\n"
+
+
+def test_safetensors_through_atomic_path_get_the_normal_mode(tmp_path, umask_022):
+    """safetensors' ``save_file`` creates its file private (0600); weights we publish must be readable (0644)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "model.safetensors"
+    with atomic_path(str(path)) as tmp:
+        save_file({"w": torch.ones(2)}, tmp)
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert torch.equal(load_file(str(path))["w"], torch.ones(2))

@@ -132,7 +132,7 @@ def test_param_groups_multiplier_and_decay():
     dit = _FakeDiT()
     dit_groups = {g["name"]: g for g in param_groups(dit, ["x_embedder.weight"], lr=1.0)}
     assert dit_groups["new_decay"]["lr_scale"] == 2.0 and dit_groups["decay"]["lr_scale"] == 1.0
-    with pytest.raises(KeyError, match="not in the model"):
+    with pytest.raises(ValueError, match="not in the model"):
         param_groups(model, ["blocks.9.attn.w1"], lr=1.0)
 
 

@@ -5,9 +5,7 @@ size (what ``ttt-zoo list`` prints), measured on the meta device.  Rerun after a
     python tools/gen_model_stats.py
 """
 import json
-import os
 import sys
-import tempfile
 
 import torch
 
@@ -20,18 +18,8 @@ def build_table():
 
 
 def write_atomic(path: str, text: str) -> None:
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".model_stats.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from ttt_zoo.fileio import atomic_write
+    atomic_write(path, text)
 
 
 def main() -> int:

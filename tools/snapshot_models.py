@@ -142,10 +142,11 @@ def main(argv=None):
             continue
         rec, tens = _record(name)
         if a.mode == "save":
-            for path, write in ((jpath, lambda f: json.dump(rec, open(f, "w"), indent=1, sort_keys=True)),
-                                (tpath, lambda f: save_file(tens, f)))[:2 if tens else 1]:
-                write(path + ".tmp")
-                os.replace(path + ".tmp", path)
+            from ttt_zoo.fileio import atomic_path, atomic_write
+            if tens:
+                with atomic_path(tpath) as tmp:
+                    save_file(tens, tmp)
+            atomic_write(jpath, json.dumps(rec, indent=1, sort_keys=True))
             print(f"saved {name}")
             continue
         old = json.load(open(jpath))

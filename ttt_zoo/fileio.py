@@ -19,6 +19,10 @@ from ttt_zoo.cli._common import UsageError
 __all__ = ["atomic_write", "atomic_path", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
            "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive"]
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_NORMAL_MODE = 0o666 & ~_UMASK  # what open() gives a new file: 0644 under umask 022
+
 LOCK_NAME = ".ttt-zoo.lock"  # inside a locked folder; beside one: ".<folder name>.lock"
 
 
@@ -84,6 +88,7 @@ def atomic_path(path: str, temp: Optional[str] = None) -> Iterator[str]:
     tmp = temp or _temp_sibling(path)
     try:
         yield tmp
+        os.chmod(tmp, _NORMAL_MODE)  # some writers (safetensors' save_file) create their file private (0600)
         fsync_file(tmp)
         replace_file(tmp, path)
     except BaseException:

@@ -13,7 +13,8 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from ttt_zoo.kernels.vit3_variant.naive import swiglu_inner_loss, swiglu_variant_steps, variant_qkv_split
+from ttt_zoo.kernels.vit3_variant.common import variant_qkv_split
+from ttt_zoo.kernels.vit3_variant.naive import swiglu_inner_loss, swiglu_variant_steps
 from ttt_zoo.layers.rope import rope_2d_tables
 from ttt_zoo.layers.vit3_ttt import ViT3TTT
 

@@ -35,7 +35,7 @@ def param_groups(model: nn.Module, new_param_names: Iterable[str], lr: Optional[
     new = set(new_param_names)
     unknown = sorted(new - set(named))
     if unknown:
-        raise KeyError(f"new_param_names not in the model: {unknown[:6]} (pass the names returned by linearize()).")
+        raise ValueError(f"new_param_names not in the model: {unknown[:6]} (pass the names returned by linearize()).")
     skip = set(no_weight_decay) | set(getattr(model, "no_weight_decay", lambda: ())())
     if layer_decay is not None:
         base = param_groups_layer_decay(model, weight_decay=weight_decay, no_weight_decay_list=skip,
