@@ -168,7 +168,7 @@ def test_fixture_dit3_dit5():
 
 def _photo():
     spec = importlib.util.spec_from_file_location(
-        "numerics_table", os.path.join(os.path.dirname(__file__), "..", "tools", "numerics_table.py"))
+        "numerics_table", os.path.join(os.path.dirname(__file__), "..", "experiments", "numerics_table.py"))
     nt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nt)
     return nt.photo(224, 224)[:1].double()
@@ -250,56 +250,7 @@ def test_unsupported_mixer_and_bad_input_errors():
         linear_attention(ViT3TTT(32, 4), torch.randn(1, 40, 32), FS)
 
 
-# ------------------------------------------------------------- every registered model, every mixer in it
-def _small_kwargs(name):
-    """A small float64-friendly build of any registered model: (kwargs, input builder, mixers' map side)."""
-    if name.startswith("dit"):
-        patch = int(name.rsplit("_", 1)[1])
-        kw = dict(hidden_size=32, depth=1, num_heads=2, input_size=8 * patch)  # an 8x8 token map
-        return kw, lambda: (torch.randn(1, 4, 8 * patch, 8 * patch, dtype=torch.float64),
-                            torch.tensor([3.0], dtype=torch.float64), torch.tensor([1]))
-    if name.startswith("hvit3"):
-        kw = dict(embed_dim=(16, 16, 32, 32), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2))
-    elif name.startswith("visionttt_h"):
-        kw = dict(embed_dim=16, depths=(1, 1, 1, 1), head_dim=(8, 8, 8, 8))
-    elif name.startswith("visionttt"):
-        kw = dict(embed_dim=32, depth=1, head_dim=16)
-    else:  # vit3, t5, t5_plus
-        kw = dict(embed_dim=32, depth=1, num_heads=2)
-    size = 64 if name.startswith(("hvit3", "visionttt_h")) else 224  # 16x16 first stage; 14x14 tokens
-    return kw, lambda: (torch.randn(1, 3, size, size, dtype=torch.float64),)
-
-
-ERRORS = {}  # model -> worst relative error (or the declared reason), for the report
-
-
-@pytest.mark.parametrize("name", ttt_zoo.list_zoo_models(include_diffusion=True))
-def test_registered_model_forms(name):
-    """Every registered model (timm.list_models(module=...) over the zoo's model modules): each mixer's own form
-    rebuilds its output to 1e-10 in float64, or the mixer declares it has none and calling it raises one line."""
-    torch.manual_seed(0)
-    kw, inputs = _small_kwargs(name)
-    model = timm.create_model(name, **kw).double().eval()
-    with torch.no_grad():  # off the near-zero init, so that every term of a form matters
-        for m in model.modules():
-            if isinstance(m, TTTMixer):
-                for p in m.parameters():
-                    p.add_(0.1 * torch.randn_like(p))
-    args = inputs()
-    seen = _hooked_outputs(model, lambda: model(*args) if name.startswith("dit") else model.forward_features(*args))
-    worst, declared = 0.0, set()
-    for mod, x, fs, out in seen:
-        if not ttt_zoo.analysis.has_linear_attention_form(mod):
-            with pytest.raises(NotImplementedError) as e:
-                linear_attention(mod, x, fs)
-            msg = str(e.value)
-            assert "\n" not in msg and f"{type(mod).__name__} has no exact linear-attention form" in msg
-            declared.add(msg)
-            continue
-        with torch.no_grad():
-            worst = max(worst, _err(linear_attention(mod, x, fs).output(), out))
-    assert worst <= TOL, f"{name}: {worst:.2e}"
-    ERRORS[name] = "; ".join(sorted(declared)) if declared else worst
+# every registered model, every mixer in it: a column of tests/test_registry_contract.py
 
 
 # ------------------------------------------ every variant option: the form, the mixer and an autograd inner loop

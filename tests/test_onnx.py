@@ -1,7 +1,8 @@
-"""ONNX export (torch's dynamo exporter) of every classifier family: onnxruntime against PyTorch within 1e-4
-(relative to the output's scale) at 224 and at a non-square size, other batch sizes than the traced one, and the
-CLI's errors.  Vision-TTT's mini-batch scan exports as one ONNX ``Scan`` (a loop op), so its token count stays
-dynamic too.  Reduced depth keeps the exports short; the families with the slowest traces are marked slow."""
+"""ONNX export (torch's dynamo exporter) through the CLI: a checkpoint's weights exported at a non-square size,
+onnxruntime against PyTorch within 1e-4 (relative to the output's scale) at another size and batch, and the CLI's
+errors.  Every classifier family's export (small widths, onnxruntime at the traced and at a non-square size;
+Vision-TTT's mini-batch scan exports as one ONNX ``Scan`` loop, so its token count stays dynamic too) is a column
+of tests/test_registry_contract.py."""
 
 import os
 
@@ -15,42 +16,9 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-# one block (per stage): the same code as the full models, traced in seconds
-SMALL = {"vit3": dict(depth=1), "t5": dict(depth=1), "t5_plus": dict(depth=1), "visionttt": dict(depth=1),
-         "hvit3": dict(depths=(1, 1, 1, 1)), "visionttt_h": dict(depths=(1, 1, 1, 1))}
-FAST = ("vit3", "t5_plus")  # in CI; the others are `slow` (minutes each on two cores)
-
-
-def _marks(f):
-    return pytest.param(f, marks=[] if f in FAST else [pytest.mark.slow])
-FAMILIES = ttt_zoo.list_zoo_families()
-
-
-def test_every_classifier_family_covered():
-    assert sorted(SMALL) == sorted(FAMILIES), "add the new family to SMALL (reduced-depth kwargs)"
-
 
 def _rel_err(out, ref) -> float:
     return float((torch.as_tensor(out) - ref).abs().max() / ref.abs().max())
-
-
-@pytest.mark.parametrize("family", [_marks(f) for f in SMALL])
-def test_onnxruntime_matches_pytorch(family, tmp_path):
-    name = FAMILIES[family]
-    model = ttt_zoo.create_model(name, **SMALL[family]).eval()
-    path = str(tmp_path / f"{name}.onnx")
-    from ttt_zoo.export import export_onnx
-    mult, _ = export_onnx(model, path, (224, 224))
-    onnx.checker.check_model(path)
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    h2, w2 = 5 * mult, 8 * mult  # non-square, not the traced size
-    for b, (h, w) in ((1, (224, 224)), (3, (h2, w2))):
-        x = torch.randn(b, 3, h, w)
-        with torch.no_grad():
-            ref = model(x)
-        out = sess.run(None, {"image": x.numpy()})[0]
-        assert out.shape == tuple(ref.shape)
-        assert _rel_err(out, ref) < 1e-4, (name, b, h, w, _rel_err(out, ref))
 
 
 def test_cli_export_and_errors(tmp_path, capsys):
