@@ -418,3 +418,16 @@ def test_variant_forms(name):
             auto = m(x, VFS)
     assert _err(auto, ref) <= TOL, f"autograd inner loop vs mixer {_err(auto, ref):.2e}"
     assert _err(form, auto) <= TOL
+
+
+def test_every_registered_mixer_has_a_checked_form_or_says_it_has_none():
+    """``list_mixers()`` is the registry: a mixer class registered later is either among ``MIXERS`` (its form is
+    checked against it above) or says in one line that it has no exact form, so it cannot slip past."""
+    from ttt_zoo.layers.mixer import _MIXERS, create_mixer, list_mixers
+    checked = {type(build()) for build in MIXERS.values()}
+    unchecked = [name for name in list_mixers() if _MIXERS[name] not in checked]
+    for name in unchecked:
+        with pytest.raises(NotImplementedError, match="has no exact linear-attention form") as err:
+            linear_attention(create_mixer(name, 32), _x(), FS)
+        assert "\n" not in str(err.value), name
+    assert unchecked == ["softmax"], unchecked  # the one registered mixer without a form today
