@@ -106,7 +106,7 @@ def render(contract, xml: str, title: str):
     suite = root.find("testsuite") if root.tag == "testsuites" else root
     lines.append(f"Tree at `{commit}` ({root.get('tree_subject', '')}). pytest: {suite.get('tests')} tests, "
                  f"{suite.get('failures')} failed, {suite.get('errors')} errors, {suite.get('skipped')} skipped, "
-                 f"{float(suite.get('time', 0)):.0f} s in one process.")
+                 f"{float(suite.get('time', 0)):.0f} s of summed test time.")
     lines.append("")
     rows, counts, failing, not_run = [], collections.Counter(), collections.defaultdict(list), collections.Counter()
     for name in contract.NAMES:
@@ -146,7 +146,7 @@ def render(contract, xml: str, title: str):
     cost = collections.Counter()
     for (f, _), v in cases.items():
         cost[f] += v[1]
-    lines.append("Time per promise (summed test time, seconds, one process): " + ", ".join(
+    lines.append("Time per promise (summed test time, seconds): " + ", ".join(
         f"{p} {cost[contract.PROMISES[p]]:.1f}" for p in promises) + ".")
     lines.append("")
     return lines
