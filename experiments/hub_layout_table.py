@@ -17,15 +17,16 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the reference writer of tests/test_hub_layout.py, not a copy
 
 import torch  # noqa: E402
 import timm  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from timm.models._hub import save_config_for_hf  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401
 from ttt_zoo import hub  # noqa: E402
 from ttt_zoo.fileio import atomic_write  # noqa: E402
+from test_hub_layout import _known_labels, _timm_reference  # noqa: E402
 
 #: why a key differs from timm's writer on purpose
 INTENDED = {"ttt_zoo": "ours only: provenance (source file and sha256, hub id); timm's loaders ignore unknown keys",
@@ -39,28 +40,6 @@ def _short(value, width=70):
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _labels(model, tag):
-    """What timm's published ImageNet-1k repositories carry (timm.data.ImageNetInfo), for 1000-class in1k tags."""
-    if model.num_classes != 1000 or "in1k" not in tag:
-        return {}
-    info = timm.data.ImageNetInfo()
-    names = list(info.label_names())
-    return dict(label_names=names, label_descriptions={n: info.label_name_to_description(n) for n in names})
-
-
-def _timm_config(model, path, labels):
-    added = not hasattr(model, "num_features")  # DiT-style models: timm's writer reads the attribute
-    if added:
-        model.num_features = None
-    try:
-        save_config_for_hf(model, path, model_config=dict(labels))
-    finally:
-        if added:
-            del model.num_features
-    with open(path) as f:
-        return json.load(f)
-
-
 def compare(name, work):
     torch.manual_seed(0)
     model = timm.create_model(name).eval()
@@ -70,8 +49,8 @@ def compare(name, work):
     info = hub.convert_checkpoint(src, name, folder, flops=False)
     with open(os.path.join(folder, "config.json")) as f:
         ours = json.load(f)
-    labels = _labels(model, info["name"].partition(".")[2])
-    ref = _timm_config(model, os.path.join(work, f"{name}_timm.json"), labels)
+    labels = _known_labels(info["name"], model.num_classes)
+    ref = _timm_reference(model, os.path.join(work, f"{name}_timm.json"), labels)
     rows = []
     for key in sorted(set(ours) | set(ref)):
         a, b = ours.get(key, "(absent)"), ref.get(key, "(absent)")
