@@ -15,7 +15,13 @@ JOBS ?= 2
 
 venv: $(STAMP)
 
+# a new venv takes about 7 GB (torch 2.14.1 is a CUDA build; the OpenMMLab stack); pip's temporary files need more
+VENV_DISK_GB ?= 10
+
 $(STAMP): requirements.txt pyproject.toml
+	@free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ ! -x $(PY) ] && [ "$$free" -lt $(VENV_DISK_GB) ]; then \
+	  echo "error: $$free GB free on the disk of $(CURDIR); a new $(VENV) needs about $(VENV_DISK_GB) GB (torch is a CUDA build): free some space, or set VENV_DISK_GB=N to try anyway" >&2; exit 1; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
