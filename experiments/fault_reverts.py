@@ -135,6 +135,9 @@ def _pytest(tree: str, tests: List[str], extra: List[str]) -> dict:
 def _worktree(base: str, name: str) -> str:
     tree = os.path.join(base, name)
     _git("worktree", "add", "--detach", "-q", tree, "HEAD")
+    venv = os.path.join(ROOT, ".venv")
+    if os.path.isdir(venv):  # the docs test runs the commands from the tree's .venv/bin (`ttt-zoo`, ...)
+        os.symlink(venv, os.path.join(tree, ".venv"))
     return tree
 
 
