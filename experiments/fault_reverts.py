@@ -35,6 +35,7 @@ class Fault:
     edits: List[Tuple[str, str, str]]  # (path, old text, new text)
     tests: List[str]  # pytest node ids or files, today's tests
     extra: List[str] = field(default_factory=list)  # more pytest arguments (-k ...)
+    note: str = ""  # what the counts mean, where it is not plain
 
 
 FAULTS = [
@@ -42,7 +43,10 @@ FAULTS = [
           "the training transform is timm's own, without the posterize guard",
           [("ttt_zoo/train/augment.py", "    guard_posterize(t)\n    return t\n", "    return t\n")],
           ["tests/test_augment.py", "tests/test_recipes.py::test_zero_bit_posterize_inside_ttt_zoo_train",
-           "tests/test_recipes.py::test_recipe_runs_a_few_steps"]),
+           "tests/test_recipes.py::test_recipe_runs_a_few_steps"],
+          note="every recipe's 2-step run passes with the guard removed: an image draws 0 bits with probability "
+               "about 0.15 %, so the tests that force magnitude 10 (the op, the policy, and a `ttt-zoo train` with "
+               "`--aa rand-m10-n30-p1.0-inc1`) are the ones that fail every time; that is why they exist"),
     Fault("2", "the README's digits command does not give the README's number",
           "the README shows the old command (timm's defaults and hand-written flags, no shipped recipe)",
           [("README.md", "ttt-zoo train -c digits_vit3 --data-dir data/digits --output runs --experiment vit3   ",
@@ -74,7 +78,7 @@ FAULTS = [
     Fault("8d", "a card for random weights converted as `.in1k` lists the authors' 76.5 top-1",
           "the card states the authors' results whenever the name has them",
           [("ttt_zoo/hub/convert.py", "    arch, tag = _split(name)\n    if arch in _HUB_ARCHS:  # no registered url",
-            "    return name in PAPER_RESULTS\n    arch, tag = _split(name)\n    if arch in _HUB_ARCHS:  # no registered url")],
+            "    return True\n    arch, tag = _split(name)\n    if arch in _HUB_ARCHS:  # no registered url")],
           ["tests/test_hub_layout.py::test_authors_numbers_only_for_their_release"]),
     Fault("8e", "the `sample` grid has 16-px tiles and no way to enlarge them",
           "the grid ignores --upscale",
@@ -184,7 +188,7 @@ def render(runs: dict, commit: str) -> str:
     lines += ["", "## The failing tests with each fix reverted (first line of each failure)", ""]
     for f in FAULTS:
         if f.key in runs:
-            lines.append(f"- **{f.key}**:")
+            lines.append(f"- **{f.key}**:" + (f" ({f.note})" if f.note else ""))
             lines += [f"  - `{t}`: {m}" for t, m in runs[f.key]["reverted"]["failures"]]
     return "\n".join(lines) + "\n"
 
