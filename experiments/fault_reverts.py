@@ -162,6 +162,7 @@ def run(faults: List[Fault], base: str) -> dict:
             finally:
                 _git("worktree", "remove", "--force", tree)
             results.setdefault(f.key, {})[label] = r
+            results[f.key]["commit"] = _git("rev-parse", "--short", "HEAD")
             print(f"fault {f.key} {label}: {r['failed']} of {r['tests']} failed", flush=True)
     return results
 
@@ -173,8 +174,8 @@ def render(runs: dict, commit: str) -> str:
              "run there and on the unedited tree (the control). Found: some test fails with the edit and none "
              "without. Faults 4-7 and the slow `list` are in `registry_contract.md` (the contract test on the "
              "commits before their fixes). `ttt-zoo predict` (issue 30, item 6) was a missing command, not a fault.",
-             "", "| fault | the fix reverted | tests | failed, reverted | failed, today | found |",
-             "|---|---|---|---|---|---|"]
+             "", "| fault | the fix reverted | tests | failed, reverted | failed, today | found | tree |",
+             "|---|---|---|---|---|---|---|"]
     for f in FAULTS:
         r = runs.get(f.key)
         if not r:
@@ -184,7 +185,7 @@ def render(runs: dict, commit: str) -> str:
         tests = ", ".join(f"`{t.replace('tests/', '')}`" for t in f.tests) + (
             f" ({' '.join(f.extra)})" if f.extra else "")
         lines.append(f"| {f.key}: {f.fault} | {f.revert} | {tests} | {rev['failed']} of {rev['tests']} | "
-                     f"{today['failed']} of {today['tests']} | {found} |")
+                     f"{today['failed']} of {today['tests']} | {found} | `{r.get('commit', '?')}` |")
     lines += ["", "## The failing tests with each fix reverted (first line of each failure)", ""]
     for f in FAULTS:
         if f.key in runs:
