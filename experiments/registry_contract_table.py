@@ -171,7 +171,9 @@ def main(argv=None) -> int:
              f"the per-code-path ones ({', '.join(contract.PER_CODE_PATH)}) run on the smallest member of each code "
              "path (same class, same name but the size word) and the cell names it (`= rep`); onnx runs once per family "
              "(the code path without its variant suffix). n/a: the promise does "
-             "not apply to the kind (" + "; ".join(f"{k}: {v}" for k, v in contract.NOT_APPLICABLE.items()) + ").",
+             "not apply to the kind (" + "; ".join(f"{k}: {v}" for k, v in contract.NOT_APPLICABLE.items()) + "). "
+             "The issue's other faults (recipes, docs, CLI, layouts), each with its fix reverted on today's tree, "
+             "and the tests that then fail: `fault_reverts.md` (experiments/fault_reverts.py).",
              ""]
     for run in runs:
         title = "Today" if run == TODAY else f"Before the fixes: `{run}`"
