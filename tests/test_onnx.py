@@ -1,8 +1,8 @@
 """ONNX export (torch's dynamo exporter) through the CLI: a checkpoint's weights exported at a non-square size,
-onnxruntime against PyTorch within 1e-4 (relative to the output's scale) at another size and batch, and the CLI's
-errors.  Every classifier family's export (small widths, onnxruntime at the traced and at a non-square size;
-Vision-TTT's mini-batch scan exports as one ONNX ``Scan`` loop, so its token count stays dynamic too) is a column
-of tests/test_registry_contract.py."""
+onnxruntime against PyTorch within 1e-4 (relative to the output's scale) at another size and batch, the CLI's
+errors, and the refusal of a graph whose tracing fixed a dynamic size.  Every classifier code path's export (small
+widths, onnxruntime at the traced and at a non-square size; Vision-TTT's mini-batch scan exports as one ONNX ``Scan``
+loop, so its token count stays dynamic too) is a column of tests/test_registry_contract.py."""
 
 import os
 
@@ -45,3 +45,25 @@ def test_cli_export_and_errors(tmp_path, capsys):
     assert main(["export", "--model", "t5_tiny", "--checkpoint", str(tmp_path / "missing.pth"), "--out", out]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert os.path.getsize(out) == before
+
+
+class _FixesItsSize(torch.nn.Module):
+    """A classifier whose forward turns the traced height into a Python int (the fault once in the ViT3 variants'
+    op: their ONNX graphs ran at the traced size only, and the exporter said nothing)."""
+    patch_size = 16
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        rows = int(x.shape[2]) // 16
+        return self.head(x.reshape(x.shape[0], 3, rows, -1).mean((2, 3)))
+
+
+def test_export_refuses_a_graph_that_fixed_a_dynamic_size(tmp_path):
+    from ttt_zoo.export import ExportError, export_onnx
+    out = str(tmp_path / "fixed.onnx")
+    with pytest.raises(ExportError, match=r"fixed a dynamic size .*nothing was written"):
+        export_onnx(_FixesItsSize(), out, (32, 48))
+    assert not os.path.exists(out)

@@ -9,7 +9,7 @@ Triton kernels have no ONNX form), and the export runs on the CPU.
 import inspect
 import math
 import os
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +40,14 @@ def _dynamic_shapes(model: torch.nn.Module, max_side: int):
     return ({0: Dim("batch", min=1, max=4096), 2: m * h, 3: m * w},), lo * m
 
 
+def _specialised_sizes(program) -> List[str]:
+    """The dynamic sizes (batch, height or width blocks) that tracing turned into one value."""
+    ep = getattr(program, "exported_program", None)
+    ranges = getattr(ep, "range_constraints", None) or {}
+    return sorted(f"{s} = {int(r.lower)}" for s, r in ranges.items()
+                  if getattr(s, "is_Symbol", False) and r.lower == r.upper)
+
+
 def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[int]] = None,
                 max_side: int = MAX_SIDE, opset: Optional[int] = None, overwrite: bool = True) -> Tuple[int, int]:
     """Export ``model`` (a ttt-zoo / timm classifier) to the ONNX file ``out`` (replaced only when complete).
@@ -54,6 +62,10 @@ def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[in
     if len(required) != 1:
         raise ExportError("ONNX export takes image classifiers (one image batch in, logits or features out); "
                           f"{type(model).__name__} is not one (DiT models take (x, t, y)).")
+    why = next((m.onnx_unsupported() for m in model.modules() if callable(getattr(m, "onnx_unsupported", None))
+                and m.onnx_unsupported()), None)
+    if why:
+        raise ExportError(why[0].upper() + why[1:] + ".")
     model = model.eval().cpu()
     mult = input_multiple(model)
     if img_size is None:
@@ -71,6 +83,11 @@ def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[in
                                     output_names=["output"], opset_version=opset, verbose=False)
     if program is None:
         raise ExportError("torch.onnx.export returned no program (dynamo exporter unavailable?)")
+    fixed = _specialised_sizes(program)
+    if fixed:  # the exporter only warns ("Ignored guard"); the graph would fail at any other size
+        raise ExportError(f"{type(model).__name__}: the traced code fixed a dynamic size ({', '.join(fixed)}), so the "
+                          "graph would run at the example size only; nothing was written. This is a bug in the "
+                          "model's code (a Python int() of a traced size): please report it.")
     from ttt_zoo.fileio import atomic_path
     with atomic_path(out) as tmp:  # fsynced, renamed when complete, the normal file mode
         program.save(tmp)

@@ -220,7 +220,9 @@ def run_variant(function, impls_of, x, weight, bias, w1, w2, w3, feat_size, head
         return variant_qkv_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
                                  last_only, lr, share_qk, steps)
     lr = float(lr) * (steps if kind != "all" else 1)   # loss linear in the stepped weights: k steps = k N(G)
-    args = (x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])), int(heads), float(scale),
+    # the map size stays symbolic under torch.export (int() would bake the traced size into an ONNX graph)
+    fs = tuple(s if isinstance(s, (int, torch.SymInt)) else int(s) for s in feat_size)
+    args = (x, weight, bias, w1, w2, w3, cos, sin, fs, int(heads), float(scale),
             bool(normalize_grad), kind, lr, bool(share_qk))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
         return variant_forward(*args, impls_of(kind))[0]
