@@ -50,8 +50,6 @@ def run_tests(tree: str, label: str, select: str = "") -> str:
         for el in list(case):
             if el.tag in ("failure", "error", "skipped"):
                 el.text = None
-            elif el.tag == "properties":  # record_property("declared", why): a refusal the model declares
-                pass
             else:
                 case.remove(el)
     root.set("tree_commit", _git(tree, "rev-parse", "--short", "HEAD") or "?")
@@ -75,9 +73,6 @@ def _cases(xml: str):
             if el is not None:
                 outcome = {"failure": "FAIL", "error": "ERROR", "skipped": "skip"}[tag]
                 why = (el.get("message") or "").splitlines()[0][:110] if el.get("message") else ""
-        declared = [pr.get("value") for pr in case.iter("property") if pr.get("name") == "declared"]
-        if outcome == "pass" and declared:
-            outcome, why = "declared", declared[0]
         cases[(m.group(1), m.group(2))] = (outcome, float(case.get("time", 0)), why)
     return cases, root
 
@@ -121,22 +116,15 @@ def render(contract, xml: str, title: str):
             counts[outcome] += 1
             if outcome == "not run":
                 not_run[p] += 1
-            elif outcome not in ("pass", "n/a", "declared"):
+            elif outcome not in ("pass", "n/a"):
                 failing[p].append(name)
-            cells.append(f"**{text}**" if outcome not in ("pass", "n/a", "not run", "declared") else text)
+            cells.append(f"**{text}**" if outcome not in ("pass", "n/a", "not run") else text)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     total = len(contract.NAMES) * len(promises)
     lines.append(f"{len(contract.NAMES)} models x {len(promises)} promises = {total} cells: {counts['pass']} pass, "
-                 f"{counts['declared']} declared unsupported (the one-line refusal passes), {counts['n/a']} n/a, "
-                 f"{total - counts['pass'] - counts['n/a'] - counts['declared']} not passing"
-                 + "".join(f" ({k} {v})" for k, v in sorted(counts.items()) if k not in ("pass", "n/a", "declared"))
-                 + ".")
+                 f"{counts['n/a']} n/a, {total - counts['pass'] - counts['n/a']} not passing"
+                 + "".join(f" ({k} {v})" for k, v in sorted(counts.items()) if k not in ("pass", "n/a")) + ".")
     lines.append("")
-    declared = sorted({(f, v[2]) for (f, _), v in cases.items() if v[0] == "declared"})
-    if declared:
-        lines.append("Declared unsupported (the model refuses in one line, and the test checks that refusal): "
-                     + "; ".join(f"`{f}`: {why}" for f, why in declared) + ".")
-        lines.append("")
     if not_run:
         lines.append("Not run (deselected with -k, as they test no fault fixed since): " + ", ".join(
             f"{p} ({n} cells)" for p, n in not_run.items()) + ".")

@@ -286,26 +286,19 @@ def test_attention_map_modes(name):
 
 
 @pytest.mark.parametrize("name", CLASSIFIER_REPS)
-def test_onnx_export(name, tmp_path, record_property):
+def test_onnx_export(name, tmp_path):
     """ONNX (torch's dynamo exporter): onnxruntime against PyTorch within 1e-4 at the traced size and at another,
-    non-square size and batch; every code path, variants included (the V1/V3/V6 op once fixed the map size: their
-    graphs ran at the traced size only while the family's export passed)."""
+    non-square size and batch; every code path, variants included: the family's export passed while the V1/V3/V6
+    op's graphs ran at the traced size only (it int()ed the map size) and visionttt_*_la's at none (its chunk count
+    -(-n // c) became ONNX's truncating Div: 0 chunks)."""
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from ttt_zoo.export import ExportError, export_onnx
+    from ttt_zoo.export import export_onnx
     torch.manual_seed(0)
     model = timm.create_model(name, **onnx_kwargs(name)).eval()
     path = str(tmp_path / f"{name}.onnx")
     h, w = small_image_size(model, name)
-    declared = {m.onnx_unsupported() for m in model.modules() if hasattr(m, "onnx_unsupported")} - {None}
-    if declared:  # a declared refusal: one line, saying why, and no file
-        with pytest.raises(ExportError) as err:
-            export_onnx(model, path, (h, h))
-        assert "\n" not in str(err.value) and str(err.value)[1:-1] in {d[1:] for d in declared}, str(err.value)
-        assert not os.path.exists(path)
-        record_property("declared", str(err.value).split(":")[0])
-        return
     mult, _ = export_onnx(model, path, (h, h))
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     for b, hw in ((1, (h, h)), (3, (h + mult, w + mult))):

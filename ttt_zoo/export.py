@@ -62,10 +62,6 @@ def export_onnx(model: torch.nn.Module, out: str, img_size: Optional[Sequence[in
     if len(required) != 1:
         raise ExportError("ONNX export takes image classifiers (one image batch in, logits or features out); "
                           f"{type(model).__name__} is not one (DiT models take (x, t, y)).")
-    why = next((m.onnx_unsupported() for m in model.modules() if callable(getattr(m, "onnx_unsupported", None))
-                and m.onnx_unsupported()), None)
-    if why:
-        raise ExportError(why[0].upper() + why[1:] + ".")
     model = model.eval().cpu()
     mult = input_multiple(model)
     if img_size is None:

@@ -40,7 +40,7 @@ def _la_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tenso
     cd = compute_dtype(q.dtype)
     bsz, h, n, d = q.shape
     c = mini_batch
-    nc = -(-n // c)
+    nc = (n + c - 1) // c  # not -(-n // c): ONNX integer Div truncates, so an exported graph got 0 chunks
     pad = nc * c - n
     shared = q is k
     q, k, v, lr = (_pad_chunks(t.to(cd), pad) for t in (q, k, v, lr))

@@ -270,14 +270,6 @@ class TTTLinearMixer(TTTMixer):
         _, gn = self._scan(q, k, v, lr, return_grad_norm=True)
         return gn.pow(2).sum(2).sqrt()
 
-    def onnx_unsupported(self) -> Optional[str]:
-        """Why ``ttt-zoo export --format onnx`` refuses this mixer, or None (read by ``ttt_zoo.export``)."""
-        if self.inner_loss == "dot":
-            return ("the linear-attention Vision-TTT (inner_loss='dot', visionttt_*_la) has no ONNX export yet: "
-                    "onnxruntime runs its chunk-parallel graph to a wrong shape (a 0-token reshape); export "
-                    "visionttt_* (TTT-Linear) instead")
-        return None
-
     # ---- the exact linear-attention form (every option: both inner losses, W0 modes, q/k modes, RoPE, ascent, steps)
     def linear_attention_unsupported(self) -> Optional[str]:
         return None
