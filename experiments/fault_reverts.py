@@ -8,7 +8,8 @@ once, so a stale edit stops the run instead of testing nothing), then today's te
 worktree's own ``ttt_zoo`` (``PYTHONPATH``).  The same tests run once on the unedited tree as the control: a fault
 counts as found when some of its tests fail with the edit and all of them pass without it.  Faults 4-7 and the slow
 ``list`` of fault 8 are shown by the registry contract table on the commits before their fixes
-(``registry_contract_table.py``); this script covers the rest: 1-3 and fault 8's other items.
+(``registry_contract_table.py``); this script covers the rest: 1-3 and fault 8's other items, and the two
+ONNX faults (o1, o2) that the contract's ONNX column found once it ran every code path.
 """
 import argparse
 import json
@@ -93,6 +94,15 @@ FAULTS = [
           [("ttt_zoo/cli/attention_map.py", "    if shown is not None:\n        fig.colorbar(",
             "    if False:\n        fig.colorbar(")],
           ["tests/test_attention_map.py::test_plot_keeps_the_aspect_ratio_and_draws_a_colour_bar"]),
+    Fault("o1", "(found by the per-code-path ONNX column) the V1/V3/V6 graphs run at the traced size only",
+          "the variant op takes int() of the map size again",
+          [("kernels/vit3_variant/torch.py", "    fs = tuple(s if isinstance(s, (int, torch.SymInt)) else int(s) for s in "
+            "feat_size)\n", "    fs = (int(feat_size[0]), int(feat_size[1]))\n")],
+          ["tests/test_registry_contract.py::test_onnx_export[vit3_tiny_v1]", "tests/test_onnx.py"]),
+    Fault("o2", "(found by the per-code-path ONNX column) visionttt_*_la graphs fail in onnxruntime",
+          "the chunk count is -(-n // c) again",
+          [("kernels/linear_attention/torch.py", "    nc = (n + c - 1) // c", "    nc = -(-n // c)")],
+          ["tests/test_registry_contract.py::test_onnx_export[visionttt_tiny_la]"]),
 ]
 
 
@@ -173,7 +183,9 @@ def render(runs: dict, commit: str) -> str:
              "Each row: one small edit on a worktree of today's tree that undoes the fix, then today's tests for it, "
              "run there and on the unedited tree (the control). Found: some test fails with the edit and none "
              "without. Faults 4-7 and the slow `list` are in `registry_contract.md` (the contract test on the "
-             "commits before their fixes). `ttt-zoo predict` (issue 30, item 6) was a missing command, not a fault.",
+             "commits before their fixes). `ttt-zoo predict` (issue 30, item 6) was a missing command, not a fault. "
+             "o1 and o2 are faults that the contract's ONNX column found once it ran every code path, variants "
+             "included (it ran once per family before).",
              "", "| fault | the fix reverted | tests | failed, reverted | failed, today | found | tree |",
              "|---|---|---|---|---|---|---|"]
     for f in FAULTS:
