@@ -25,15 +25,13 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from ttt_zoo.errors import CheckpointError  # noqa: F401  (re-exported)
+
 __all__ = ["CheckpointError", "safe_torch_load", "load_checkpoint_file", "unwrap_checkpoint", "mmengine_backbone",
            "default_filter_fn", "validate_state_dict", "check_safetensors", "resolve_pretrained",
            "hub_unavailable_error", "is_offline", "SAFE_GLOBALS", "HUB_ORG", "with_hub_ids"]
 
 _logger = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or does not fit the requested model."""
 
 
 # ----- reading files -----

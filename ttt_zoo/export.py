@@ -13,13 +13,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ttt_zoo.errors import ExportError  # noqa: F401  (re-exported)
+
 __all__ = ["input_multiple", "export_onnx", "ExportError"]
 
 MAX_SIDE = 4096  # largest image side the exported graph is declared for
-
-
-class ExportError(RuntimeError):
-    """The model cannot be exported as asked."""
 
 
 def input_multiple(model: torch.nn.Module) -> int:

@@ -14,7 +14,7 @@ import hashlib
 import os
 from typing import IO, Callable, Iterator, Optional, Set, Union
 
-from ttt_zoo.cli._common import UsageError
+from ttt_zoo.errors import FolderInUseError, UsageError  # noqa: F401  (re-exported)
 
 __all__ = ["atomic_write", "atomic_path", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
            "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive"]
@@ -105,10 +105,6 @@ def atomic_write(path: str, data: Data, binary: bool = False) -> None:
 
 
 # ----- one writer per folder -----
-
-class FolderInUseError(UsageError):
-    """Another live process holds the folder's lock (one ``error:`` line, exit status 2)."""
-
 
 def lock_file_path(folder: str, beside: bool = False) -> str:
     """The lock file of ``folder``: inside it, or (``beside``) next to it for a folder that is created or swapped

@@ -10,14 +10,12 @@ import tempfile
 import traceback
 from typing import Any, Dict, Iterable, Optional
 
+from ttt_zoo.errors import USER_ERRORS, UsageError  # noqa: F401  (UsageError re-exported)
+
 __all__ = ["add_model_kwargs", "model_kwargs", "cli_errors", "UsageError", "UserExit", "run_command",
            "check_out", "check_out_folder", "error_line"]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ttt_zoo/
-
-
-class UsageError(ValueError):
-    """A mistake in the command line: printed as one ``error:`` line, exit status 2."""
 
 
 def positive_int(text: str) -> int:
@@ -99,14 +97,11 @@ def _raised_in_zoo(e: BaseException) -> bool:
 
 def error_line(e: BaseException) -> Optional[str]:
     """The one-line message of a user error, or None for a crash (a bug: keep the traceback)."""
-    from ttt_zoo.checkpoint import CheckpointError
-    from ttt_zoo.export import ExportError
-    from ttt_zoo.hub import HubFolderError
     if isinstance(e, SystemExit):
         if not isinstance(e.code, str):
             return None
         msg = e.code
-    elif isinstance(e, (UsageError, CheckpointError, HubFolderError, ExportError)):
+    elif isinstance(e, USER_ERRORS):
         msg = str(e)
     elif isinstance(e, OSError) and e.filename is not None:
         msg = f"{e.filename}: {e.strerror or e}; check the path and its permissions"

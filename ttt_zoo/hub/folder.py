@@ -21,6 +21,7 @@ from torch import nn
 from ttt_zoo.checkpoint import (HUB_ORG, CheckpointError, check_safetensors, hub_unavailable_error,
                                 load_checkpoint_file, unwrap_checkpoint)
 from ttt_zoo.fileio import atomic_path, atomic_write, sha256_file
+from ttt_zoo.errors import HubFolderError  # noqa: F401  (re-exported)
 
 from .cards import REQUIRED_CARD_KEYS, arxiv_ids, parse_card
 
@@ -33,10 +34,6 @@ REQUIRED_PRETRAINED_FIELDS = ("input_size", "mean", "std", "interpolation", "cro
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".pkl", ".pickle", ".ckpt", ".tar")
 #: the GitHub repo torch.hub loads ``hubconf.py`` from (set when the project has its public home)
 GITHUB_REPO = "ttt-zoo/ttt-zoo"
-
-
-class HubFolderError(ValueError):
-    """A hub folder that is incomplete or inconsistent."""
 
 
 def hub_repo_id(name: str, org: str = HUB_ORG) -> str:
@@ -272,7 +269,6 @@ def measure(model: nn.Module, input_size: Optional[Sequence[int]] = None) -> Dic
     except Exception:  # noqa: BLE001 - a model that cannot run on meta simply gets no GMACs on its card
         macs = None
     return dict(params=params, macs=macs, macs_input=list(inputs[0].shape[1:]))
-
 
 
 # ----- loading and validating folders -----
