@@ -134,7 +134,7 @@ def test_ops_dry_run(tmp_path):
     (["--img-size", "abc"], "bad image size 'abc'"),
     (["--img-size", "0"], "bad image size '0'"),
     (["--img-size", "224x"], "bad image size '224x'"),
-    (["-b", "0"], "expected a positive integer"),
+    (["-b", "0"], "argument -b/--batch-size: 0 is out of range"),
     (["--results-file", "r.txt"], "must end in .csv or .json"),
     (["--ops", "no_such_op", "--dry-run"], "unknown op(s) ['no_such_op']"),
     (["--dry-run"], "--dry-run applies to --ops"),

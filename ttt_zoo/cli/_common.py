@@ -11,22 +11,12 @@ import traceback
 from typing import Any, Dict, Iterable, Optional
 
 from ttt_zoo.errors import USER_ERRORS, UsageError  # noqa: F401  (UsageError re-exported)
+from ttt_zoo.flags import model_kwargs_problem
 
 __all__ = ["add_model_kwargs", "model_kwargs", "cli_errors", "UsageError", "UserExit", "run_command",
            "check_out", "check_out_folder", "error_line"]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ttt_zoo/
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count: a positive integer, else argparse's one-line error."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def _json_object(text: str) -> Dict[str, Any]:
@@ -36,14 +26,17 @@ def _json_object(text: str) -> Dict[str, Any]:
         raise argparse.ArgumentTypeError(f"--model-args must be a JSON object, e.g. '{{\"depth\": 2}}' ({e})")
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("--model-args must be a JSON object, e.g. '{\"depth\": 2}'")
+    why = model_kwargs_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return value
 
 
 def add_model_kwargs(p: argparse.ArgumentParser) -> None:
     """``--model-kwargs K=V ...`` (timm's train.py spelling, values parsed as Python literals) and its JSON form
     ``--model-args '{...}'``; read both with :func:`model_kwargs`."""
-    from timm.utils import ParseKwargs
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
+    from ttt_zoo.flags import ModelKwargs
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ModelKwargs, metavar="K=V",
                    help="model constructor arguments, e.g. depth=4 embed_dim=96 (as for `ttt-zoo train`)")
     p.add_argument("--model-args", type=_json_object, default=None, metavar="JSON",
                    help="the same as a JSON object, e.g. '{\"depth\": 4, \"embed_dim\": 96}'")

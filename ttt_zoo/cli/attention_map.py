@@ -116,19 +116,19 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     from ._common import add_model_kwargs
-    from .bench import parse_img_size
+    from ttt_zoo.flags import Range, SizeRange
     from .demo import ASSET_IMAGE
     p = sub.add_parser("attention-map", help="implicit attention map dO_i/dV_j of one query pixel (PNG overlay)",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="an image model (see `ttt-zoo list`)")
     p.add_argument("--image", default=ASSET_IMAGE, help="image file (default: the bundled photo)")
-    p.add_argument("--query-pixel", type=int, nargs=2, required=True, metavar=("Y", "X"),
+    p.add_argument("--query-pixel", type=Range(int, ge=0, le=65535), nargs=2, required=True, metavar=("Y", "X"),
                    help="query pixel, row and column in the image's own pixels")
-    p.add_argument("--layer", type=int, nargs="+", default=None,
+    p.add_argument("--layer", type=Range(int, ge=-1000, le=999), nargs="+", default=None,
                    help="mixer layers in forward order (negative from the end); default first, middle, last")
     p.add_argument("--checkpoint", default=None, help="weights file (.pth / .safetensors, official or ours)")
     add_model_kwargs(p)
-    p.add_argument("--img-size", type=parse_img_size, default=None,
+    p.add_argument("--img-size", type=SizeRange(), default=None,
                    help="model input size, 224 or HxW (default: the model's)")
     p.add_argument("--map", choices=("implicit", "explicit"), default="implicit",
                    help="implicit dO_i/dV_j (any mixer) or the explicit linear-attention map q_hat_i . k_hat_j")

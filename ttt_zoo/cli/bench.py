@@ -18,32 +18,12 @@ import sys
 
 from ttt_zoo.kernels.backend import BACKENDS
 
-from ._common import positive_int
+from ttt_zoo.flags import Range, SizeRange, model_kwargs_problem
 
 __all__ = ["add_parser", "run", "parse_img_size"]
 
 
-def parse_img_size(text: str):
-    """``224`` -> (224, 224); ``384x320`` -> (384, 320) (height x width)."""
-    parts = text.lower().split("x")
-    try:
-        hw = [int(p) for p in parts]
-    except ValueError:
-        hw = []
-    if len(hw) not in (1, 2) or min(hw) <= 0:
-        raise argparse.ArgumentTypeError(f"bad image size {text!r}: give a positive integer (224) or "
-                                         "HEIGHTxWIDTH (384x320)")
-    return (hw[0], hw[-1])
-
-
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+parse_img_size = SizeRange()  # ``224`` -> (224, 224); ``384x320`` -> (384, 320) (height x width)
 
 
 def _kwarg(text: str):
@@ -54,6 +34,9 @@ def _kwarg(text: str):
         v = ast.literal_eval(v)
     except (ValueError, SyntaxError):
         pass  # a plain string
+    why = model_kwargs_problem({k: v})
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return k, v
 
 
@@ -223,8 +206,8 @@ def add_parser(sub) -> None:
     g.add_argument("--bench", default="both", choices=["inference", "train", "both"])
     g.add_argument("--img-size", nargs="+", type=parse_img_size, default=[(224, 224)], metavar="SIZE",
                    help="one or more sizes: 224 or HEIGHTxWIDTH (384x320)")
-    g.add_argument("-b", "--batch-size", type=positive_int, default=1)
-    g.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
+    g.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=1)
+    g.add_argument("--batch-tokens", type=Range(int, ge=1, le=1_000_000_000), default=None, metavar="N",
                    help="instead of -b: batch = max(1, N // (H/16 * W/16)), the same tokens at every size")
     g.add_argument("--backend", nargs="+", choices=BACKENDS, default=None,
                    help="TTT op backend(s) (set_backend in the child); several: each is measured")
@@ -238,7 +221,7 @@ def add_parser(sub) -> None:
                    help="also measure --model with the ttt_zoo code of this git revision")
     g = p.add_argument_group("how")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads in each child")
+    g.add_argument("--threads", type=Range(int, ge=1, le=1024), default=None, help="torch CPU threads in each child")
     g.add_argument("--amp", action="store_true", help="autocast mixed precision")
     g.add_argument("--amp-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     g.add_argument("--channels-last", action="store_true")
@@ -253,9 +236,9 @@ def add_parser(sub) -> None:
                    help="side by side: torch (eager; alone, --torchcompile compiles it), compile (torch.compile with "
                         "--torchcompile's backend, default inductor) and/or onnxruntime (the `ttt-zoo export` graph, "
                         "CPU inference)")
-    g.add_argument("--num-warm-iter", type=_non_negative, default=2)
-    g.add_argument("--num-bench-iter", type=positive_int, default=10)
-    g.add_argument("--repeats", type=positive_int, default=1, help="fresh subprocesses per config (median), interleaved")
+    g.add_argument("--num-warm-iter", type=Range(int, ge=0, le=1_000_000), default=2)
+    g.add_argument("--num-bench-iter", type=Range(int, ge=1, le=1_000_000), default=10)
+    g.add_argument("--repeats", type=Range(int, ge=1, le=1000), default=1, help="fresh subprocesses per config (median), interleaved")
     g.add_argument("--saved-mem", action="store_true", help="train: also MB of tensors saved for the backward")
     g.add_argument("--malloc-trim", action="store_true",
                    help="CPU: glibc returns freed memory at once in every child (MALLOC_TRIM_THRESHOLD_=0), so the "
@@ -266,7 +249,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"], help="--ops dtype")
     g.add_argument("--dry-run", action="store_true", help="--ops: tiny shapes on the CPU, Triton in the interpreter")
     g.add_argument("--profile", action="store_true", help="torch.profiler operator breakdown instead of timings")
-    g.add_argument("--profile-top", type=positive_int, default=12)
+    g.add_argument("--profile-top", type=Range(int, ge=1, le=1000), default=12)
     g.add_argument("--results-file", default=None, metavar="FILE", help=".csv or .json (timm's infer_/train_ keys)")
     g.add_argument("--output", default=None, metavar="DIR", help="folder for bench.md, bench.png, results.csv")
     g.add_argument("--force", action="store_true", help="replace an existing --results-file or --output files")

@@ -71,13 +71,14 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ttt_zoo.flags import MAX_IMG_SIDE, MAX_SEED, Range
     from ttt_zoo.train.digits import SMALL_MODELS
     p = sub.add_parser("demo", help="train a small TTT model on real digits in about two minutes, then validate it")
     p.add_argument("--model", default="vit3", choices=sorted(SMALL_MODELS), help="which small model to train")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=Range(int, ge=1, le=1000), default=10)
+    p.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=0)
     p.add_argument("--output", default="output/demo", help="folder for the digits and the run (kept)")
     p.add_argument("--bench", action="store_true", help="also the CPU scaling table against DeiT-T")
-    p.add_argument("--sizes", type=int, nargs="+", default=[224, 512, 1024])
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--sizes", type=Range(int, ge=1, le=MAX_IMG_SIDE), nargs="+", default=[224, 512, 1024])
+    p.add_argument("--iters", type=Range(int, ge=1, le=1000), default=3)
     p.set_defaults(func=run)

@@ -33,13 +33,15 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ttt_zoo.export import MAX_SIDE
+    from ttt_zoo.flags import Range
     p = sub.add_parser("export", help="export a classifier to ONNX (dynamic batch and image size)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
     p.add_argument("--model", required=True, help="registered model name (`ttt-zoo list`)")
     p.add_argument("--checkpoint", help="weights to load (.pth / .safetensors; official or ours); default: "
                    "the model's initialisation")
-    p.add_argument("--img-size", nargs=2, type=int, metavar=("H", "W"),
+    p.add_argument("--img-size", nargs=2, type=Range(int, ge=1, le=MAX_SIDE), metavar=("H", "W"),
                    help="example size the graph is traced at (default: the model's); the graph takes others too")
     add_model_kwargs(p)
     p.add_argument("--out", required=True, help="the .onnx file (written only once the export is complete)")

@@ -74,11 +74,11 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from ._common import positive_int
+    from ttt_zoo.flags import MAX_IMG_SIDE, Range
     p = sub.add_parser("list", help="list registered models with parameters and GFLOPs")
     p.add_argument("--filter", nargs="+", default=[], metavar="PATTERN",
                    help="shell wildcards as in timm.list_models ('vit3*'); plain text matches a substring")
-    p.add_argument("--img-size", type=positive_int, default=DEFAULT_IMG_SIZE,
+    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=DEFAULT_IMG_SIZE,
                    help="image models are measured at this size (the default size reads the generated table)")
     p.add_argument("--measure", action="store_true", help="measure every model now instead of reading the table")
     p.set_defaults(func=run)

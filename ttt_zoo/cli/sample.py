@@ -171,29 +171,28 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from timm.utils import ParseKwargs
-    from ._common import positive_int
+    from ttt_zoo.flags import MAX_IMG_SIDE, MAX_SEED, ModelKwargs, Range
     p = sub.add_parser("sample", help="class-conditional DiT / DiT3 / DiT5 samples with guidance, as a PNG grid",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="DiT-family model (default: the training folder's)")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ModelKwargs, metavar="K=V",
                    help="constructor arguments, e.g. hidden_size=64 depth=2 (a training folder's are used too)")
     p.add_argument("--checkpoint", default=None, help="weights file, or a `ttt-zoo train` output folder")
     p.add_argument("--vae", default=None, metavar="DIR", help="local diffusers AutoencoderKL folder")
-    p.add_argument("--image-size", type=int, default=None,
+    p.add_argument("--image-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None,
                    help="output pixels (latents are image_size / the VAE factor); default: the model's size")
-    p.add_argument("--labels", type=int, nargs="+", default=None,
+    p.add_argument("--labels", type=Range(int, ge=0, le=1_000_000), nargs="+", default=None,
                    help="one class per sample (default: the official 8 ImageNet classes, else classes 0..15)")
-    p.add_argument("--steps", type=int, default=250, help="sampling steps (respaced from 1000)")
+    p.add_argument("--steps", type=Range(int, ge=1, le=1000), default=250, help="sampling steps (respaced from 1000)")
     p.add_argument("--scheduler", choices=["ddpm", "ddim"], default="ddpm")
-    p.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance scale (1 = none)")
-    p.add_argument("--guidance-channels", type=int, default=None,
+    p.add_argument("--cfg", type=Range(float, ge=0, le=100), default=4.0, help="classifier-free guidance scale (1 = none)")
+    p.add_argument("--guidance-channels", type=Range(int, ge=1, le=64), default=None,
                    help="eps channels guided (default 3: the official DiT quirk for 4-channel latents, all of a "
                         "pixel model's; 4 = the standard recipe for latents)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=0)
     p.add_argument("--device", default=None, help="default: cuda when available")
-    p.add_argument("--nrow", type=int, default=None, help="images per grid row (default: about square)")
-    p.add_argument("--upscale", type=positive_int, default=1, metavar="N",
+    p.add_argument("--nrow", type=Range(int, ge=1, le=1024), default=None, help="images per grid row (default: about square)")
+    p.add_argument("--upscale", type=Range(int, ge=1, le=64), default=1, metavar="N",
                    help="enlarge every image N times in the grid (nearest neighbour), e.g. 8 for 16-px samples")
     p.add_argument("--tiny", action="store_true", help="tiny random model and VAE (no files; a smoke test)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write")

@@ -73,7 +73,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from timm.utils import ParseKwargs
+    from ttt_zoo.flags import MAX_IMG_SIDE, ModelKwargs, Range
     p = sub.add_parser("validate", help="top-1/top-5 of a model (a checkpoint, a folder of them, or pretrained)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="image folder with a val/ (or validation/) split (default: a training folder's)")
@@ -82,19 +82,19 @@ def add_parser(sub) -> None:
                         "else validation)")
     p.add_argument("--model", default=None,
                    help="model name (timm registry, ttt-zoo models included; default: a training folder's)")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="K=V",
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ModelKwargs, metavar="K=V",
                    help="extra model constructor arguments, as given to ttt-zoo train")
     p.add_argument("--checkpoint", default="", metavar="PATH",
                    help="weights file (.safetensors, .pth, .pt) or a folder: validate every checkpoint in it")
     p.add_argument("--pretrained", action="store_true", help="the model's pretrained weights (without --checkpoint)")
     p.add_argument("--use-ema", action="store_true", help="the EMA weights (<tag>_ema.safetensors, or the EMA entry)")
-    p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's)")
-    p.add_argument("--crop-pct", type=float, default=None, help="center crop fraction (default: the model's)")
+    p.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=64)
+    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None, help="input size (default: the model's)")
+    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None, help="center crop fraction (default: the model's)")
     p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
-    p.add_argument("--num-classes", type=int, default=None,
+    p.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None,
                    help="default: the number of class folders with --checkpoint, else the model's")
-    p.add_argument("-j", "--workers", type=int, default=2)
+    p.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--results-file", default="", metavar="FILE", help="write the rows as .csv or .json")
     p.add_argument("--force", action="store_true", help="replace an existing --results-file")

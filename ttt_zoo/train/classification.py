@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from .distributed import all_reduce_sum
 from .task import add_dataset_args, Task
+from ttt_zoo.flags import Range
 
 __all__ = ["ClassificationTask", "build_classifier"]
 
@@ -128,27 +129,27 @@ class ClassificationTask(Task):
     def add_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("classification data and augmentation (timm)")
         add_dataset_args(g)
-        g.add_argument("--crop-pct", type=float, default=None)
+        g.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None)
         g.add_argument("--interpolation", default="", help="eval resize interpolation")
-        g.add_argument("--mean", type=float, nargs="+", default=None)
-        g.add_argument("--std", type=float, nargs="+", default=None)
+        g.add_argument("--mean", type=Range(float, ge=0, le=1), nargs="+", default=None)
+        g.add_argument("--std", type=Range(float, gt=0, le=10), nargs="+", default=None)
         g.add_argument("--no-aug", action="store_true", help="no training augmentation (resize + crop only)")
-        g.add_argument("--scale", type=float, nargs=2, default=[0.08, 1.0])
-        g.add_argument("--ratio", type=float, nargs=2, default=[3.0 / 4.0, 4.0 / 3.0])
-        g.add_argument("--hflip", type=float, default=0.5)
-        g.add_argument("--vflip", type=float, default=0.0)
-        g.add_argument("--color-jitter", type=float, default=0.4)
+        g.add_argument("--scale", type=Range(float, gt=0, le=1), nargs=2, default=[0.08, 1.0])
+        g.add_argument("--ratio", type=Range(float, gt=0, le=100), nargs=2, default=[3.0 / 4.0, 4.0 / 3.0])
+        g.add_argument("--hflip", type=Range(float, ge=0, le=1), default=0.5)
+        g.add_argument("--vflip", type=Range(float, ge=0, le=1), default=0.0)
+        g.add_argument("--color-jitter", type=Range(float, ge=0, le=10), default=0.4)
         g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5-inc1")
-        g.add_argument("--reprob", type=float, default=0.0, help="random erasing probability")
+        g.add_argument("--reprob", type=Range(float, ge=0, le=1), default=0.0, help="random erasing probability")
         g.add_argument("--remode", default="pixel")
-        g.add_argument("--recount", type=int, default=1)
+        g.add_argument("--recount", type=Range(int, ge=1, le=100), default=1)
         g.add_argument("--train-interpolation", default="random")
-        g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-        g.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (on when > 0)")
-        g.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (on when > 0)")
-        g.add_argument("--cutmix-minmax", type=float, nargs=2, default=None)
-        g.add_argument("--mixup-prob", type=float, default=1.0)
-        g.add_argument("--mixup-switch-prob", type=float, default=0.5)
+        g.add_argument("--smoothing", type=Range(float, ge=0, lt=1), default=0.1, help="label smoothing")
+        g.add_argument("--mixup", type=Range(float, ge=0, le=100), default=0.0, help="mixup alpha (on when > 0)")
+        g.add_argument("--cutmix", type=Range(float, ge=0, le=100), default=0.0, help="cutmix alpha (on when > 0)")
+        g.add_argument("--cutmix-minmax", type=Range(float, gt=0, le=1), nargs=2, default=None)
+        g.add_argument("--mixup-prob", type=Range(float, ge=0, le=1), default=1.0)
+        g.add_argument("--mixup-switch-prob", type=Range(float, ge=0, le=1), default=0.5)
         g.add_argument("--mixup-mode", default="batch", choices=("batch", "pair", "elem"))
         g.add_argument("--no-eval", action="store_true",
                        help="no evaluation: no best checkpoint is picked (last.* only); for data without a "
@@ -157,7 +158,7 @@ class ClassificationTask(Task):
         g.add_argument("--linearize-from", default="", metavar="MODEL",
                        help="softmax ViT/DeiT to linearize into T5 before training (needs --pretrained or "
                             "--initial-checkpoint)")
-        g.add_argument("--ttt-lr-scale", type=float, default=None,
+        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
                        help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 20x)")
 
     def __init__(self, args, dist):

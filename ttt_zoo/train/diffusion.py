@@ -32,6 +32,7 @@ from torch import nn
 
 from .distributed import DistInfo, all_reduce_sum
 from .task import add_dataset_args, Task
+from ttt_zoo.flags import MAX_SEED, Range
 
 __all__ = ["DiffusionTask", "DiTDiffusion", "DiffusersEMA", "build_dit", "load_vae", "dit_model_kwargs",
            "step_seed"]
@@ -230,17 +231,17 @@ class DiffusionTask(Task):
     def add_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("diffusion data (--task diffusion)")
         add_dataset_args(g)
-        g.add_argument("--hflip", type=float, default=0.5,
+        g.add_argument("--hflip", type=Range(float, ge=0, le=1), default=0.5,
                        help="horizontal flip probability of training images (DiT: 0.5; 0 for digits or text)")
         g.add_argument("--vae", default=None, metavar="DIR",
                        help="train on the latents of this local diffusers AutoencoderKL folder (default: pixels)")
-        g.add_argument("--eval-seed", type=int, default=0,
+        g.add_argument("--eval-seed", type=Range(int, ge=0, le=MAX_SEED), default=0,
                        help="seed of the eval loss's fixed timesteps and noise (the same every epoch)")
         g = parser.add_argument_group("linearize (DiT5)")
         g.add_argument("--linearize-from", default="", metavar="MODEL",
                        help="softmax DiT (dit_*) to linearize into DiT5 before training (needs --pretrained or "
                             "--initial-checkpoint)")
-        g.add_argument("--ttt-lr-scale", type=float, default=None,
+        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
                        help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 2x, "
                             "ttt_zoo.linearize.LR_SCALES['dit'])")
 

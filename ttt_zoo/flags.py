@@ -1,0 +1,188 @@
+"""The range of every numeric command-line flag, declared beside the flag and checked here.
+
+A flag's ``type=`` is a :class:`Range` (``p.add_argument("--lr", type=Range(float, gt=0, le=100))``): argparse calls
+it on the text, so a value outside the range is argparse's one-line error naming the flag.  Values that do not come
+through the text (a ``-c`` YAML file's) are checked by :func:`check_ranges`.  ``--model-kwargs`` sizes are capped by
+:data:`MODEL_KWARG_RANGES` (:func:`check_model_kwargs`), before a model is built.  ``tests/test_flag_ranges.py`` walks
+every numeric flag of every command with a value below and above its range.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from typing import Any, Dict, Mapping, Optional
+
+from .errors import UsageError
+
+__all__ = ["Range", "SizeRange", "check_ranges", "check_model_kwargs", "model_kwargs_problem", "ModelKwargs",
+           "MODEL_KWARG_RANGES", "MAX_IMG_SIDE", "MAX_SEED", "range_of"]
+
+MAX_IMG_SIDE = 8192  # the largest image side a command accepts
+MAX_SEED = 2 ** 32 - 1  # numpy's seeds
+
+
+def _num(v) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
+class Range:
+    """An argparse ``type`` of a number in a range: ``ge``/``gt`` below, ``le``/``lt`` above (all finite), and a
+    ``hint`` added to the error (e.g. how to turn the feature off)."""
+
+    def __init__(self, kind: type, *, ge=None, gt=None, le=None, lt=None, hint: str = ""):
+        assert kind in (int, float) and (ge is None or gt is None) and (le is None or lt is None)
+        assert (ge is not None or gt is not None) and (le is not None or lt is not None), "give both bounds"
+        self.kind, self.ge, self.gt, self.le, self.lt, self.hint = kind, ge, gt, le, lt, hint
+        self.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+
+    def text(self, name: str = "value") -> str:
+        """``0 <= value < 1``"""
+        lo = f"{_num(self.ge)} <= " if self.ge is not None else f"{_num(self.gt)} < "
+        hi = f" <= {_num(self.le)}" if self.le is not None else f" < {_num(self.lt)}"
+        return f"{lo}{name}{hi}"
+
+    def problem(self, v, name: str = "value") -> Optional[str]:
+        """Why ``v`` is refused, or None."""
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.kind is int and not float(v).is_integer()):
+            return f"{v!r} is not {'an integer' if self.kind is int else 'a number'}; give {self.text(name)}"
+        if not math.isfinite(v):
+            return f"{v} is not a finite number; give {self.text(name)}"
+        if ((self.ge is not None and v < self.ge) or (self.gt is not None and v <= self.gt)
+                or (self.le is not None and v > self.le) or (self.lt is not None and v >= self.lt)):
+            return f"{v} is out of range; give {self.text(name)}{self.hint}"
+        return None
+
+    def __call__(self, text: str):
+        try:
+            v = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if self.kind is int else 'a number'}; "
+                                             f"give {self.text()}{self.hint}") from None
+        why = self.problem(v)
+        if why:
+            raise argparse.ArgumentTypeError(why)
+        return v
+
+    def outside(self):
+        """A value just below and one just above the range (for the tests)."""
+        lo = self.ge - 1 if self.ge is not None else self.gt - (1 if self.kind is int else 0)
+        hi = self.le + 1 if self.le is not None else self.lt + (1 if self.kind is int else 0)
+        if self.kind is float and self.ge is not None:
+            lo = self.ge - max(abs(self.ge), 1) * 0.5
+        if self.kind is float and self.le is not None:
+            hi = self.le + max(abs(self.le), 1) * 0.5
+        return lo, hi
+
+    def __repr__(self) -> str:
+        return f"Range({self.kind.__name__}, {self.text()})"
+
+
+class SizeRange(Range):
+    """An image size: ``224`` -> (224, 224) or ``384x320`` -> (384, 320), each side in the range."""
+
+    def __init__(self, le: int = MAX_IMG_SIDE):
+        super().__init__(int, ge=1, le=le)
+        self.__name__ = "size"
+
+    def text(self, name: str = "side") -> str:
+        return f"{super().text(name)} (224, or HEIGHTxWIDTH such as 384x320)"
+
+    def __call__(self, text: str):
+        parts = str(text).lower().split("x")
+        if len(parts) not in (1, 2):
+            raise argparse.ArgumentTypeError(f"bad image size {text!r}: give {self.text()}")
+        try:
+            hw = [super(SizeRange, self).__call__(p) for p in parts]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"bad image size {text!r}: {e}") from None
+        return (hw[0], hw[-1])
+
+    def problem(self, v, name: str = "side") -> Optional[str]:
+        sides = v if isinstance(v, (tuple, list)) else [v]
+        return next((p for p in (super(SizeRange, self).problem(s, name) for s in sides) if p), None)
+
+
+def range_of(action: argparse.Action) -> Optional[Range]:
+    """The declared range of a parsed flag, or None."""
+    return action.type if isinstance(action.type, Range) else None
+
+
+def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, source: str = "") -> None:
+    """Check the values that did not come through argparse's ``type`` (e.g. a ``-c`` YAML file's defaults):
+    argparse's one-line error naming the flag."""
+    for action in parser._actions:
+        rng = range_of(action)
+        value = getattr(args, action.dest, None)
+        if rng is None or value is None or isinstance(value, str):  # a string went through the type already
+            continue
+        for v in (value if isinstance(value, (list, tuple)) and not isinstance(rng, SizeRange) else [value]):
+            flag = max(action.option_strings, key=len)
+            why = rng.problem(v, flag.lstrip("-").replace("-", "_"))
+            if why:
+                parser.error(f"argument {flag}: {why}{source}")
+
+
+# ----- --model-kwargs: caps on the sizes of a model, checked before it is built -----
+
+_UNIT = Range(float, ge=0, lt=1)
+MODEL_KWARG_RANGES: Dict[str, Range] = {
+    "depth": Range(int, ge=1, le=1000), "depths": Range(int, ge=0, le=1000),
+    "embed_dim": Range(int, ge=1, le=16384), "embed_dims": Range(int, ge=1, le=16384),
+    "hidden_size": Range(int, ge=1, le=16384), "num_heads": Range(int, ge=1, le=1024),
+    "patch_size": Range(int, ge=1, le=1024), "mlp_ratio": Range(float, gt=0, le=64),
+    "img_size": Range(int, ge=1, le=MAX_IMG_SIDE), "input_size": Range(int, ge=1, le=MAX_IMG_SIDE),
+    "in_chans": Range(int, ge=1, le=1024), "num_classes": Range(int, ge=0, le=1_000_000),
+    "drop_rate": _UNIT, "drop_path_rate": _UNIT, "attn_drop_rate": _UNIT, "proj_drop_rate": _UNIT,
+}
+_MAX_PARAMS = 100e9  # about 12 * depth * width^2 weights; more does not fit any machine we run on
+
+
+def model_kwargs_problem(kwargs: Mapping[str, Any]) -> Optional[str]:
+    """Why these constructor arguments are refused (a size outside :data:`MODEL_KWARG_RANGES`, each element of a
+    list, or weights alone, about 12 x depth x width^2, past 100 billion), or None."""
+    for key, value in kwargs.items():
+        rng = MODEL_KWARG_RANGES.get(key)
+        if rng is None or value is None:
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            why = rng.problem(v, key)
+            if why:
+                return f"{key}={value!r}: {why}"
+    depth = kwargs.get("depth") or sum(v for v in (kwargs.get("depths") or []) if isinstance(v, int)) or None
+    width = kwargs.get("embed_dim") or kwargs.get("hidden_size")
+    if isinstance(depth, int) and isinstance(width, int) and 12 * depth * width ** 2 > _MAX_PARAMS:
+        return (f"depth {depth} x width {width}: about {12 * depth * width ** 2 / 1e9:.0f} billion weights, more "
+                f"than any machine holds; give a smaller depth or width")
+    return None
+
+
+def check_model_kwargs(kwargs: Mapping[str, Any], flag: str = "--model-kwargs") -> None:
+    """:func:`model_kwargs_problem` as a :class:`UsageError` naming ``flag``."""
+    why = model_kwargs_problem(kwargs)
+    if why:
+        raise UsageError(f"{flag} {why}")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_kwargs():
+    from timm.utils import ParseKwargs
+
+    class ModelKwargs(ParseKwargs):
+        """timm's ``ParseKwargs`` (``K=V``, values as Python literals, else strings), then the sizes checked by
+        :func:`model_kwargs_problem` (argparse's one-line error naming the flag)."""
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            if any("=" not in v for v in values if v):
+                raise argparse.ArgumentError(self, f"expected KEY=VALUE, got {[v for v in values if '=' not in v]}")
+            super().__call__(parser, namespace, values, option_string)
+            why = model_kwargs_problem(getattr(namespace, self.dest))
+            if why:
+                raise argparse.ArgumentError(self, why)
+    return ModelKwargs
+
+
+def __getattr__(name: str):  # timm is imported when a parser asks for ModelKwargs, not with this module
+    if name == "ModelKwargs":
+        return _parse_kwargs()
+    raise AttributeError(name)
