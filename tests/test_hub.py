@@ -16,6 +16,7 @@ import timm
 from timm.models import get_pretrained_cfg
 
 from ttt_zoo import hub
+from ttt_zoo.cli import main as cli_main
 from ttt_zoo.hub.cards import parse_card
 from ttt_zoo.checkpoint import CheckpointError
 from ttt_zoo.fileio import sha256_file
@@ -215,7 +216,7 @@ def test_push_dry_run_validates_and_lists_files(vit3, capsys, no_network, monkey
         raise AssertionError("dry run must not call the Hub API")
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", forbidden)
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", forbidden)
-    assert hub.main(["push", vit3["folder"], "--source", vit3["src"], "--dry-run"]) == 0
+    assert cli_main(["push", vit3["folder"], "--source", vit3["src"], "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "outputs match" in out and "would create model repo ttt-zoo/vit3_tiny.in1k" in out
     for f in ("README.md", "config.json", "model.safetensors"):
@@ -234,7 +235,7 @@ def test_push_uploads_with_create_repo_and_upload_folder(vit3, no_network, monke
 
 
 def test_push_refuses_other_source_and_changed_weights(vit3, tmp_path, capsys):
-    assert hub.main(["push", vit3["folder"], "--dry-run"]) == 2
+    assert cli_main(["push", vit3["folder"], "--dry-run"]) == 2
     assert "Pass --source CKPT" in capsys.readouterr().err
     other = _write_official(tmp_path / "other.pth", {k: v * 2 for k, v in vit3["sd"].items()})
     with pytest.raises(hub.HubFolderError, match=r"is not the checkpoint .* was converted from \(vit3_fixture.pth"):
@@ -284,7 +285,7 @@ def test_truncated_source_checkpoint(vit3, tmp_path):
 
 def test_checkpoint_for_another_architecture(vit3, tmp_path, capsys):
     hvit3_args = json.dumps({"embed_dim": [16, 32, 48, 64], "depths": [1, 1, 1, 1], "num_heads": [1, 2, 2, 2]})
-    rc = hub.main(["convert", vit3["src"], "--model", "hvit3_tiny.in1k", "--model-args", hvit3_args,
+    rc = cli_main(["convert", vit3["src"], "--model", "hvit3_tiny.in1k", "--model-args", hvit3_args,
                    "--out", str(tmp_path / "o"), "--no-flops"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -491,7 +492,7 @@ def test_convert_force_killed_mid_write_keeps_the_old_folder(tmp_path):
     # the next --force conversion completes, replaces the files, keeps other files, clears the killed run's folder
     with open(os.path.join(out, ".gitattributes"), "w") as f:
         f.write("*.safetensors filter=lfs\n")
-    assert hub.main(args) == 0
+    assert cli_main(args) == 0
     model = hub.load_folder(out)
     for k, v in torch.load(new_src)["model"].items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
@@ -503,7 +504,7 @@ def test_convert_to_a_file_or_read_only_folder_fails_first(tmp_path, capsys):
     """The output path is checked first: the checkpoint 'missing.pth' (which would fail next) is never read."""
     afile = tmp_path / "out.txt"
     afile.write_text("keep me")
-    assert hub.main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", str(afile)]) == 2
+    assert cli_main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", str(afile)]) == 2
     assert f"The output path {afile} is a file; give a folder path" in capsys.readouterr().err
     assert afile.read_text() == "keep me"
 
@@ -515,6 +516,6 @@ def test_convert_to_a_file_or_read_only_folder_fails_first(tmp_path, capsys):
     else:  # root ignores permission bits: use a folder the kernel refuses to write
         targets = [("/proc/ttt_zoo_out/x", "Cannot write the output folder")]
     for out, msg in targets:
-        assert hub.main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", out, "--force"]) == 2
+        assert cli_main(["convert", "missing.pth", "--model", "vit3_tiny.in1k", "--out", out, "--force"]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err

@@ -20,6 +20,7 @@ from timm.models._hub import load_model_config_from_hf, save_config_for_hf
 
 import ttt_zoo
 from ttt_zoo import hub
+from ttt_zoo.cli import main as cli_main
 from ttt_zoo.hub.cards import parse_card
 
 #: what loaders pass to the constructor themselves (timm _builder._update_default_model_kwargs: num_classes,
@@ -181,7 +182,7 @@ def test_custom_tag_names_the_users_weights(cli, tmp_path, capsys):
     src = str(tmp_path / "finetune.pth")
     torch.save({"model": model.state_dict()}, src)
     out = str(tmp_path / "out")
-    assert hub.main(["convert", src, *cli, "--model-args", json.dumps(SMALL_VIT3), "--out", out, "--no-flops"]) == 0
+    assert cli_main(["convert", src, *cli, "--model-args", json.dumps(SMALL_VIT3), "--out", out, "--no-flops"]) == 0
     assert "hub id ttt-zoo/vit3_tiny.digits" in capsys.readouterr().out
     cfg = _read(out)
     assert cfg["pretrained_cfg"]["tag"] == "digits" and cfg["ttt_zoo"]["hub_id"] == "ttt-zoo/vit3_tiny.digits"
@@ -197,10 +198,10 @@ def test_custom_tag_names_the_users_weights(cli, tmp_path, capsys):
 
 def test_custom_tag_refusals(default_vit3, tmp_path, capsys):
     out = str(tmp_path / "o")
-    assert hub.main(["convert", default_vit3["src"], "--model", "vit3_tiny.in1k", "--tag", "digits",
+    assert cli_main(["convert", default_vit3["src"], "--model", "vit3_tiny.in1k", "--tag", "digits",
                      "--out", out]) == 2
     assert "already has the tag 'in1k'; --tag digits names another" in capsys.readouterr().err
-    assert hub.main(["convert", default_vit3["src"], "--model", "vit3_tiny", "--tag", "my/tag", "--out", out]) == 2
+    assert cli_main(["convert", default_vit3["src"], "--model", "vit3_tiny", "--tag", "my/tag", "--out", out]) == 2
     assert "Invalid tag 'my/tag'" in capsys.readouterr().err
     assert not os.path.exists(out)
 

@@ -152,7 +152,7 @@ def test_second_resume_of_a_live_run_is_refused_and_changes_nothing(tmp_path):
 
 def test_convert_to_a_folder_being_written_is_refused(tmp_path, capsys):
     import timm
-    from ttt_zoo import hub
+    from ttt_zoo.cli import main as cli_main
     args = {"img_size": 32, "patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 2}
     src = str(tmp_path / "src.pth")
     torch.save({"model": timm.create_model("vit3_tiny", **args).state_dict()}, src)
@@ -160,11 +160,11 @@ def test_convert_to_a_folder_being_written_is_refused(tmp_path, capsys):
     cmd = ["convert", src, "--model", "vit3_tiny.in1k", "--model-args", json.dumps(args), "--out", str(out),
            "--no-flops"]
     with folder_lock(str(out), "ttt-zoo convert", beside=True):  # the first convert, still writing
-        assert hub.main(cmd) == 2
+        assert cli_main(cmd) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ")
         assert f"{out} is in use by another ttt-zoo convert (PID {os.getpid()})" in err[0]
         assert os.listdir(out.parent) == [".vit3_tiny.in1k.lock"]  # nothing written, no partial folder
-    assert hub.main(cmd) == 0  # once free, the same command works
+    assert cli_main(cmd) == 0  # once free, the same command works
     assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
     assert os.listdir(out.parent) == ["vit3_tiny.in1k"]  # the lock file is gone with its holder

@@ -1,6 +1,4 @@
 """ttt-zoo: Test-Time-Training vision backbones for timm.  Importing registers every model with timm."""
-__version__ = "0.1.0"
-
 import importlib.util as _ilu
 import os as _os
 import sys as _sys
@@ -16,6 +14,7 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_
     _sys.modules[__name__ + ".kernels"] = _mod
     _spec.loader.exec_module(_mod)
 
+from ._version import __version__  # noqa: E402
 from . import kernels  # noqa: F401,E402  (ttt_zoo.kernels, shipped from the top-level kernels/ folder)
 from . import layers, models  # noqa: F401,E402
 from .models import *  # noqa: F401,F403,E402

@@ -15,8 +15,6 @@ Command line: ``ttt-zoo convert`` / ``ttt-zoo push`` (:mod:`ttt_zoo.cli`).  Hub 
 ``ttt-zoo/<model>.<tag>`` (``ttt_zoo.checkpoint.HUB_ORG``); a tag of one's own (``vit3_tiny.digits``) names one's
 own weights, whose card states none of the authors' results.
 """
-from typing import Optional, Sequence
-
 from .convert import convert_all, convert_checkpoint, default_checkpoint_dir
 from .folder import (CARD_NAME, CONFIG_NAME, HUB_ORG, WEIGHTS_NAME, HubArchitecture, HubFolderError,
                      build_from_checkpoint, example_inputs, hub_repo_id, install_to_hub_cache, load_folder, measure,
@@ -26,11 +24,6 @@ __all__ = [
     "HUB_ORG", "WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "HubFolderError", "HubArchitecture", "hub_repo_id",
     "registered_pretrained", "register_hub_architecture", "read_config", "build_from_checkpoint", "example_inputs",
     "measure", "convert_checkpoint", "convert_all", "default_checkpoint_dir", "load_folder", "validate_folder",
-    "push_folder", "install_to_hub_cache", "main",
+    "push_folder", "install_to_hub_cache",
 ]
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``ttt-zoo {convert,push} ...`` (the same parser as the ``ttt-zoo`` command)."""
-    from ttt_zoo.cli import main as cli_main
-    return cli_main(argv)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ttt_zoo._version import __version__
 from ttt_zoo.fileio import atomic_path, pid_alive, sha256_file
 
 from .cards import PAPER_RESULTS, paper_results, render_card
@@ -196,8 +197,6 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
 
     The layout is that of the ``timm/`` organisation's repositories (timm's ``save_config_for_hf``); a tag timm does
     not know (e.g. 'vit3_tiny.digits') names a user's own weights."""
-    from ttt_zoo import __version__
-
     model, used_args = build_from_checkpoint(name, checkpoint, model_args)
     if "." not in name and (getattr(model, "pretrained_cfg", None) or {}).get("tag"):
         name = f"{name}.{model.pretrained_cfg['tag']}"  # 'vit3_tiny' -> its default tag 'vit3_tiny.in1k'
