@@ -17,13 +17,14 @@ from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_as_map
 from .mixer import TTTMixer, register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import dit5_form, init_plain_step_variant, qkv_inputs, silu_gate_features
+from .t5_ttt import dit5_form, qkv_inputs, silu_gate_features
+from .variants import VariantOptions, init_plain_step_variant
 
 __all__ = ["DiT5MixedAttention"]
 
 
 @register_mixer("dit5_mixed")
-class DiT5MixedAttention(TTTMixer):
+class DiT5MixedAttention(VariantOptions, TTTMixer):
     """out = proj(0.5 * NA(q, k, v) + 0.5 * TTT(q, k, v)).
 
     TTT path: per-channel affine on q and k (``qk_scale_ttt``/``qk_offset_ttt``, (1, 1, C, 2), [..., 0] for q),
@@ -71,8 +72,8 @@ class DiT5MixedAttention(TTTMixer):
                  inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
-        init_plain_step_variant(self, "DiT5MixedAttention", inner_update, inner_model, normalize_grad,
-                                gradient_ascent, share_qk, inner_steps)
+        init_plain_step_variant(self, inner_update, inner_model, normalize_grad, gradient_ascent, share_qk,
+                                inner_steps)
         self.scale = d ** -0.5
         self.kernel_size = kernel_size
         self.dilation = dilation

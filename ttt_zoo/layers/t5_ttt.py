@@ -20,43 +20,9 @@ from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
+from .variants import VariantOptions, init_plain_step_variant
 
-__all__ = ["T5TTT", "key_instance_norm", "check_variant_options", "init_plain_step_variant", "kernel_ttt_form",
-           "qkv_inputs", "dit5_form"]
-
-INNER_UPDATES = ("all", "last")
-
-
-def check_variant_options(mixer: str, inner_update: str, inner_model: Optional[str], inner_models: Tuple[str, ...],
-                          inner_steps: int) -> None:
-    """Shared checks of the paper-variant options ("TTT with KV Binding Is Secretly Linear Attention", Tables 1-2)."""
-    if inner_update not in INNER_UPDATES:
-        raise ValueError(f"{mixer}: inner_update must be one of {INNER_UPDATES}, got {inner_update!r}")
-    if inner_model is not None and inner_model not in inner_models:
-        raise ValueError(f"{mixer}: inner_model must be None (the default) or one of {inner_models}, "
-                         f"got {inner_model!r}")
-    if int(inner_steps) != inner_steps or inner_steps < 1:
-        raise ValueError(f"{mixer}: inner_steps must be an integer >= 1, got {inner_steps!r}")
-
-
-def init_plain_step_variant(mixer: nn.Module, name: str, inner_update: str, inner_model: Optional[str],
-                            normalize_grad: bool, gradient_ascent: bool, share_qk: bool, inner_steps: int) -> None:
-    """Check and set the variant options of a mixer whose inner step is a plain gradient step on a SwiGLU / MLP
-    inner model (T5, DiT5): ``inner_update``, ``inner_model``, ``linear``, ``gradient_ascent``, ``share_qk``,
-    ``inner_steps``."""
-    check_variant_options(name, inner_update, inner_model, ("linear",), inner_steps)
-    if normalize_grad:
-        raise ValueError(f"{name}: normalize_grad=True does not apply: its inner step is a plain gradient step "
-                         f"without gradient normalisation (Table 2's Variant 6 is already the baseline).")
-    if inner_model == "linear" and inner_update == "last":
-        raise ValueError(f"{name}: inner_model='linear' has a single layer; inner_update='last' does not apply")
-    mixer.inner_update = inner_update
-    mixer.inner_model = inner_model
-    mixer.linear = inner_model == "linear"
-    mixer.gradient_ascent = gradient_ascent
-    mixer.share_qk = share_qk
-    mixer.inner_steps = inner_steps
-
+__all__ = ["T5TTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form"]
 
 def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
     """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
@@ -130,7 +96,7 @@ def dit5_form(m: nn.Module, t: Dict[str, torch.Tensor], fs: Tuple[int, int]) -> 
 
 
 @register_mixer("t5")
-class T5TTT(TTTMixer):
+class T5TTT(VariantOptions, TTTMixer):
     """T5 mixer: q, k, v = qkv(x); k <- instance-norm(k); q, k += dwconv3x3(q, k); one inner SwiGLU step; proj.
 
     Official keys, in order: ``w1, w2, w3`` (1, heads, d, d), ``qkv`` (C -> 3C), ``proj`` (C -> C),
@@ -182,8 +148,8 @@ class T5TTT(TTTMixer):
                  inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
-        init_plain_step_variant(self, "T5TTT", inner_update, inner_model, normalize_grad, gradient_ascent,
-                                share_qk, inner_steps)
+        init_plain_step_variant(self, inner_update, inner_model, normalize_grad, gradient_ascent, share_qk,
+                                inner_steps)
         if na_kernel < 0 or (na_kernel and na_kernel % 2 == 0):
             raise ValueError(f"na_kernel must be 0 (no neighbourhood attention) or odd (3, 5, ...), got {na_kernel}")
         self.scale = d ** -0.5

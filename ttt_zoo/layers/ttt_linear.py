@@ -20,7 +20,7 @@ from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
 from .mixer import TTTMixer, hooked_value_output, register_mixer
 from .recompute import can_recompute, linear_of_recomputed
-from .t5_ttt import check_variant_options
+from .variants import VariantOptions, check_variant_options
 
 __all__ = ["TTTLinearMixer"]
 
@@ -39,7 +39,7 @@ _INNER_LOSSES = ("mse", "dot")
 
 
 @register_mixer("ttt_linear")
-class TTTLinearMixer(TTTMixer):
+class TTTLinearMixer(VariantOptions, TTTMixer):
     """Bidirectional TTT-Linear token mixer (Vittt block).
 
     Args:
@@ -94,7 +94,7 @@ class TTTLinearMixer(TTTMixer):
                  share_qk: bool = False, inner_steps: int = 1):
         super().__init__()
         name = "TTTLinearMixer"
-        check_variant_options(name, inner_update, inner_model, ("linear",), inner_steps)
+        inner_steps = check_variant_options(name, inner_update, inner_model, (None, "linear"), inner_steps)
         if inner_loss not in _INNER_LOSSES:
             raise ValueError(f"{name}: inner_loss must be one of {_INNER_LOSSES}, got {inner_loss!r}")
         if inner_update != "all":
@@ -188,12 +188,10 @@ class TTTLinearMixer(TTTMixer):
         return self._inner_steps
 
     @inner_steps.setter
-    def inner_steps(self, steps: int) -> None:
-        if int(steps) != steps or steps < 1:
-            raise ValueError(f"inner_steps must be an integer >= 1, got {steps!r}")
+    def inner_steps(self, steps: int) -> None:  # VariantOptions has checked it is an integer >= 1
         if steps != 1 and self.inner_loss != "dot":
             raise ValueError("TTTLinearMixer: inner_steps > 1 needs inner_loss='dot' (see the class docstring)")
-        self._inner_steps = int(steps)
+        self._inner_steps = steps
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)

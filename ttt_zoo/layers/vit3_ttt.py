@@ -11,11 +11,11 @@ from ttt_zoo.kernels import vit3_qkv_ttt, vit3_variant_qkv_ttt
 from . import la_forms as laf
 from .block import tokens_to_map
 from .mixer import TTTMixer, register_mixer
+from .variants import VariantOptions, check_variant_options
 from .rope import apply_rope_2d, rope_2d_tables
 
 __all__ = ["ViT3TTT", "variant_state_dict"]
 
-INNER_UPDATES = ("all", "last")
 INNER_MODELS = ("swiglu", "linear")
 
 # the ops and RoPE tables are leaves for torch.fx (they branch on devices and shapes)
@@ -24,7 +24,7 @@ for _fn in (vit3_qkv_ttt, vit3_variant_qkv_ttt, rope_2d_tables):
 
 
 @register_mixer("vit3")
-class ViT3TTT(TTTMixer):
+class ViT3TTT(VariantOptions, TTTMixer):
     """One closed-form inner step on (k, v), applied to q; per-sample inner weights.
 
     Official keys: ``w1, w2`` (1, heads, d, d), ``w3`` (d, 1, 3, 3), ``qkv`` (C -> 3C + 3d), ``proj`` (C + d -> C).
@@ -64,12 +64,7 @@ class ViT3TTT(TTTMixer):
                  inner_steps: int = 1):
         super().__init__()
         d = self._init_heads(dim, num_heads)
-        if inner_update not in INNER_UPDATES:
-            raise ValueError(f"inner_update must be one of {INNER_UPDATES} ('last': Table 2's Variant 1), got "
-                             f"{inner_update!r}")
-        if inner_model not in INNER_MODELS:
-            raise ValueError(f"inner_model must be one of {INNER_MODELS} ('linear': Table 2's Variant 3), got "
-                             f"{inner_model!r}")
+        check_variant_options(type(self).__name__, inner_update, inner_model, INNER_MODELS, inner_steps)
         self.scale = scale
         self.normalize_grad = normalize_grad
         self.use_rope = rope
@@ -79,8 +74,7 @@ class ViT3TTT(TTTMixer):
         self.inner_model = inner_model
         self.gradient_ascent = bool(gradient_ascent)
         self.share_qk = bool(share_qk)
-        self.inner_steps = 1
-        self.set_inner_steps(inner_steps)
+        self.inner_steps = inner_steps
         self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
         # the single linear inner layer has no gate: no w2 (an unused parameter would break DDP)
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d)) if inner_model == "swiglu" else None
@@ -89,12 +83,6 @@ class ViT3TTT(TTTMixer):
         self.proj = nn.Linear(dim + d, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_inner_parameters()
-
-    def set_inner_steps(self, steps: int) -> None:
-        """Number of inner steps on (k, v) (Figure 1 of the paper varies it at inference)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"inner_steps must be an integer >= 1, got {steps!r}")
-        self.inner_steps = steps
 
     @property
     def is_variant(self) -> bool:
