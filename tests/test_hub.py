@@ -245,6 +245,14 @@ def test_push_refuses_other_source_and_changed_weights(vit3, tmp_path, capsys):
     w = load_file(os.path.join(folder, "model.safetensors"))
     w["head.bias"] = w["head.bias"] + 0.1
     save_file(w, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(hub.HubFolderError, match=r"tampered/model.safetensors does not match the sha256 its "
+                                                 r"config.json records \('ttt_zoo.weights_sha256'"):
+        hub.validate_folder(folder, source=vit3["src"])
+    # a config.json that records the changed file's sha256 too: the outputs still differ from the source's
+    from ttt_zoo import hub_format
+    cfg = hub_format.read_config(folder)
+    cfg["ttt_zoo"]["weights_sha256"] = sha256_file(os.path.join(folder, "model.safetensors"))
+    hub_format.write_config(folder, cfg)
     with pytest.raises(hub.HubFolderError, match=r"Outputs of .*tampered differ from those of .*vit3_fixture.pth"):
         hub.validate_folder(folder, source=vit3["src"])
     shutil.copy(vit3["src"], os.path.join(folder, "extra.pth"))

@@ -324,15 +324,24 @@ def test_processor_guards():
 
 # ----- Hub layout and the conversion tool -----------------------------------------------------------------------------
 
-def test_convert_tool_on_tiny_saved_pipeline(tmp_path):
+def test_convert_tool_on_tiny_saved_pipeline(tmp_path, capsys):
+    """`ttt-zoo convert SRC --sd3 --out OUT` (and tools/convert_sd3.py SRC OUT, the same command)."""
+    import importlib.util
+    from pathlib import Path
     from diffusers import DiffusionPipeline
+    from ttt_zoo.cli import main as cli_main
     from ttt_zoo.hub.cards import REQUIRED_CARD_KEYS, parse_card
-    from ttt_zoo.sd3.hub import main
     from ttt_zoo.sd3.tiny import tiny_sd3_pipeline
+    spec = importlib.util.spec_from_file_location("convert_sd3", Path(__file__).parents[1] / "tools" / "convert_sd3.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def main(argv):  # SRC OUT [options], as tools/convert_sd3.py takes them
+        return cli_main(["convert", argv[0], "--sd3", "--out", argv[1], *argv[2:]])
     src = tiny_sd3_pipeline()
     src.save_pretrained(tmp_path / "sd3", safe_serialization=True)
-    assert main([str(tmp_path / "sd3"), str(tmp_path / "out"), "--joint-layers", "4,5",
-                 "--base-name", "stabilityai/stable-diffusion-3.5-medium"]) == 0
+    assert tool.run([str(tmp_path / "sd3"), str(tmp_path / "out"), "--joint-layers", "4,5",
+                     "--base-name", "stabilityai/stable-diffusion-3.5-medium"]) == 0
     index = json.loads((tmp_path / "out" / "model_index.json").read_text())
     assert index["transformer"] == ["ttt_zoo.sd3.transformer", "SD3T5Transformer2DModel"]
     assert index["vae"] == ["diffusers", "AutoencoderKL"]
@@ -355,3 +364,9 @@ def test_convert_tool_on_tiny_saved_pipeline(tmp_path):
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
     assert main([str(tmp_path / "sd3" / "transformer"), str(tmp_path / "t"), "--dual-layers", "0"]) == 0
     assert json.loads((tmp_path / "t" / "config.json").read_text())["ttt_dual_layers"] == [0]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # a flag error: argparse's exit, one line
+        main([str(tmp_path / "sd3"), str(tmp_path / "t2"), "--joint-layers", "x,1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'x,1' is not a comma-separated list" in err and err.count("\n") == 1

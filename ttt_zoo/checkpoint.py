@@ -346,6 +346,10 @@ def resolve_pretrained(variant: str, kwargs: Dict[str, Any]) -> None:
                 else _hub_weights_path(pc.hf_hub_id, pc.hf_hub_filename, kwargs.get("cache_dir")))
         if path and os.path.isfile(path):
             check_safetensors(path)  # header only
+            from ttt_zoo import hub_format  # the folder's config.json keys and its weights' recorded sha256
+            folder = os.path.dirname(path)
+            if os.path.isfile(os.path.join(folder, hub_format.CONFIG_NAME)):
+                hub_format.check_weights(folder, hub_format.read_config(folder))
         return
     if pc.source:
         return

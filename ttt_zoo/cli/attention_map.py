@@ -92,7 +92,7 @@ def run(args) -> int:
     check_out(args.out, args.force)
     if args.checkpoint:
         from ttt_zoo.checkpoint import CheckpointError
-        from ttt_zoo.hub.folder import build_from_checkpoint
+        from ttt_zoo.hub import build_from_checkpoint
         try:
             model, _ = build_from_checkpoint(args.model, args.checkpoint, model_kwargs(args))
         except CheckpointError as e:

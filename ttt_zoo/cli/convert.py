@@ -15,6 +15,8 @@ def _lock_output(stack: contextlib.ExitStack, out: str) -> None:
     rename), so a second convert to it is refused, naming the first one's PID."""
     from ttt_zoo.fileio import folder_lock
     from ttt_zoo.hub import HubFolderError
+    from ttt_zoo.hub.staging import output_folder
+    out = output_folder(out)  # a symlink: its target is the folder that is replaced
     try:
         stack.enter_context(folder_lock(out, "ttt-zoo convert", beside=True))
     except OSError as e:
@@ -37,6 +39,8 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
                           not args.no_flops, args.force)
         print(f"converted {len(res['converted'])} checkpoint(s); missing: {res['missing'] or 'none'}")
         return 0
+    if args.sd3:
+        return _convert_sd3(args, stack)
     if not args.checkpoint or not args.model:
         raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
                              f"{', '.join(registered_pretrained())}), or use --all.")
@@ -48,6 +52,32 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
     print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
     return 0
+
+
+def _convert_sd3(args, stack: contextlib.ExitStack) -> int:
+    """A local SD3 / SD3.5 diffusers folder (pipeline or transformer) -> SD3.5-T5 (docs/sd3.md)."""
+    from ttt_zoo.errors import UsageError
+    from ttt_zoo.sd3.hub import convert_sd3_folder
+    if not args.checkpoint or not args.out:
+        raise UsageError("--sd3 needs the SD3 folder and --out OUT, e.g. `ttt-zoo convert "
+                         "path/to/stable-diffusion-3.5-medium --sd3 --out sd3.5-medium-t5`")
+    _lock_output(stack, args.out)
+    info = convert_sd3_folder(args.checkpoint, args.out, args.hub_id, args.base_name, args.force, args.finetuned,
+                              ttt_dual_layers=args.dual_layers, ttt_joint_layers=args.joint_layers,
+                              ttt_key_norm_span=args.key_norm_span, ttt_rms_qk_norm=args.rms_qk_norm)
+    print(f"converted {args.checkpoint} -> {args.out}: TTT in attn2 of blocks {info['dual_layers']}, joint attn of "
+          f"blocks {info['joint_layers']}; {info['new_params_str']} new parameters")
+    return 0
+
+
+def _layers(text: str):
+    """--joint-layers 19,20,21 -> [19, 20, 21]; '' -> [] (no layers)."""
+    import argparse
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of block indices "
+                                         f"(e.g. 19,20,21)") from None
 
 
 def _model_name(model: str, tag) -> str:
@@ -83,4 +113,16 @@ def add_parser(sub) -> None:
     p.add_argument("--no-flops", action="store_true", help="do not measure GMACs")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder (the old one is kept "
                    "until the new one is complete)")
+    g = p.add_argument_group("SD3.5-T5", "with --sd3: CHECKPOINT is a local SD3 / SD3.5 diffusers folder (a pipeline "
+                             "or its transformer/), converted into SD3.5-T5 (docs/sd3.md)")
+    g.add_argument("--sd3", action="store_true", help="convert an SD3 diffusers folder into SD3.5-T5")
+    g.add_argument("--dual-layers", type=_layers, default=None,
+                   help="comma-separated blocks whose attn2 becomes TTT (default: every dual-attention block)")
+    g.add_argument("--joint-layers", type=_layers, default=None,
+                   help="comma-separated blocks whose joint attn becomes TTT (default: the last 5; without "
+                        "dual-attention blocks the last half)")
+    g.add_argument("--key-norm-span", choices=("joint", "separate"), default="joint")
+    g.add_argument("--rms-qk-norm", choices=("keep", "skip"), default="keep")
+    g.add_argument("--base-name", help="the source's hub id, e.g. stabilityai/stable-diffusion-3.5-medium")
+    g.add_argument("--finetuned", help="describe the fine-tune these weights had (default: none; the card says so)")
     p.set_defaults(func=run)

@@ -113,6 +113,7 @@ def _build_model(args):
     """(model with its weights in eval mode, class names from a training folder or None)."""
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
+    from ttt_zoo import hub_format
     from ttt_zoo.hub import CONFIG_NAME, load_folder, read_config
     from ttt_zoo.train.validate import committed_path, create_eval_model, load_weights
     from ._common import UsageError, model_kwargs
@@ -127,7 +128,7 @@ def _build_model(args):
         if not os.path.isfile(os.path.join(ck, CONFIG_NAME)):
             raise UsageError(f"--checkpoint {ck} is a folder without args.yaml or {CONFIG_NAME}; give a weights "
                              f"file, a `ttt-zoo train` folder or a Hub folder")
-        arch = read_config(ck)["architecture"]
+        arch = hub_format.architecture(read_config(ck))
         if args.model and args.model != arch:
             raise UsageError(f"--model {args.model} differs from the Hub folder's {arch}; leave out --model")
         args.model = arch

@@ -3,23 +3,22 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import json
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from ttt_zoo._version import __version__
-from ttt_zoo.fileio import atomic_path, pid_alive, sha256_file
+from ttt_zoo import hub_format as fmt
+from ttt_zoo.errors import HubFolderError
+from ttt_zoo.fileio import atomic_path, sha256_file
 
+from .build import (_HUB_ARCHS, GITHUB_REPO, _split, build_from_checkpoint, hub_repo_id, measure, registered_cfg,
+                    registered_pretrained, zoo_architectures)
 from .cards import PAPER_RESULTS, paper_results, render_card
-from .folder import (_HUB_ARCHS, CARD_NAME, CONFIG_NAME, GITHUB_REPO, LOADER_ARGS, WEIGHTS_NAME, HubFolderError,
-                     _split, build_from_checkpoint, hub_repo_id, measure, registered_cfg,
-                     registered_pretrained)
+from .staging import staged_folder
 
 # ----- conversion -----
 
@@ -62,7 +61,7 @@ def _datasets(name: str, kind: str) -> List[str]:
 
 
 #: constructor arguments that keep the released architecture (anything else makes a different network)
-_SAME_ARCH_ARGS = ("num_classes", "in_chans", "img_size", "global_pool")
+_SAME_ARCH_ARGS = fmt.LOADER_ARGS + ("img_size",)
 
 
 def _authors_release(name: str, source_url: Optional[str], custom_args: Dict[str, Any]) -> bool:
@@ -85,94 +84,6 @@ def _save_weights(model: nn.Module, path: str) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path, metadata={"format": "pt"})
 
 
-def _save_timm_config(model: nn.Module, path: str, used_args: Dict[str, Any], model_config: Dict[str, Any],
-                      data_config: Optional[Dict[str, Any]]) -> None:
-    """timm's ``save_config_for_hf``, with ``model_args`` cut to what the model name cannot rebuild: timm records
-    the :data:`LOADER_ARGS` (and the default ``img_size``) there too, which clients that pass them refuse."""
-    from timm.models._hub import save_config_for_hf
-    added = [a for a in ("num_features",) if not hasattr(model, a)]  # timm reads it; DiT-style models lack it
-    for a in added:
-        setattr(model, a, None)
-    try:
-        save_config_for_hf(model, path, model_config=model_config, data_config=data_config)
-    finally:
-        for a in added:
-            delattr(model, a)
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    args = {k: v for k, v in (config.pop("model_args", None) or {}).items() if k not in LOADER_ARGS}
-    if "img_size" in args and "img_size" not in used_args:  # the size built from the name
-        del args["img_size"]
-    if "global_pool" in used_args:  # loaders pass pretrained_cfg's global_pool (timm _update_default_model_kwargs)
-        config["pretrained_cfg"]["global_pool"] = config.get("global_pool", used_args["global_pool"])
-    ordered = {}
-    for k, v in config.items():  # timm's key order: model_args before pretrained_cfg
-        if k == "pretrained_cfg" and args:
-            ordered["model_args"] = args
-        ordered[k] = v
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(ordered, f, indent=2)
-
-
-def _partial_dir(out_dir: str, overwrite: bool) -> str:
-    """Check ``out_dir`` before any work and create the temporary folder beside it that the new files go into."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise HubFolderError(f"The output path {out_dir} is a file; give a folder path (it is created if needed).")
-    if os.path.isdir(out_dir):
-        if os.listdir(out_dir) and not overwrite:
-            raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to replace it.")
-        if not os.access(out_dir, os.W_OK):
-            raise HubFolderError(f"{out_dir} is read-only; make it writable or choose another output folder.")
-    parent, base = os.path.split(out_dir)
-    prefix = f".{base}.partial-"
-    for stale in os.listdir(parent) if os.path.isdir(parent) else []:  # left by a killed convert
-        pid = stale[len(prefix):].split("-")[0]
-        if stale.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
-    except OSError as e:
-        raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
-                             f"output folder you can write to.") from e
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    import ctypes
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    return fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
-
-
-def _swap_in(tmp: str, out_dir: str) -> None:
-    """Replace ``out_dir`` by the complete folder ``tmp``: a kill at any point leaves a complete folder (old or new).
-
-    Files of the old folder that conversion does not write (e.g. a .gitattributes) are kept."""
-    out_dir = os.path.abspath(out_dir)
-    if not os.path.isdir(out_dir):
-        os.rename(tmp, out_dir)
-        return
-    for f in os.listdir(out_dir):
-        if not os.path.exists(os.path.join(tmp, f)):
-            src = os.path.join(out_dir, f)
-            (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, f))
-    if _exchange(tmp, out_dir):
-        shutil.rmtree(tmp)  # tmp now holds the old folder
-        return
-    old = tmp + ".old"  # two renames: in between, out_dir is briefly absent but both folders are complete
-    os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old)
-
-
 def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]] = None,
                        hub_id: Optional[str] = None, flops: bool = True, overwrite: bool = False,
                        source_url: Optional[str] = None) -> Dict[str, Any]:
@@ -181,14 +92,8 @@ def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Opt
     The files are written into a temporary folder beside ``out_dir`` that replaces it only once complete, so an
     existing folder is never lost.  ``source_url``: where ``checkpoint`` was downloaded from, if known (the card
     only claims a release it knows)."""
-    tmp = _partial_dir(out_dir, overwrite)
-    try:
-        info = _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url)
-        _swap_in(tmp, out_dir)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return info
+    with staged_folder(out_dir, overwrite) as tmp:
+        return _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url)
 
 
 def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]],
@@ -218,21 +123,19 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
     numbers = measure(model, input_size if kind != "diffusion" else None) if flops else dict(
         params=sum(p.numel() for p in model.parameters()), macs=None, macs_input=list(input_size))
 
+    source_sha256 = sha256_file(checkpoint)
     provenance = dict(version=__version__, hub_id=hub_id, kind=kind, source_file=os.path.basename(checkpoint),
-                      source_sha256=sha256_file(checkpoint), params=numbers["params"], gmacs=numbers["macs"],
+                      source_sha256=source_sha256, params=numbers["params"], gmacs=numbers["macs"],
                       gmacs_input=numbers["macs_input"], source_url=source_url)
     labels = _label_info(num_classes, name)
-    _save_weights(model, os.path.join(out_dir, WEIGHTS_NAME))
+    _save_weights(model, os.path.join(out_dir, fmt.WEIGHTS_NAME))
+    provenance = fmt.with_weights_sha256(provenance, out_dir)
     if arch in _HUB_ARCHS:  # not a timm model: timm's config layout does not fit
-        args = _jsonable({k: v for k, v in used_args.items() if k not in LOADER_ARGS})
-        config = dict(architecture=arch, num_classes=0, **({"model_args": args} if args else {}),
-                      pretrained_cfg=_jsonable({k: v for k, v in pc.items() if v is not None}), ttt_zoo=provenance)
-        with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
+        config = fmt.plain_config(arch, used_args, pc, provenance)
     else:
         data_cfg = {"input_size": input_size} if input_size != tuple(pc.get("input_size", ())) else None
-        _save_timm_config(model, os.path.join(out_dir, CONFIG_NAME), used_args,
-                          dict(labels, ttt_zoo=provenance), data_cfg)
+        config = fmt.timm_config(model, used_args, labels, provenance, data_cfg)
+    fmt.write_config(out_dir, config, zoo_architectures())
     custom_args = {k: v for k, v in used_args.items() if k != "num_classes" or v != 1000}
     other_arch = sorted(k for k in custom_args if k not in _SAME_ARCH_ARGS)
     authors_release = _authors_release(name, source_url, custom_args)
@@ -246,15 +149,11 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
                 input_size=input_size, mean=pc.get("mean"), std=pc.get("std"), crop_pct=pc.get("crop_pct"),
                 interpolation=pc.get("interpolation"), num_classes=num_classes, params=numbers["params"],
                 macs=numbers["macs"], macs_input=numbers["macs_input"], source_file=os.path.basename(checkpoint),
-                source_sha256=provenance["source_sha256"], source_url=source_url, model_args=custom_args,
+                source_sha256=source_sha256, source_url=source_url, model_args=custom_args,
                 paper=paper_results(name) if authors_release else None, github=GITHUB_REPO)
-    with open(os.path.join(out_dir, CARD_NAME), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, fmt.CARD_NAME), "w", encoding="utf-8") as f:
         f.write(render_card(info))
     return info
-
-
-def _jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=list))
 
 
 def _find_source(name: str, checkpoint_dir: str) -> Optional[str]:

@@ -10,21 +10,20 @@ Layout, in diffusers' own conventions (safetensors only):
   their source).
 
 The output is written beside ``out`` and swapped in only when complete (an existing folder is never lost).
-Command line: ``python tools/convert_sd3.py SRC OUT [--joint-layers ...]`` (see ``--help``).
+Command line: ``ttt-zoo convert SRC --sd3 --out OUT [--joint-layers ...]`` (see ``ttt-zoo convert --help``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional
 
 from ttt_zoo.fileio import sha256_file
 
 from .transformer import SOFTMAX_CLASS, TTT_CLASS, SD3LayoutError
 
-__all__ = ["convert_sd3_folder", "render_sd3_card", "main", "TRANSFORMER_ENTRY"]
+__all__ = ["convert_sd3_folder", "render_sd3_card", "TRANSFORMER_ENTRY"]
 
 TRANSFORMER_ENTRY = ["ttt_zoo.sd3.transformer", TTT_CLASS]
 _TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card_template.md")
@@ -77,8 +76,7 @@ def convert_sd3_folder(src: str, out: str, hub_id: Optional[str] = None, base_na
     ``ttt_options``: ``ttt_dual_layers``, ``ttt_joint_layers``, ``ttt_key_norm_span``, ``ttt_rms_qk_norm``,
     ``ttt_key_norm_eps`` (defaults: the paper's layout, see ``SD3T5Transformer2DModel``)."""
     from ttt_zoo.hub.cards import REQUIRED_CARD_KEYS, parse_card
-    from ttt_zoo.hub.convert import _partial_dir, _swap_in
-    from ttt_zoo.hub.folder import HubFolderError
+    from ttt_zoo.hub.staging import staged_folder
     from .transformer import SD3T5Transformer2DModel
 
     src = os.path.abspath(src)
@@ -89,11 +87,7 @@ def convert_sd3_folder(src: str, out: str, hub_id: Optional[str] = None, base_na
     weights = [os.path.join(t_src, f) for f in sorted(os.listdir(t_src)) if f.endswith(".safetensors")]
     if not weights:
         raise SD3LayoutError(f"{t_src} has no .safetensors weights (pickled checkpoints are not read).")
-    try:
-        tmp = _partial_dir(out, overwrite)
-    except HubFolderError as e:
-        raise SD3LayoutError(str(e)) from e
-    try:
+    with staged_folder(out, overwrite) as tmp:
         model = SD3T5Transformer2DModel.from_pretrained(t_src, **ttt_options)
         t_out = os.path.join(tmp, "transformer") if kind == "pipeline" else tmp
         if kind == "pipeline":
@@ -128,45 +122,4 @@ def convert_sd3_folder(src: str, out: str, hub_id: Optional[str] = None, base_na
             raise SD3LayoutError(f"model card lacks {missing}")
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(card)
-        _swap_in(tmp, out)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return info
-
-
-def _layers(text: str):
-    return [int(t) for t in text.split(",") if t.strip()] if text.strip() else []
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Convert a local SD3 / SD3.5 diffusers folder (pipeline or transformer) "
-                                            "into SD3.5-T5 (TTT layers, every pretrained tensor inherited).")
-    p.add_argument("src", help="local diffusers folder: a StableDiffusion3Pipeline or its transformer/")
-    p.add_argument("out", help="output folder (written beside, swapped in when complete)")
-    p.add_argument("--dual-layers", type=_layers, default=None,
-                   help="comma-separated blocks whose attn2 becomes TTT (default: every dual-attention block)")
-    p.add_argument("--joint-layers", type=_layers, default=None,
-                   help="comma-separated blocks whose joint attn becomes TTT (default: the last 5; without "
-                        "dual-attention blocks the last half)")
-    p.add_argument("--key-norm-span", choices=("joint", "separate"), default="joint")
-    p.add_argument("--rms-qk-norm", choices=("keep", "skip"), default="keep")
-    p.add_argument("--hub-id", help="repo id written on the card (default: the output path)")
-    p.add_argument("--base-name", help="the source's hub id, e.g. stabilityai/stable-diffusion-3.5-medium")
-    p.add_argument("--finetuned", help="describe the fine-tune these weights had (default: none; the card says so)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    args = p.parse_args(argv)
-    try:
-        info = convert_sd3_folder(args.src, args.out, args.hub_id, args.base_name, args.force, args.finetuned,
-                                  ttt_dual_layers=args.dual_layers, ttt_joint_layers=args.joint_layers,
-                                  ttt_key_norm_span=args.key_norm_span, ttt_rms_qk_norm=args.rms_qk_norm)
-    except (SD3LayoutError, ValueError) as e:
-        print(f"error: {e}", flush=True)
-        return 2
-    print(f"converted {args.src} -> {args.out}: TTT in attn2 of blocks {info['dual_layers']}, joint attn of blocks "
-          f"{info['joint_layers']}; {info['new_params_str']} new parameters")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
