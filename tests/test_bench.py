@@ -129,8 +129,8 @@ def test_ops_dry_run(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "no_such_model"], "unknown model 'no_such_model'"),
-    (["--peers", "no_such_peer"], "unknown model 'no_such_peer'"),
+    (["--model", "no_such_model"], "--model 'no_such_model' is not a registered model"),
+    (["--peers", "no_such_peer"], "--peers 'no_such_peer' is not a registered model"),
     (["--img-size", "abc"], "bad image size 'abc'"),
     (["--img-size", "0"], "bad image size '0'"),
     (["--img-size", "224x"], "bad image size '224x'"),

@@ -130,6 +130,19 @@ BAD = [
                                                    e["run"], "-j", "0", "--results-file",
                                                    os.path.join(e["existing"], "r.csv")], "add --force"),
 ]
+# every command with --model suggests the close names (ttt_zoo.registry.resolve_model_name), as create_model does
+BAD += [(f"{argv[0]} model typo", (lambda argv: lambda e: [a(e) if callable(a) else a for a in argv])(argv),
+         f"Did you mean {hint}")
+        for argv, hint in [
+            (["validate", "--model", "vit3_tinny", "--data-dir", lambda e: e["data"], "--pretrained"], "'vit3_tiny'"),
+            (["predict", lambda e: os.path.join(e["data"], "val"), "--model", "vit3_tinny", "-j", "0"], "'vit3_tiny'"),
+            (["sample", "--model", "dit3_s2", "--out", lambda e: os.path.join(e["out"], "s.png")], "'dit3_s_2'"),
+            (["attention-map", "--model", "vit3_tinny", "--query-pixel", "1", "1", "--out",
+              lambda e: os.path.join(e["out"], "m.png")], "'vit3_tiny'"),
+            (["export", "--model", "vit3_tinny", "--out", lambda e: os.path.join(e["out"], "m.onnx")], "'vit3_tiny'"),
+            (["bench", "--model", "vit3_tinny", "--device", "cpu"], "'vit3_tiny'"),
+            (["train", "--model", "vit3_tinny", "--data-dir", lambda e: e["data"], "--output",
+              lambda e: e["out"], "--experiment", "typo2"], "'vit3_tiny'")]]
 RO = [
     ("train read-only --output", lambda ro, e: _train(e, "--output", ro, "--experiment", "x"), "not writable"),
     ("sample read-only --out", lambda ro, e: ["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--out",

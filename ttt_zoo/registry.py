@@ -1,8 +1,10 @@
 """The front door's model registry: which timm models are ttt-zoo's, their families and kinds, and
 :func:`create_model` with close-match hints.  Re-exported by ``ttt_zoo``."""
 
-__all__ = ["create_model", "list_zoo_models", "list_zoo_families", "is_diffusion_model", "is_variant_model",
-           "VARIANT_SUFFIXES"]
+from typing import Optional
+
+__all__ = ["create_model", "resolve_model_name", "list_zoo_models", "list_zoo_families", "is_diffusion_model",
+           "is_variant_model", "VARIANT_SUFFIXES"]
 
 
 def is_diffusion_model(model_name: str) -> bool:
@@ -54,15 +56,38 @@ def list_zoo_families(include_diffusion: bool = False):
     return {f: n for f, (_, n) in sorted(out.items())}
 
 
-def create_model(model_name: str, pretrained: bool = False, **kwargs):
-    """``timm.create_model`` with a helpful error (close matches) for an unknown ttt-zoo model name."""
+def resolve_model_name(model_name: str, kind: Optional[str] = None, flag: str = "") -> str:
+    """The one check of a model name a user gives (every command's ``--model`` and :func:`create_model`): a name
+    timm knows (the zoo's included; ``hf-hub:`` / ``local-dir:`` names go to timm as they are), of ``kind``
+    ('image' or 'diffusion', when given); else a :class:`~ttt_zoo.errors.UsageError` naming the close matches."""
     import difflib
     import timm
+    from .errors import UsageError
     base = model_name.split(".")[0]
-    if not model_name.startswith(("hf-hub:", "local-dir:")) and base not in timm.list_models():
-        close = difflib.get_close_matches(base, list_zoo_models(include_diffusion=True), n=3)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"Unknown model {model_name!r}.{hint} Run `ttt-zoo list` for every registered model.")
+    what = f"{flag} {model_name!r}" if flag else f"model {model_name!r}"
+    if model_name.startswith(("hf-hub:", "local-dir:")):
+        return model_name
+    zoo = list_zoo_models(include_diffusion=True)
+    if not timm.is_model(base):
+        close = difflib.get_close_matches(base, zoo, n=3) or difflib.get_close_matches(base, timm.list_models(), n=3)
+        hint = f" (Did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        raise UsageError(f"{what} is not a registered model; give a registered name{hint}; `ttt-zoo list` shows "
+                         f"the zoo's models (timm's are accepted too)")
+    if kind is not None and (base in zoo and is_diffusion_model(base)) != (kind == "diffusion"):
+        close = [n for n in list_zoo_families(include_diffusion=True).values()
+                 if is_diffusion_model(n) == (kind == "diffusion")][:3]
+        if kind == "diffusion":
+            raise UsageError(f"{what} is not a diffusion model (forward(x, t, y)); give a DiT-family model, e.g. "
+                             f"{', '.join(close)}")
+        raise UsageError(f"{what} is a diffusion model (forward(x, t, y)); give an image model, e.g. "
+                         f"{', '.join(close)}")
+    return model_name
+
+
+def create_model(model_name: str, pretrained: bool = False, **kwargs):
+    """``timm.create_model`` with a helpful error (close matches) for an unknown model name."""
+    import timm
+    resolve_model_name(model_name)
     if not model_name.startswith("hf-hub:"):
         return timm.create_model(model_name, pretrained=pretrained, **kwargs)
     try:

@@ -69,13 +69,10 @@ def plot_maps(rgb, query_pixel, maps, path: str, title: str, orig_size=None) -> 
 def run(args) -> int:
     import timm
     import torch
-    from ttt_zoo.registry import create_model, is_diffusion_model, list_zoo_models
+    from ttt_zoo.registry import create_model, resolve_model_name
     from ttt_zoo.analysis import image_attention_maps
     from ._common import model_kwargs
-    if args.model.split(".")[0] in list_zoo_models(include_diffusion=True) \
-            and is_diffusion_model(args.model):
-        raise SystemExit(f"error: {args.model} is a diffusion model (forward(x, t, y)); attention-map takes an image "
-                         f"model, e.g. vit3_tiny, t5_tiny, visionttt_tiny")
+    resolve_model_name(args.model, "image", "--model")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -92,7 +89,7 @@ def run(args) -> int:
     check_out(args.out, args.force)
     if args.checkpoint:
         from ttt_zoo.checkpoint import CheckpointError
-        from ttt_zoo.hub import build_from_checkpoint
+        from ttt_zoo.hub.folder import build_from_checkpoint
         try:
             model, _ = build_from_checkpoint(args.model, args.checkpoint, model_kwargs(args))
         except CheckpointError as e:

@@ -44,15 +44,15 @@ def _resolve_models(p: argparse.ArgumentParser, names, flag: str):
     """Registered names, timm wildcards (``vit3_*``) expanded; an unknown name is a usage error."""
     import timm
     import ttt_zoo  # noqa: F401  (registers the models)
+    from ttt_zoo.registry import resolve_model_name
     out = []
     for n in names:
-        if timm.is_model(n):
-            out.append(n)
-            continue
         found = timm.list_models(n) if any(c in n for c in "*?[") else []
         if not found:
-            p.error(f"{flag}: unknown model {n!r}; `ttt-zoo list` shows the zoo's models, "
-                    f"`timm.list_models('*{n.strip('*')}*')` searches timm's")
+            try:
+                found = [resolve_model_name(n, flag=flag)]
+            except ValueError as e:
+                p.error(str(e))
         out += found
     return out
 

@@ -15,9 +15,10 @@ __all__ = ["add_parser", "run"]
 
 
 def run(args) -> int:
-    from ttt_zoo.registry import create_model
+    from ttt_zoo.registry import create_model, resolve_model_name
     from ttt_zoo.export import ExportError, export_onnx
     try:
+        resolve_model_name(args.model, "image", "--model")
         check_out(args.out, True)  # the folder must be writable; an existing --out is refused before the export
         kwargs = model_kwargs(args)
         if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn

@@ -113,7 +113,6 @@ def _build_model(args):
     """(model with its weights in eval mode, class names from a training folder or None)."""
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
-    from ttt_zoo import hub_format
     from ttt_zoo.hub import CONFIG_NAME, load_folder, read_config
     from ttt_zoo.train.validate import committed_path, create_eval_model, load_weights
     from ._common import UsageError, model_kwargs
@@ -128,7 +127,7 @@ def _build_model(args):
         if not os.path.isfile(os.path.join(ck, CONFIG_NAME)):
             raise UsageError(f"--checkpoint {ck} is a folder without args.yaml or {CONFIG_NAME}; give a weights "
                              f"file, a `ttt-zoo train` folder or a Hub folder")
-        arch = hub_format.architecture(read_config(ck))
+        arch = read_config(ck)["architecture"]
         if args.model and args.model != arch:
             raise UsageError(f"--model {args.model} differs from the Hub folder's {arch}; leave out --model")
         args.model = arch
@@ -142,8 +141,8 @@ def _build_model(args):
     if not args.model:
         raise UsageError("no model given; give --model NAME, or --checkpoint with a `ttt-zoo train` folder or a Hub "
                          "folder")
-    if ":" not in args.model and not timm.is_model(args.model):  # hf-hub: / local-dir: names go to timm as they are
-        raise UsageError(f"--model {args.model!r} is not a registered model; `ttt-zoo list` shows the zoo")
+    from ttt_zoo.registry import resolve_model_name
+    resolve_model_name(args.model, "image", "--model")  # hf-hub: / local-dir: names go to timm as they are
     weights = find_weights(ck) if ck and os.path.isdir(ck) else committed_path(ck, False) if ck else ck
     model = create_eval_model(args.model, not weights, args.num_classes, args.img_size, kwargs)
     if weights:

@@ -71,11 +71,8 @@ def _shape_kwargs(sd, model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _check_diffusion(name: str) -> None:
-    from ttt_zoo.registry import is_diffusion_model, list_zoo_models
-    if not (name.split(".")[0] in list_zoo_models(include_diffusion=True)
-            and is_diffusion_model(name)):
-        raise ValueError(f"--model {name} is not a diffusion model (forward(x, t, y)); sample takes a DiT-family "
-                         f"model, e.g. dit3_s_2, dit5_s_2 or dit_s_2")
+    from ttt_zoo.registry import resolve_model_name
+    resolve_model_name(name, "diffusion", "--model")  # an unknown name: the close ones
 
 
 def _tiny(args) -> Tuple[Any, Any, List[int]]:
@@ -109,8 +106,6 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
     model_name = args.model or run_args.get("model") or run_args.get("linearize_from")
     if not model_name:
         raise ValueError("give --model (e.g. dit3_b_2), or --checkpoint with a `ttt-zoo train` folder.")
-    if not timm.is_model(model_name):
-        raise ValueError(f"--model {model_name!r} is not a registered model; `ttt-zoo list` shows the zoo.")
     _check_diffusion(model_name)
     vae_dir = args.vae or run_args.get("vae")
     vae = load_vae(vae_dir) if vae_dir else None

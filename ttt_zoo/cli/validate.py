@@ -54,8 +54,10 @@ def _apply_run_args(args) -> None:
 
 def run(args) -> int:
     from ttt_zoo.train.validate import _results_format, validate, write_results
+    from ttt_zoo.registry import resolve_model_name
     from ._common import check_out
     _apply_run_args(args)
+    resolve_model_name(args.model, "image", "--model")
     if args.results_file:
         _results_format(args.results_file)  # a bad extension fails before the evaluation, not after it
         check_out(args.results_file, args.force, "--results-file")

@@ -76,9 +76,8 @@ def build_classifier(args: argparse.Namespace, num_classes: Optional[int]) -> Tu
         return model, list(new)
     if not args.model:
         raise ValueError("No model: give --model NAME (or --linearize-from NAME).")
-    if not timm.is_model(args.model):
-        raise ValueError(f"--model {args.model!r} is not a registered model; `ttt-zoo list` shows the zoo's "
-                         f"models (timm's are accepted too)")
+    from ttt_zoo.registry import resolve_model_name
+    resolve_model_name(args.model, flag="--model")
     try:
         return _create(args, kw, num_classes)
     except TypeError as e:  # a misspelled or mistyped --model-kwargs entry, e.g. depth=four

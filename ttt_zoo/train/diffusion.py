@@ -206,7 +206,9 @@ def build_dit(model_name: str, linearize_from: Optional[str] = None, pretrained:
     import ttt_zoo  # noqa: F401 - registers the models
     from ttt_zoo.checkpoint import load_checkpoint_file
     from ttt_zoo.models.dit import DiT, checkpoint_filter_fn
+    from ttt_zoo.registry import resolve_model_name
     name = linearize_from or model_name
+    resolve_model_name(name, "diffusion", "--linearize-from" if linearize_from else "--model")
     model = timm.create_model(name, pretrained=pretrained, **kwargs)
     if not isinstance(model, DiT):
         raise ValueError(f"--task diffusion trains DiT-family models (dit_*, dit3_*, dit5_*); {name!r} is a "
