@@ -207,6 +207,11 @@ def test_a_bit_flip_in_the_weights_is_refused_by_every_loader(folder, tmp_path, 
     Image.new("RGB", (40, 40), (120, 30, 200)).save(image)
     assert _exit_status(["predict", str(image), "--checkpoint", path]) == 2
     assert needle in _one_error_line(capsys.readouterr().err)
+    (tmp_path / "data" / "val" / "a").mkdir(parents=True)
+    shutil.copyfile(image, tmp_path / "data" / "val" / "a" / "x.png")
+    assert _exit_status(["validate", "--model", f"local-dir:{path}", "--pretrained", "--data-dir",
+                         str(tmp_path / "data")]) == 2
+    assert needle in _one_error_line(capsys.readouterr().err)
 
 
 def test_convert_force_out_a_symlink_replaces_its_target(folder, tmp_path, capsys):
