@@ -33,6 +33,7 @@ def run(args) -> int:
 
 def _convert(args, stack: contextlib.ExitStack) -> int:
     from ttt_zoo.hub import HubFolderError, convert_all, convert_checkpoint, registered_pretrained
+    from ttt_zoo.hub.staging import check_output
     if args.all:
         _lock_output(stack, args.out_root)  # the whole root: the folders below it are written one by one
         res = convert_all(args.out_root, args.checkpoint_dir, args.filter, args.download, args.skip_missing,
@@ -47,6 +48,7 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     name = _model_name(args.model, args.tag)
     out = args.out or os.path.join("hub", name)
     _lock_output(stack, out)
+    check_output(out, args.force)  # the output is refused before the checkpoint is read
     info = convert_checkpoint(args.checkpoint, name, out, model_kwargs(args) or None, args.hub_id,
                               not args.no_flops, args.force, args.source_url)
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""

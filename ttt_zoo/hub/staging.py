@@ -13,7 +13,7 @@ from typing import Iterator
 from ttt_zoo.errors import HubFolderError
 from ttt_zoo.fileio import pid_alive
 
-__all__ = ["output_folder", "staged_folder"]
+__all__ = ["output_folder", "check_output", "staged_folder"]
 
 
 def output_folder(out_dir: str) -> str:
@@ -22,8 +22,11 @@ def output_folder(out_dir: str) -> str:
     return os.path.realpath(out_dir) if os.path.islink(out_dir) else out_dir
 
 
-def _partial_dir(out_dir: str, overwrite: bool) -> str:
-    """Check ``out_dir`` before any work and create the temporary folder beside it that the new files go into."""
+def check_output(out_dir: str, overwrite: bool = False) -> str:
+    """Refuse an output folder that cannot be written, before any work: a file, a non-empty folder without
+    ``overwrite``, a read-only folder, a parent that cannot be created.  Returns the folder that is written (a
+    symlink's target)."""
+    out_dir = output_folder(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise HubFolderError(f"The output path {out_dir} is a file; give a folder path (it is created if needed).")
     if os.path.isdir(out_dir):
@@ -31,14 +34,25 @@ def _partial_dir(out_dir: str, overwrite: bool) -> str:
             raise HubFolderError(f"{out_dir} exists and is not empty; pass --force to replace it.")
         if not os.access(out_dir, os.W_OK):
             raise HubFolderError(f"{out_dir} is read-only; make it writable or choose another output folder.")
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
+                             f"output folder you can write to.") from e
+    return out_dir
+
+
+def _partial_dir(out_dir: str, overwrite: bool) -> str:
+    """Check ``out_dir`` before any work and create the temporary folder beside it that the new files go into."""
+    check_output(out_dir, overwrite)
     parent, base = os.path.split(out_dir)
     prefix = f".{base}.partial-"
-    for stale in os.listdir(parent) if os.path.isdir(parent) else []:  # left by a killed convert
+    for stale in os.listdir(parent):  # left by a killed convert
         pid = stale[len(prefix):].split("-")[0]
         if stale.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
     try:
-        os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
     except OSError as e:
         raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
