@@ -123,7 +123,7 @@ BAD = [
     ("predict no image matched", lambda e: ["predict", os.path.join(e["out"], "*.jpg"), "--checkpoint", e["run"],
                                             "-j", "0"], "no image matched"),
     ("predict unreadable image", lambda e: ["predict", os.path.join(e["existing"], "x.png"), "--checkpoint", e["run"],
-                                            "-j", "0"], "cannot read image"),
+                                            "-j", "0"], "cannot read 1 of 1 image(s)"),
     ("predict missing checkpoint", lambda e: ["predict", os.path.join(e["data"], "val"), "--checkpoint",
                                               os.path.join(e["out"], "nope.safetensors")], "does not exist"),
     ("predict existing --results-file", lambda e: ["predict", os.path.join(e["data"], "val"), "--checkpoint",

@@ -175,7 +175,7 @@ def test_bad_inputs_are_one_line(env, tmp_path, capsys):
         ([tmp_path / "*.jpg", *base], "no image matched"),
         ([tmp_path / "nope.png", *base], "does not exist"),
         ([*base], "no images given"),
-        ([tmp_path / "broken.png", *base], "cannot read image"),
+        ([tmp_path / "broken.png", *base], "cannot read 1 of 1 image(s)"),
         ([env["imgs"], *FLAGS, "--checkpoint", tmp_path / "missing.safetensors"], "--checkpoint"),
         ([env["imgs"], *FLAGS, "--checkpoint", tmp_path / "empty"], "without args.yaml"),
         ([env["imgs"], *base, "--results-file", tmp_path / "r.txt"], ".csv or .json"),

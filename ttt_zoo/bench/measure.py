@@ -75,6 +75,18 @@ class PeakMemory:
         return max(peak_kb() * 1024 - self.base, 0) / 2 ** 20
 
 
+def _check_finite(out) -> None:
+    """A step's output (tensor, array or a list of them) with a NaN or an infinity: no timing of a broken model."""
+    import numpy as np
+    import torch
+    for o in out if isinstance(out, (list, tuple)) else [out]:
+        bad = (not bool(torch.isfinite(o.detach().float()).all()) if isinstance(o, torch.Tensor) else
+               not bool(np.isfinite(o).all()) if isinstance(o, np.ndarray) and o.dtype.kind == "f" else False)
+        if bad:
+            raise ValueError("the model output has NaN or infinite values, so its timing would be of a broken "
+                             "model; check the weights (--model-kwargs, --set-attr)")
+
+
 def measure_steps(step: Callable[[], object], device: str, num_warm: int, num_bench: int) -> Dict:
     """``num_warm`` untimed then ``num_bench`` timed calls of ``step``.
 
@@ -92,10 +104,11 @@ def measure_steps(step: Callable[[], object], device: str, num_warm: int, num_be
     wall, cpu = [], []
     for _ in range(max(num_bench, 1)):
         t0, c0 = time.perf_counter(), time.process_time()
-        step()
+        out = step()
         sync()
         wall.append(1e3 * (time.perf_counter() - t0))
         cpu.append(1e3 * (time.process_time() - c0))
+    _check_finite(out)
     return dict(step_time=statistics.median(wall), cpu_time=None if cuda else statistics.median(cpu),
                 step_times=wall, peak_mem_mb=mem.stop())
 

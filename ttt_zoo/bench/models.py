@@ -116,7 +116,7 @@ class _Setup:
 
     def step(self):
         if self.ort is not None:
-            self.ort.run(None, {"image": self.x.numpy()})
+            return self.ort.run(None, {"image": self.x.numpy()})
         elif self.train:
             if self.mark_step:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -124,9 +124,9 @@ class _Setup:
             with self.autocast():
                 loss = self.loss(self.run(self.x))
             loss.backward()
-        else:
-            with torch.no_grad(), self.autocast():
-                self.run(self.x)
+            return loss
+        with torch.no_grad(), self.autocast():
+            return self.run(self.x)
 
 
 def _saved_tensor_mb(s: _Setup) -> float:

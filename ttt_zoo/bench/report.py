@@ -19,7 +19,9 @@ def write_results(path: str, rows: List[Dict], machine: Optional[Dict] = None) -
     """``.csv``: one row per measurement, the union of the keys as columns; ``.json``: machine and rows."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":
-        atomic_write(path, json.dumps(dict(machine=machine or {}, results=rows), indent=2) + "\n")
+        from ttt_zoo.finite import json_dumps
+        atomic_write(path, json_dumps(dict(machine=machine or {}, results=rows), "the bench results", indent=2)
+                     + "\n")
     elif ext == ".csv":
         keys = list(dict.fromkeys(k for r in rows for k in r))
         buf = io.StringIO()

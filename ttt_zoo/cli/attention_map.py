@@ -16,9 +16,10 @@ def load_image(path: str, size, mean, std):
     import numpy as np
     import torch
     from PIL import Image
+    from ttt_zoo.images import open_rgb
     if not os.path.isfile(path):
         raise FileNotFoundError(f"image {path!r} does not exist; give the path of a .jpg / .png file")
-    img = Image.open(path).convert("RGB")
+    img = open_rgb(path)  # upright (EXIF), 16-bit scaled to 8
     orig = (img.height, img.width)
     rgb = np.asarray(img.resize((size[1], size[0]), Image.BICUBIC), dtype=np.float32) / 255.0
     x = (torch.from_numpy(rgb).permute(2, 0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
@@ -77,11 +78,11 @@ def run(args) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("error: attention-map draws with matplotlib, which is not installed (pip install matplotlib)")
-    from PIL import Image
     if not os.path.isfile(args.image):
         raise SystemExit(f"error: --image {args.image!r} does not exist; give the path of a .jpg / .png file")
-    with Image.open(args.image) as im:
-        orig = (im.height, im.width)
+    from ttt_zoo.images import open_rgb
+    im = open_rgb(args.image)  # the upright image: --query-pixel is in its pixels
+    orig = (im.height, im.width)
     y0, x0 = args.query_pixel
     if not (0 <= y0 < orig[0] and 0 <= x0 < orig[1]):
         raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")

@@ -249,7 +249,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"], help="--ops dtype")
     g.add_argument("--dry-run", action="store_true", help="--ops: tiny shapes on the CPU, Triton in the interpreter")
     g.add_argument("--profile", action="store_true", help="torch.profiler operator breakdown instead of timings")
-    g.add_argument("--profile-top", type=Range(int, ge=1, le=1000), default=12)
+    g.add_argument("--profile-top", type=Range(int, ge=1, le=1_000_000), default=12)
     g.add_argument("--results-file", default=None, metavar="FILE", help=".csv or .json (timm's infer_/train_ keys)")
     g.add_argument("--output", default=None, metavar="DIR", help="folder for bench.md, bench.png, results.csv")
     g.add_argument("--force", action="store_true", help="replace an existing --results-file or --output files")

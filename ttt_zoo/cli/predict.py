@@ -65,7 +65,8 @@ def find_images(sources):
 
 class _Images:
     """(image tensor, '') or (zeros, why it cannot be read) per file: an unreadable file is reported, never
-    skipped (timm's ImageDataset skips it, which would shift the rows)."""
+    skipped silently (timm's ImageDataset skips it, which would shift the rows).  Images are opened upright and
+    8-bit (:func:`ttt_zoo.images.open_rgb`: EXIF orientation, 16-bit and palette PNGs)."""
 
     def __init__(self, paths, transform, input_size):
         self.paths, self.transform, self.input_size = paths, transform, tuple(input_size)
@@ -76,9 +77,9 @@ class _Images:
     def __getitem__(self, i):
         import torch
         from PIL import Image, UnidentifiedImageError
+        from ttt_zoo.images import open_rgb
         try:
-            with open(self.paths[i], "rb") as f:
-                img = Image.open(f).convert("RGB")
+            img = open_rgb(self.paths[i])
         except UnidentifiedImageError:
             return torch.zeros(self.input_size), "not an image format PIL can read"
         except (OSError, ValueError, Image.DecompressionBombError) as e:  # truncated, too large, ...
@@ -226,38 +227,49 @@ def _render(rows, fmt, filename_col):
         writer.writeheader()
         writer.writerows(flat)
         return buf.getvalue()
+    from ttt_zoo.finite import json_dumps
     if fmt == "json":
-        return json.dumps({r[filename_col]: {k: v for k, v in r.items() if k != filename_col} for r in rows},
-                          indent=4) + "\n"
+        return json_dumps({r[filename_col]: {k: v for k, v in r.items() if k != filename_col} for r in rows},
+                          "the predictions", indent=4) + "\n"
     if fmt == "json-split":
-        return json.dumps(dict(columns=list(rows[0]), data=[list(r.values()) for r in rows]), indent=4) + "\n"
-    return "".join(json.dumps(r) + "\n" for r in rows)  # json-record(s): one object per line
+        return json_dumps(dict(columns=list(rows[0]), data=[list(r.values()) for r in rows]), "the predictions",
+                          indent=4) + "\n"
+    return "".join(json_dumps(r, "the predictions") + "\n" for r in rows)  # json-record(s): one object per line
 
 
 # ----- the command -----
 
 def _predict(model, loader, paths, args, dev, k):
-    """(top-k indices, top-k probabilities or logits) of every image, as lists."""
+    """(top-k indices, top-k probabilities or logits) of every image, as lists, and {path: why} of the images that
+    cannot be read (every one is named; without --skip-bad they are an error). Outputs that are not finite are an
+    error, naming the first image."""
     import torch
+    from ttt_zoo.finite import FiniteCheck
     from ._common import UsageError
-    indices, outputs = [], []
+    indices, outputs, unreadable = [], [], {}
+    finite = FiniteCheck()
     amp_dtype = torch.bfloat16 if dev.type == "cpu" else torch.float16
     with torch.inference_mode(), torch.autocast(dev.type, dtype=amp_dtype, enabled=args.amp):
         for x, errors in loader:
-            bad = [e for e in errors if e]
-            if bad:
-                path = paths[len(indices) + list(errors).index(bad[0])]
-                raise UsageError(f"cannot read image {path} ({bad[0]}); fix or remove the file")
+            start = len(indices)
+            unreadable.update({paths[start + j]: e for j, e in enumerate(errors) if e})
             out = model(x.to(dev))
             if isinstance(out, (tuple, list)):
                 out = out[0]
             out = out.float()
+            ok = [j for j, e in enumerate(errors) if not e]
+            finite.add(out[ok], lambda i, s=start, ok=ok: paths[s + ok[i]])
             if args.output_type == "prob":
                 out = out.softmax(-1)
             val, idx = out.topk(k, dim=-1)
             indices += idx.cpu().tolist()
             outputs += val.cpu().tolist()
-    return indices, outputs
+    if unreadable and not args.skip_bad:
+        raise UsageError(f"cannot read {len(unreadable)} of {len(paths)} image(s): "
+                         + ", ".join(f"{p} ({why})" for p, why in unreadable.items())
+                         + "; fix or remove them, or add --skip-bad to write the results of the others")
+    finite.check()
+    return indices, outputs, unreadable
 
 
 def _short_float(value):
@@ -302,12 +314,17 @@ def run(args) -> int:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                                          pin_memory=dev.type == "cuda")
     k = min(args.topk, model.num_classes)
-    indices, outputs = _predict(model, loader, paths, args, dev, k)
+    indices, outputs, unreadable = _predict(model, loader, paths, args, dev, k)
+    if len(unreadable) == len(paths):
+        raise UsageError(f"none of the {len(paths)} image(s) can be read (e.g. {paths[0]}: {unreadable[paths[0]]}); "
+                         f"fix the files or give others")
 
     one = (lambda v: v[0]) if k == 1 else (lambda v: v)  # timm: a scalar for top-1, a list for top-k
     output_col = args.output_col or args.output_type
     rows = []
-    for name, idx, val in zip(names, indices, outputs):
+    for path, name, idx, val in zip(paths, names, indices, outputs):
+        if path in unreadable:  # --skip-bad
+            continue
         row = {args.filename_col: name}
         if args.include_index or to_label is None:
             row[args.index_col] = one(idx)
@@ -324,6 +341,9 @@ def run(args) -> int:
         sys.stdout.write(_render(rows, "json", args.filename_col))
     where = f"; results written to {', '.join(out_paths.values())}" if out_paths else ""
     names_from = f", class names from {source}" if source else ""
+    if unreadable:
+        print(f"skipped {len(unreadable)} unreadable image(s) (--skip-bad): "
+              + ", ".join(f"{p} ({why})" for p, why in unreadable.items()), file=sys.stderr)
     if info is None and args.label_type not in ("index", "none"):
         print(f"no class names for this model's {model.num_classes} classes (give --class-map FILE); the index "
               f"column names the classes", file=sys.stderr)
@@ -380,4 +400,6 @@ def add_parser(sub) -> None:
                    help="csv, json, json-split or json-records (default: the --results-file extension, else csv)")
     p.add_argument("--no-console-results", action="store_true", help="do not print the JSON results on stdout")
     p.add_argument("--force", action="store_true", help="replace an existing results file")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out the images that cannot be read (each is named) and write the others' results")
     p.set_defaults(func=run)

@@ -157,6 +157,14 @@ def run(args) -> int:
     images = sample(model, labels, num_steps=args.steps, scheduler=args.scheduler, cfg_scale=args.cfg,
                     guidance_channels=args.guidance_channels or min(3, model.in_chans), seed=args.seed, vae=vae,
                     progress=sys.stderr.isatty())
+    from ttt_zoo.finite import FiniteCheck
+    finite = FiniteCheck(f"the samples of {args.model or 'the run'}", "samples")
+    finite.add(images, lambda i: f"sample {i}, label {labels[i]}")
+    try:
+        finite.check()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     save_image_grid(images, args.out, nrow=args.nrow, value_range=(-1.0, 1.0) if pixels else None,
                     upscale=args.upscale)
     what = "images" if vae is not None or pixels else "latents (no --vae: first 3 channels, min-max scaled)"

@@ -117,6 +117,14 @@ def validate_folder(folder: str, source: Optional[str] = None, rtol: float = 1e-
     n_tensors = check_safetensors(os.path.join(folder, fmt.WEIGHTS_NAME))
     card = _check_card(folder, cfg)
     model = load_folder(folder)
+    from ttt_zoo.finite import FiniteCheck  # a folder whose outputs are NaN is no model (issue 36, item 5)
+    finite = FiniteCheck(f"the output of {folder}", "example inputs", "convert finite weights")
+    with torch.no_grad():
+        example = example_inputs(model, batch=2, input_size=fmt.input_size(cfg) if fmt.kind(cfg) != "diffusion"
+                                 else None)
+        for out in flat_outputs(model(*example)):
+            finite.add(out, lambda i: f"example input {i}")
+    finite.check()
     report = dict(folder=folder, files=files, architecture=fmt.architecture(cfg), card=card,
                   tensors=n_tensors, source_checked=False)
     if not check_source:

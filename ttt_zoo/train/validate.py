@@ -176,6 +176,8 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
         k = min(5, model.num_classes)
         top1 = topk = 0.0
         count = 0
+        from ttt_zoo.finite import FiniteCheck
+        finite = FiniteCheck(f"the output of {model_name} ({path or 'pretrained weights'})")
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16 if dev.type == "cpu" else torch.float16,
                                              enabled=amp):
             for x, y in loader:
@@ -187,10 +189,12 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
                     raise ValueError(f"the data has class index {int(y.max())} but the model has {out.shape[-1]} "
                                      f"outputs: give --num-classes (the data folder has {_num_classes(dataset)} "
                                      f"classes).")
+                finite.add(out, lambda i, c=count: dataset.filename(c + i))
                 a1, ak = accuracy(out.float(), y, topk=(1, k))
                 top1 += a1.item() * x.shape[0]
                 topk += ak.item() * x.shape[0]
                 count += x.shape[0]
+        finite.check()  # a NaN output is no top-1 (argmax of NaN picks a class)
         top1, topk = top1 / count, topk / count
         rows.append(dict(model=model_name, top1=round(top1, 4), top1_err=round(100 - top1, 4), top5=round(topk, 4),
                          top5_err=round(100 - topk, 4),
@@ -216,5 +220,6 @@ def write_results(rows: Sequence[Dict[str, Any]], path: str) -> None:
         w.writerows(rows)
         text = buf.getvalue()
     else:
-        text = json.dumps(list(rows), indent=2) + "\n"
+        from ttt_zoo.finite import json_dumps
+        text = json_dumps(list(rows), "the validate results", indent=2) + "\n"
     atomic_write(path, text)
