@@ -143,6 +143,18 @@ BAD += [(f"{argv[0]} model typo", (lambda argv: lambda e: [a(e) if callable(a) e
             (["bench", "--model", "vit3_tinny", "--device", "cpu"], "'vit3_tiny'"),
             (["train", "--model", "vit3_tinny", "--data-dir", lambda e: e["data"], "--output",
               lambda e: e["out"], "--experiment", "typo2"], "'vit3_tiny'")]]
+# issue 36: every out-of-range number it lists is refused at parse time in one line naming the flag
+BAD += [(f"{argv[0]} {argv[1]} {argv[2]}", (lambda argv: lambda e: argv)(argv), f"argument {flag}: ")
+        for argv, flag in [
+            (["train", "--lr", "-1"], "--lr"), (["train", "--weight-decay", "-5"], "--weight-decay"),
+            (["train", "--min-lr", "-1"], "--min-lr"), (["train", "--warmup-lr", "-1"], "--warmup-lr"),
+            (["train", "--clip-grad", "-1"], "--clip-grad"), (["train", "--smoothing", "5"], "--smoothing"),
+            (["train", "--drop", "2"], "--drop"), (["train", "--drop-path", "3"], "--drop-path"),
+            (["train", "--img-size", "100000"], "--img-size"),
+            (["train", "--model-kwargs", "depth=100000"], "--model-kwargs"),
+            (["predict", "--crop-pct", "-1"], "--crop-pct"), (["predict", "-j", "-1"], "-j/--workers"),
+            (["validate", "-b", "0"], "-b/--batch-size"), (["validate", "--img-size", "0"], "--img-size"),
+            (["sample", "--steps", "-3"], "--steps"), (["sample", "--upscale", "100000"], "--upscale")]]
 RO = [
     ("train read-only --output", lambda ro, e: _train(e, "--output", ro, "--experiment", "x"), "not writable"),
     ("sample read-only --out", lambda ro, e: ["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--out",
