@@ -2,8 +2,9 @@
 
 A real SIGKILL at every write point of the commit, and at 20 seeded random moments, then ``--resume`` to the end,
 gives the uninterrupted run's files bit for bit.  Runs are forked children of this process (one thread each, so
-every run computes the same bits; no interpreter start per run), killed with SIGKILL while the commit hook
-(``TTT_ZOO_TEST_SAVE_PAUSE``) holds them at a stage, or at a random moment while they train or wait at the end.
+every run computes the same bits; no interpreter start per run), killed with SIGKILL while the fault injection of
+``tests/_commit_faults.py`` holds them at a stage of a commit, or at a random moment while they train or wait at
+the end.
 """
 import csv
 import json
@@ -19,9 +20,12 @@ import pytest
 from ttt_zoo.fileio import sha256_file
 import torch
 
+import _commit_faults
 from _train_data import make_tiny_digits
 
+from ttt_zoo import run_folder
 from ttt_zoo.checkpoint import CheckpointError
+from ttt_zoo.fileio import LOCK_NAME
 from ttt_zoo.train import run_state as ckpt
 
 EPOCHS = 3
@@ -38,7 +42,8 @@ COMMITTED = ("last.state.pt", "last_ema.safetensors", "last.safetensors", "best.
 
 def _start(data, out, experiment=None, resume=None, pause=None, hold=False):
     """Fork a child running ``ttt-zoo train`` (a fresh run, or ``--resume``); ``pause`` = "<epoch>:<stage>" for the
-    commit hook; ``hold``: after finishing, the child waits to be killed (so a kill always lands on a live one)."""
+    fault injection (tests/_commit_faults.py); ``hold``: after finishing, the child waits to be killed (so a kill
+    always lands on a live one). The child's exit status is the trainer's (143 after a SIGTERM)."""
     argv = ["--data-dir", data, "--output", str(out), *TINY]
     argv += ["--resume", str(resume)] if resume else ["--experiment", experiment]
     pid = os.fork()
@@ -47,13 +52,10 @@ def _start(data, out, experiment=None, resume=None, pause=None, hold=False):
         try:
             torch.set_num_threads(1)
             if pause:
-                os.environ["TTT_ZOO_TEST_SAVE_PAUSE"] = pause
-            else:
-                os.environ.pop("TTT_ZOO_TEST_SAVE_PAUSE", None)
+                _commit_faults.install(pause)
             from ttt_zoo.train.trainer import main
-            main(argv)
-            code = 0
-            if hold:
+            code = main(argv)
+            if hold and code == 0:
                 time.sleep(600)
         except BaseException:
             traceback.print_exc()
@@ -85,7 +87,7 @@ def _start_and_sleep(pid, seconds):
 
 def _kill_when_paused(pid, folder, stage):
     """SIGKILL the child once the hook holds it at ``stage`` (it then only sleeps)."""
-    marker = folder / "SAVE_PAUSED"
+    marker = folder / _commit_faults.MARKER
     while not (marker.exists() and marker.read_text() == stage):  # a hang is caught by pytest-timeout
         done, status = os.waitpid(pid, os.WNOHANG)
         assert done == 0, f"the child ended (status {status}) before reaching {stage!r}"
@@ -122,8 +124,8 @@ def _safetensors_content(path):
 def _fingerprint(folder):
     """Everything a finished run must agree on bit for bit (timings and the invocation's own args aside)."""
     names = set(os.listdir(folder))
-    leftovers = sorted(n for n in names if n.endswith(ckpt.TMP) and n[:-len(ckpt.TMP)] in ckpt._commit_names())
-    assert not leftovers, leftovers
+    leftovers = sorted(n for n in names if run_folder.is_stale_temp(n) or n in (LOCK_NAME, _commit_faults.MARKER))
+    assert not leftovers, leftovers  # no temp of a dead writer, no lock of a finished run
     manifest = ckpt.read_manifest(str(folder))
     assert manifest is not None and set(manifest["files"]) == set(COMMITTED)
     for name, digest in manifest["files"].items():  # the manifest names exactly what is on disk
@@ -177,9 +179,8 @@ def _kill_at_then_resume(ref, tmp_path, epoch, stage):
     manifest = ckpt.read_manifest(str(folder))
     before_commit = stage.startswith("wrote:") or stage == "written"
     committed_epoch = epoch - 1 if before_commit else epoch
-    if committed_epoch == 0:  # nothing committed yet: nothing to resume, the run starts again
+    if committed_epoch == 0:  # nothing committed yet: the same command starts the run again in its folder
         assert manifest is None and not (folder / "last.state.pt").exists()
-        shutil.rmtree(folder)
         _finish(_start(ref["data"], tmp_path, "k"))
     else:
         assert manifest["epoch"] == committed_epoch
@@ -228,21 +229,56 @@ def test_twenty_random_sigkills_then_resume_equals_reference(ref, tmp_path):
         folder = out / "k"
         _kill(_start_and_sleep(_start(ref["data"], out, "k", hold=True), rng.uniform(0, span)))
         kills += 1
-        if ckpt.read_manifest(str(folder)) is None:  # killed before its first commit: nothing to resume
+        if ckpt.read_manifest(str(folder)) is None:  # killed before its first commit: the same command again
             assert not (folder / "last.state.pt").exists()
-            shutil.rmtree(folder, ignore_errors=True)
             _kill(_start_and_sleep(_start(ref["data"], out, "k", hold=True), rng.uniform(0, span)))
         else:
             _kill(_start_and_sleep(_start(ref["data"], out, resume=folder, hold=True), rng.uniform(0, span)))
         kills += 1
-        if ckpt.read_manifest(str(folder)) is None:
-            shutil.rmtree(folder, ignore_errors=True)
+        if ckpt.read_manifest(str(folder)) is None:  # (never removed by hand: the folder is restarted)
             _finish(_start(ref["data"], out, "k"))
         else:
             _finish(_start(ref["data"], out, resume=folder))
         _assert_same(folder, ref["fp"])
     assert kills == 20
 
+
+@pytest.mark.parametrize("then", ["same_command", "resume"])
+@pytest.mark.parametrize("how", ["SIGKILL:0:setup", "SIGKILL:1:wrote:last_ema.safetensors", "SIGTERM:0:setup"])
+def test_stopped_before_the_first_commit_then_same_command_or_resume_equals_reference(ref, tmp_path, how, then):
+    """Killed before anything was committed: at the end of the setup (args.yaml written, no step taken) by SIGKILL
+    or by SIGTERM (which stops it at its first step, exit 143), or by SIGKILL inside the first commit (its temps,
+    one of them a 0600 safetensors file, left behind). The same command, or `--resume RUN`, starts the run again
+    in its folder (no dead end, nothing removed by hand), the dead writer's temps are removed, and the run ends
+    as the uninterrupted one, bit for bit."""
+    sig, pause = how.split(":", 1)
+    stage = pause.split(":", 1)[1]
+    folder = tmp_path / "k"
+    pid = _start(ref["data"], tmp_path, "k", pause=pause)
+    if sig == "SIGKILL":
+        _kill_when_paused(pid, folder, stage)
+    else:
+        marker = folder / _commit_faults.MARKER
+        while not (marker.exists() and marker.read_text() == stage):
+            assert os.waitpid(pid, os.WNOHANG)[0] == 0, "the child ended before its setup was done"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGTERM)
+        os.remove(marker)  # let it go on: it stops at its first step
+        assert os.waitstatus_to_exitcode(_wait(pid)) == 143
+    names = set(os.listdir(folder))
+    assert ckpt.read_manifest(str(folder)) is None and {"args.yaml", "log.txt"} <= names
+    assert not names & set(COMMITTED)
+    temps = sorted(n for n in names if run_folder.is_stale_temp(n))
+    if stage.startswith("wrote:"):
+        assert temps == ["last.state.pt.tmp", "last_ema.safetensors.tmp"]
+    else:
+        assert temps == []
+    assert (LOCK_NAME in names) == (sig == "SIGKILL")  # a SIGTERM'ed run released its lock
+    if then == "same_command":
+        _finish(_start(ref["data"], tmp_path, "k"))
+    else:
+        _finish(_start(ref["data"], tmp_path, resume=folder))
+    _assert_same(folder, ref["fp"])
 
 
 def test_leftover_temporaries_are_cleaned_at_the_next_start(ref, tmp_path):

@@ -115,10 +115,11 @@ def test_second_resume_of_a_live_run_is_refused_and_changes_nothing(tmp_path):
     train = [sys.executable, "-m", "ttt_zoo", "train", "--data-dir", data, "--output", str(out), *TINY,
              "--epochs", "2"]
     # the first run saves epoch 1 (so there is a state to resume), then holds inside the epoch-2 save
-    first = subprocess.Popen(train + ["--experiment", "r"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, env=dict(ENV, TTT_ZOO_TEST_SAVE_PAUSE="2:written"))
+    import _commit_faults
+    first = subprocess.Popen(_commit_faults.command("2:written", *train[3:], "--experiment", "r"), cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
     try:
-        marker = folder / "SAVE_PAUSED"
+        marker = folder / _commit_faults.MARKER
         # wait for the marker's content (then the first run only sleeps); a hang is caught by pytest-timeout
         while not (marker.exists() and marker.read_text() == "written"):
             assert first.poll() is None, first.stderr.read().decode()[-2000:]

@@ -16,7 +16,7 @@ from test_cli_errors import cli
 from test_epoch_commit import _finish, _kill_when_paused, _start
 
 from ttt_zoo.checkpoint import CheckpointError
-from ttt_zoo.cli.sample import find_weights
+from ttt_zoo.run_folder import find_weights
 from ttt_zoo.fileio import folder_lock, sha256_file
 from ttt_zoo.train import run_state as ckpt
 from ttt_zoo.train import validate as validate_mod

@@ -103,7 +103,8 @@ def test_outputs_and_metrics(data, tmp_path):
 def test_refuses_existing_experiment_folder(data, tmp_path):
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "keep.txt").write_text("x")
-    with pytest.raises(SystemExit, match=r"already exists.*--resume .*fresh --experiment"):
+    with pytest.raises(SystemExit, match=r"already exists and holds files that are not a ttt-zoo run's \(keep.txt\)"
+                                         r".*fresh --experiment"):
         _run(data, tmp_path, "--experiment", "e", "--epochs", "1")
     assert os.listdir(tmp_path / "e") == ["keep.txt"]
 
@@ -211,11 +212,12 @@ def test_disk_space_checked_before_training(data, tmp_path, monkeypatch):
 @pytest.mark.parametrize("stage", ["written", "renamed"])
 def test_sigkill_during_save_keeps_previous_checkpoint(data, tmp_path, stage):
     """A real SIGKILL inside the epoch-2 save: the files on disk still load, and --resume finishes the run."""
-    cmd = [sys.executable, "-m", "ttt_zoo", "train", "--data-dir", data, "--output", str(tmp_path),
-           "--experiment", "k", *TINY, "--epochs", "3"]
-    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TTT_ZOO_TEST_SAVE_PAUSE=f"2:{stage}")
+    import _commit_faults
+    cmd = _commit_faults.command(f"2:{stage}", "train", "--data-dir", data, "--output", str(tmp_path),
+                                 "--experiment", "k", *TINY, "--epochs", "3")
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    marker = tmp_path / "k" / "SAVE_PAUSED"
+    marker = tmp_path / "k" / _commit_faults.MARKER
     while not marker.exists():  # a hang is caught by pytest-timeout (pyproject.toml), not a deadline here
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         time.sleep(0.2)

@@ -90,12 +90,15 @@ def run(args) -> int:
     check_out(args.out, args.force)
     if args.checkpoint:
         from ttt_zoo.checkpoint import CheckpointError
-        from ttt_zoo.hub.folder import build_from_checkpoint
-        try:
-            model, _ = build_from_checkpoint(args.model, args.checkpoint, model_kwargs(args))
+        from ttt_zoo.hub import build_from_checkpoint
+        from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
+        try:  # a run folder or a file in one: its committed, checked weights and the run's model arguments
+            resolved = resolve_checkpoint(args.checkpoint)
+            kwargs = run_model_kwargs(resolved, args.model, model_kwargs(args))
+            model, _ = build_from_checkpoint(args.model, resolved.weights, kwargs)
         except CheckpointError as e:
             raise SystemExit(f"error: {e}") from None
-        note = f"weights: {os.path.basename(args.checkpoint)}"
+        note = f"weights: {os.path.basename(resolved.weights)}"
     else:
         model = create_model(args.model, pretrained=False, **model_kwargs(args))
         note = "random init (no checkpoint given)"
@@ -124,7 +127,8 @@ def add_parser(sub) -> None:
                    help="query pixel, row and column in the image's own pixels")
     p.add_argument("--layer", type=Range(int, ge=-1000, le=999), nargs="+", default=None,
                    help="mixer layers in forward order (negative from the end); default first, middle, last")
-    p.add_argument("--checkpoint", default=None, help="weights file (.pth / .safetensors, official or ours)")
+    p.add_argument("--checkpoint", default=None,
+                   help="weights file (.pth / .safetensors, official or ours) or a `ttt-zoo train` run folder")
     add_model_kwargs(p)
     p.add_argument("--img-size", type=SizeRange(), default=None,
                    help="model input size, 224 or HxW (default: the model's)")

@@ -49,8 +49,10 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     out = args.out or os.path.join("hub", name)
     _lock_output(stack, out)
     check_output(out, args.force)  # the output is refused before the checkpoint is read
-    info = convert_checkpoint(args.checkpoint, name, out, model_kwargs(args) or None, args.hub_id,
-                              not args.no_flops, args.force, args.source_url)
+    from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
+    ck = resolve_checkpoint(args.checkpoint, "CHECKPOINT")  # a run folder or a file in one: checked against the run
+    info = convert_checkpoint(ck.weights, name, out, run_model_kwargs(ck, name.split(".")[0], model_kwargs(args))
+                              or None, args.hub_id, not args.no_flops, args.force, args.source_url)
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
     print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
     return 0

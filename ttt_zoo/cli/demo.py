@@ -54,7 +54,8 @@ def run(args) -> int:
     minutes = (time.perf_counter() - t0) / 60
     folder = os.path.join(out, experiment)
     kwargs = cfg["model_kwargs"]
-    rows = validate(cfg["model"], data, checkpoint=os.path.join(folder, "best.safetensors"), img_size=32,
+    from ttt_zoo import run_folder
+    rows = validate(cfg["model"], data, checkpoint=run_folder.weights_path(folder, "best"), img_size=32,
                     num_classes=10, workers=0, model_kwargs=kwargs)
     r = rows[0]
     print(f"\n== Result (ttt-zoo validate on the held-out digits; trained in {minutes:.1f} min on this CPU) ==\n"

@@ -20,9 +20,11 @@ def run(args) -> int:
     try:
         resolve_model_name(args.model, "image", "--model")
         check_out(args.out, True)  # the folder must be writable; an existing --out is refused before the export
-        kwargs = model_kwargs(args)
-        if args.checkpoint:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
-            kwargs["pretrained_cfg_overlay"] = dict(file=args.checkpoint)
+        from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
+        resolved = resolve_checkpoint(args.checkpoint)  # a run folder or a file in one: checked against the run
+        kwargs = run_model_kwargs(resolved, args.model, model_kwargs(args))
+        if resolved.weights:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
+            kwargs["pretrained_cfg_overlay"] = dict(file=resolved.weights)
         model = create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)
         mult, min_side = export_onnx(model, args.out, args.img_size, overwrite=args.force)
     except (CheckpointError, ExportError, ValueError) as e:
@@ -40,8 +42,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
     p.add_argument("--model", required=True, help="registered model name (`ttt-zoo list`)")
-    p.add_argument("--checkpoint", help="weights to load (.pth / .safetensors; official or ours); default: "
-                   "the model's initialisation")
+    p.add_argument("--checkpoint", help="weights to load (.pth / .safetensors; official or ours) or a `ttt-zoo "
+                   "train` run folder; default: the model's initialisation")
     p.add_argument("--img-size", nargs=2, type=Range(int, ge=1, le=MAX_SIDE), metavar=("H", "W"),
                    help="example size the graph is traced at (default: the model's); the graph takes others too")
     add_model_kwargs(p)

@@ -29,9 +29,8 @@ __all__ = ["add_parser", "run", "find_images"]
 #: --results-format -> file extension (timm's inference.py; 'json-record' and 'json-records' are JSON lines)
 _FMT_EXT = {"csv": ".csv", "json": ".json", "json-split": ".json", "json-record": ".json", "json-records": ".json"}
 _LABEL_TYPES = ("index", "none", "name", "description", "detail", "detailed")
-# predict flag -> args.yaml key of a `ttt-zoo train` folder
-_FROM_RUN = {"model": "model", "model_kwargs": "model_kwargs", "img_size": "img_size", "num_classes": "num_classes",
-             "crop_pct": "crop_pct"}
+# the flags a `ttt-zoo train` folder's recorded arguments supply (ttt_zoo.run_folder.RUN_DEFAULTS)
+_RUN_FLAGS = ("model", "img_size", "num_classes", "crop_pct")
 
 
 # ----- images -----
@@ -115,36 +114,30 @@ def _build_model(args):
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
     from ttt_zoo.hub import CONFIG_NAME, load_folder, read_config
-    from ttt_zoo.train.validate import committed_path, create_eval_model, load_weights
+    from ttt_zoo.run_folder import ARGS, apply_run_defaults, resolve_checkpoint, run_model_kwargs
+    from ttt_zoo.train.validate import create_eval_model, load_weights
     from ._common import UsageError, model_kwargs
-    from .sample import find_weights, load_run_args
     kwargs, ck = model_kwargs(args), args.checkpoint
-    if ck and not os.path.exists(ck):
-        raise UsageError(f"--checkpoint {ck} does not exist; give a weights file (.safetensors, .pth, .pt), a "
-                         f"`ttt-zoo train` folder or a Hub folder")
-    folder = ck if os.path.isdir(ck) else os.path.dirname(os.path.abspath(ck)) if ck else ""
-    run = load_run_args(folder) if folder else {}
-    if ck and os.path.isdir(ck) and not run:
+    resolved = resolve_checkpoint(ck, other_folders=True)  # a run folder or a file (checked); a Hub folder: below
+    run = resolved.run
+    if ck and os.path.isdir(ck) and resolved.weights is None:
         if not os.path.isfile(os.path.join(ck, CONFIG_NAME)):
-            raise UsageError(f"--checkpoint {ck} is a folder without args.yaml or {CONFIG_NAME}; give a weights "
-                             f"file, a `ttt-zoo train` folder or a Hub folder")
+            raise UsageError(f"--checkpoint {ck} is a folder without {ARGS} or {CONFIG_NAME}: neither a `ttt-zoo "
+                             f"train` run folder nor a Hub folder; give a weights file, a run folder or a Hub folder")
         arch = read_config(ck)["architecture"]
         if args.model and args.model != arch:
             raise UsageError(f"--model {args.model} differs from the Hub folder's {arch}; leave out --model")
         args.model = arch
         return load_folder(ck, **kwargs), None
-    same_model = not args.model or args.model == run.get("model")  # another model: only the weights are shared
-    for flag, key in _FROM_RUN.items():
-        if same_model and getattr(args, flag) in (None, {}, "") and run.get(key) not in (None, {}, ""):
-            setattr(args, flag, run[key])
-    if same_model and run.get("model_kwargs"):
-        kwargs = dict(run["model_kwargs"], **kwargs)
+    same_model = resolved.same_model(args.model)  # another model: only the weights are shared
+    kwargs = run_model_kwargs(resolved, args.model, kwargs, with_img_size=False)
+    apply_run_defaults(args, resolved, _RUN_FLAGS)
     if not args.model:
         raise UsageError("no model given; give --model NAME, or --checkpoint with a `ttt-zoo train` folder or a Hub "
                          "folder")
     from ttt_zoo.registry import resolve_model_name
     resolve_model_name(args.model, "image", "--model")  # hf-hub: / local-dir: names go to timm as they are
-    weights = find_weights(ck) if ck and os.path.isdir(ck) else committed_path(ck, False) if ck else ck
+    weights = resolved.weights
     model = create_eval_model(args.model, not weights, args.num_classes, args.img_size, kwargs)
     if weights:
         rows = _head_rows(weights, model) if args.num_classes is None else None

@@ -14,41 +14,12 @@ model's input size, channels and classes are read from the weights.  ``--vae`` i
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Dict, List, Tuple
 
-__all__ = ["add_parser", "run", "find_weights", "load_run_args"]
+__all__ = ["add_parser", "run"]
 
-#: weights in a `ttt-zoo train` folder, in order of preference (EMA first, as the official sampler does)
-RUN_WEIGHTS = ("best_ema.safetensors", "last_ema.safetensors", "best.safetensors", "last.safetensors")
 IMAGENET_LABELS = [207, 360, 387, 974, 88, 979, 417, 279]  # the official sample.py's classes
-
-
-def load_run_args(folder: str) -> Dict[str, Any]:
-    """The ``args.yaml`` of a training folder (empty when there is none)."""
-    path = os.path.join(folder, "args.yaml")
-    if not os.path.isfile(path):
-        return {}
-    import yaml
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a mapping of training arguments.")
-    return data
-
-
-def find_weights(folder: str) -> str:
-    """The weights file of a training folder, EMA weights first (see :data:`RUN_WEIGHTS`), as its commit manifest
-    names it (:func:`ttt_zoo.train.run_state.committed_weights`: never a file the manifest does not commit)."""
-    from ttt_zoo.train.run_state import committed_weights
-    for name in RUN_WEIGHTS:
-        tag, ema = name[: -len(".safetensors")].removesuffix("_ema"), name.endswith("_ema.safetensors")
-        path = committed_weights(folder, tag, ema)
-        if path is not None:
-            return path
-    raise FileNotFoundError(f"{folder} holds none of {', '.join(RUN_WEIGHTS)}: is it a `ttt-zoo train` output "
-                            "folder? Pass a weights file with --checkpoint instead.")
 
 
 def _shape_kwargs(sd, model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -98,18 +69,17 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
     import ttt_zoo  # noqa: F401
     from ttt_zoo.checkpoint import load_checkpoint_file
     from ttt_zoo.models.dit import checkpoint_filter_fn
+    from ttt_zoo.run_folder import resolve_checkpoint
     from ttt_zoo.train.diffusion import build_dit, load_vae, vae_factor
-    run_args, weights = {}, args.checkpoint
-    if weights and os.path.isdir(weights):
-        run_args = load_run_args(weights)
-        weights = find_weights(weights)
-    model_name = args.model or run_args.get("model") or run_args.get("linearize_from")
+    resolved = resolve_checkpoint(args.checkpoint)  # a run folder: its EMA weights first; any file: checked
+    run_args, weights = resolved.run, resolved.weights
+    model_name = args.model or resolved.model
     if not model_name:
         raise ValueError("give --model (e.g. dit3_b_2), or --checkpoint with a `ttt-zoo train` folder.")
     _check_diffusion(model_name)
     vae_dir = args.vae or run_args.get("vae")
     vae = load_vae(vae_dir) if vae_dir else None
-    same_run = not args.model or args.model == run_args.get("model")  # else only the folder's weights are used
+    same_run = resolved.same_model(args.model)  # else only the folder's weights are used
     model_kwargs = dict(run_args.get("model_kwargs") or {}) if same_run else {}
     model_kwargs.update(args.model_kwargs)
     sd = None

@@ -15,10 +15,8 @@ import os
 
 __all__ = ["add_parser", "run"]
 
-
-# validate flag -> args.yaml key of a `ttt-zoo train` folder
-_FROM_RUN = {"model": "model", "model_kwargs": "model_kwargs", "img_size": "img_size", "num_classes": "num_classes",
-             "crop_pct": "crop_pct", "data_dir": "data_dir", "split": "val_split"}
+# the flags a `ttt-zoo train` folder's recorded arguments supply (ttt_zoo.run_folder.RUN_DEFAULTS)
+_RUN_FLAGS = ("model", "model_kwargs", "img_size", "num_classes", "crop_pct", "data_dir", "split")
 
 
 def _is_number(text) -> bool:
@@ -30,17 +28,13 @@ def _is_number(text) -> bool:
 
 
 def _apply_run_args(args) -> None:
-    """Fill the flags not given on the command line from the run folder's args.yaml (as `ttt-zoo sample` does)."""
-    from .sample import load_run_args
+    """Fill the flags not given on the command line from the run's recorded arguments (the one --checkpoint
+    resolver, :func:`ttt_zoo.run_folder.resolve_checkpoint`); another --model shares only the data."""
+    from ttt_zoo.run_folder import apply_run_defaults, resolve_checkpoint
     from ._common import UsageError
-    ck = args.checkpoint or ""
-    folder = ck if os.path.isdir(ck) else os.path.dirname(os.path.abspath(ck)) if ck else ""
-    run = load_run_args(folder) if folder else {}
-    same_model = not args.model or args.model == run.get("model")  # another model: only the data is shared
-    for flag, key in _FROM_RUN.items():
-        if (same_model or flag in ("data_dir", "split")) and getattr(args, flag) in (None, {}, "") \
-                and run.get(key) not in (None, {}, ""):
-            setattr(args, flag, run[key])
+    resolved = resolve_checkpoint(args.checkpoint, ema=True if args.use_ema else None,
+                                  other_folders=True)  # (a folder of weight files: validate reads each one)
+    apply_run_defaults(args, resolved, _RUN_FLAGS, always=("data_dir", "split"))
     if _is_number(args.split):
         raise UsageError(f"the run held out --val-split {args.split} of its training images, which validate does "
                          f"not rebuild; give --split (e.g. val) with a folder of held-out images")

@@ -41,7 +41,7 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--pretrained", action="store_true", help="start from the model's pretrained weights")
     g.add_argument("--initial-checkpoint", default="", metavar="PATH", help="load these weights before training")
     g.add_argument("--resume", default="", metavar="PATH",
-                   help="continue a run: its folder, or its last.state.pt / best.state.pt")
+                   help="continue a run from its latest commit: give its folder")
     g.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None, help="number of classes (default: the model's)")
     g.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None, help="input image size (default: the model's)")
     g.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root")

@@ -19,8 +19,9 @@ summary.csv) is committed by :func:`commit_epoch` in three steps:
 3. the temps are renamed onto their public names (roll forward).
 
 A kill before step 2 leaves the previous epoch's set untouched (its temps are deleted at the next start); a kill
-during step 3 is finished at the next start by :func:`recover`, which trusts only what the manifest names and
-checks every hash.  A folder without a manifest (written before it existed) is read as before.
+during step 3 is finished at the next start by :func:`~ttt_zoo.run_folder.recover`, which trusts only what the
+manifest names and checks every hash.  A folder without a manifest (written before it existed) is read as before.
+The folder's file names, its manifest and every reader of it are :mod:`ttt_zoo.run_folder`.
 """
 from __future__ import annotations
 
@@ -28,94 +29,26 @@ import json
 import os
 import random
 import shutil
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
-from ttt_zoo.fileio import fsync_dir, fsync_file, replace_file, sha256_file, write_file
+from ttt_zoo.fileio import fsync_file, replace_file, sha256_file, write_file
+from ttt_zoo.run_folder import (MANIFEST, MANIFEST_FORMAT, SUMMARY, TAGS, TMP, commit_names, committed_epoch,  # noqa: F401
+                                committed_weights, family, manifest_path, publish, read_manifest, recover,
+                                state_file_of, state_name, state_path, weights_name, weights_path)
 
-__all__ = ["FORMAT", "MANIFEST", "commit_epoch", "recover", "read_manifest", "load_state", "resolve_resume",
-           "rng_state", "set_rng_state", "check_output_dir", "estimate_checkpoint_bytes", "state_path",
-           "weights_path", "manifest_path", "committed_weights", "TAGS", "SUMMARY"]
+__all__ = ["FORMAT", "commit_epoch", "load_state", "resolve_resume", "rng_state", "set_rng_state",
+           "check_output_dir", "estimate_checkpoint_bytes"]
 
 FORMAT = "ttt_zoo.train/1"
-MANIFEST = "checkpoint.json"
-MANIFEST_FORMAT = "ttt_zoo.train.commit/1"
-SUMMARY = "summary.csv"
-TAGS = ("last", "best")
-TMP = ".tmp"  # suffix of a file written but not yet committed / published
-_PAUSE_ENV = "TTT_ZOO_TEST_SAVE_PAUSE"  # tests only: "<epoch>:<stage>" pauses inside that commit (see _test_pause)
-
-
-def state_path(folder: str, tag: str) -> str:
-    return os.path.join(folder, f"{tag}.state.pt")
-
-
-def weights_path(folder: str, tag: str, ema: bool = False) -> str:
-    return os.path.join(folder, f"{tag}{'_ema' if ema else ''}.safetensors")
-
-
-def manifest_path(folder: str) -> str:
-    return os.path.join(folder, MANIFEST)
-
-
-def _commit_names() -> List[str]:
-    """Every public name a commit may write (their ``.tmp`` siblings are ours to clean)."""
-    return [f"{t}{s}" for t in TAGS for s in (".state.pt", "_ema.safetensors", ".safetensors")] + [SUMMARY, MANIFEST]
-
-
-def _family(name: str) -> str:
-    """'last' / 'best' for a checkpoint file name, else the name's stem ('summary')."""
-    return name.split(".")[0].split("_")[0]
-
-
-def _test_pause(epoch: int, stage: str, folder: str) -> None:
-    """Test hook: with ``TTT_ZOO_TEST_SAVE_PAUSE=<epoch>:<stage>`` the commit of that epoch writes a marker file
-    ``SAVE_PAUSED`` (holding ``stage``) and sleeps there, so a test can SIGKILL the process at that point.
-
-    Stages, in order: ``wrote:<name>`` (that temp file complete), ``written`` (all temps and the manifest's temp
-    complete, nothing renamed), ``committed`` (the manifest renamed), ``renamed:<name>`` (that file published;
-    ``renamed`` is the first, ``last.state.pt``), ``published`` (all published)."""
-    want = os.environ.get(_PAUSE_ENV, "")
-    if want and want == f"{epoch}:{stage}":
-        with open(os.path.join(folder, "SAVE_PAUSED"), "w") as f:
-            f.write(stage)
-        time.sleep(600)
+_commit_names = commit_names  # (the tests' name for it)
 
 
 def _weights_to_save(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-
-def read_manifest(folder: str) -> Optional[Dict[str, Any]]:
-    """The folder's ``checkpoint.json`` (None when there is none: a run from before manifests, or nothing
-    committed yet)."""
-    path = manifest_path(folder)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable commit manifest ({e}).") from None
-    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or not isinstance(data.get("files"), dict):
-        raise CheckpointError(f"{path} is not a ttt-zoo commit manifest (format {MANIFEST_FORMAT!r}).")
-    return data
-
-
-def _publish(folder: str, names: List[str], epoch: Optional[int]) -> None:
-    """Rename each committed ``<name>.tmp`` onto ``<name>``, in order (the state first)."""
-    for i, name in enumerate(names):
-        replace_file(os.path.join(folder, name + TMP), os.path.join(folder, name))
-        if epoch is not None:
-            if i == 0:
-                _test_pause(epoch, "renamed", folder)
-            _test_pause(epoch, f"renamed:{name}", folder)
-    if epoch is not None:
-        _test_pause(epoch, "published", folder)
 
 
 def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.Tensor],
@@ -130,10 +63,10 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
     state = dict(state, format=FORMAT, model=model_sd, model_ema=ema_sd)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
 
-    writers = [("last.state.pt", lambda p: torch.save(state, p))]
+    writers = [(state_name("last"), lambda p: torch.save(state, p))]
     if ema_sd is not None:
-        writers.append(("last_ema.safetensors", lambda p: save_file(ema_sd, p, metadata=meta)))
-    writers.append(("last.safetensors", lambda p: save_file(model_sd, p, metadata=meta)))
+        writers.append((weights_name("last", ema=True), lambda p: save_file(ema_sd, p, metadata=meta)))
+    writers.append((weights_name("last"), lambda p: save_file(model_sd, p, metadata=meta)))
     if best:  # byte copies of last.*: best always holds exactly the weights of the epoch the state calls best
         writers += [("best" + n[len("last"):], lambda p, n=n: shutil.copyfile(os.path.join(folder, n + TMP), p))
                     for n, _ in list(writers)]
@@ -147,101 +80,71 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
         write(tmp)
         fsync_file(tmp)
         written[name] = sha256_file(tmp)
-        _test_pause(epoch, f"wrote:{name}", folder)
-    rewritten = {_family(n) for n in written}
+    rewritten = {family(n) for n in written}
     kept: Dict[str, str] = {}  # the previous best.* stay committed unless this epoch rewrites them
     if previous is not None:
-        kept = {n: h for n, h in previous["files"].items() if _family(n) not in rewritten}
+        kept = {n: h for n, h in previous["files"].items() if family(n) not in rewritten}
     else:  # the first commit in a folder from before manifests: name its files as they are
-        for n in _commit_names()[:-1]:
-            if _family(n) not in rewritten and os.path.isfile(os.path.join(folder, n)):
+        for n in commit_names()[:-1]:
+            if family(n) not in rewritten and os.path.isfile(os.path.join(folder, n)):
                 kept[n] = sha256_file(os.path.join(folder, n))
     manifest = {"format": MANIFEST_FORMAT, "epoch": epoch, "best_epoch": state.get("best_epoch"),
                 "files": dict(written, **kept)}
     tmp = manifest_path(folder) + TMP
     write_file(tmp, lambda f: json.dump(manifest, f, indent=1))  # 2. the commit
-    _test_pause(epoch, "written", folder)
     replace_file(tmp, manifest_path(folder))
-    _test_pause(epoch, "committed", folder)
-    _publish(folder, list(written), epoch)  # 3. roll forward
+    publish(folder, list(written))  # 3. roll forward
 
 
-def recover(folder: str) -> Optional[Dict[str, Any]]:
-    """At the start of a run on ``folder`` (its lock held): finish a commit that was cut off after its manifest
-    landed, check every committed file against its sha256, and delete the temps of a commit that never landed.
-    Returns the manifest (None for a folder without one). A committed file that is missing or differs raises."""
-    manifest = read_manifest(folder)
-    pending = []
-    for name, digest in (manifest or {}).get("files", {}).items():
-        public = os.path.join(folder, name)
-        if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:
-            pending.append(name)  # committed, not yet published
-        elif not (os.path.isfile(public) and sha256_file(public) == digest):
-            raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed "
-                                  f"(epoch {manifest.get('epoch')}); the run folder was changed by hand. Restore "
-                                  f"the file, or start a new run with --initial-checkpoint.")
-    if pending:
-        _publish(folder, pending, None)
-    for name in _commit_names():  # what is left over was never committed
-        leftover = os.path.join(folder, name + TMP)
-        if os.path.isfile(leftover):
-            os.remove(leftover)
-    fsync_dir(folder)
-    return manifest
+def _state_epoch(path: str) -> int:
+    return int(load_state(path)["epoch"])
 
 
-def committed_weights(folder: str, which: str = "best", ema: bool = False) -> Optional[str]:
-    """The ``<which>[_ema].safetensors`` a reader of the run folder may load: the file its manifest commits.
-
-    Without a manifest (a folder from before manifests): the public path if it exists, else None.  With one: None
-    when the manifest commits no such file; the public path when its sha256 is the committed one; when only the
-    pending ``.tmp`` matches (a run killed while publishing), the folder's lock is taken without waiting and
-    :func:`recover` publishes it.  Raises :class:`CheckpointError` while a live run is publishing (retry), and for
-    a file that matches neither.  Only the requested file is hashed (all of them when it recovers)."""
-    from ttt_zoo.fileio import FolderInUseError, folder_lock
-    name = os.path.basename(weights_path(folder, which, ema))
-    public = os.path.join(folder, name)
-    for _ in range(2):  # a live run may commit the next epoch while we look: then look once more
-        manifest = read_manifest(folder)
-        if manifest is None:
-            return public if os.path.isfile(public) else None
-        digest = manifest["files"].get(name)
-        if digest is None:
-            return None
-        if os.path.isfile(public) and sha256_file(public) == digest:
-            return public
-        if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:  # committed, not yet published
-            try:
-                with folder_lock(folder, "ttt-zoo reader"):
-                    recover(folder)
-            except FolderInUseError:
-                raise CheckpointError(f"{folder}: a training run is committing epoch {manifest.get('epoch')} "
-                                      f"right now ({name} is not yet in place); retry in a moment.") from None
-            except OSError as e:
-                raise CheckpointError(f"{public}: epoch {manifest.get('epoch')} was committed but not yet put in "
-                                      f"place, and the folder cannot be locked to finish it ({e.strerror or e}); run "
-                                      f"`ttt-zoo train --resume {folder}` from an account that can write it.") from None
-            return public
-        if read_manifest(folder) == manifest:
-            break
-    raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed (epoch "
-                          f"{manifest.get('epoch')}): the file was corrupted or changed; restore it, or load "
-                          f"another checkpoint.")
-
-
-def resolve_resume(path: str) -> str:
-    """``--resume`` may name the experiment folder, a ``*.state.pt`` file or its ``.safetensors`` sibling."""
+def resolve_resume(path: str) -> Tuple[str, Optional[str]]:
+    """``--resume PATH`` (the run folder, its ``last.state.pt``, or a ``.safetensors`` sibling) -> (run folder, the
+    state to resume), or (run folder, None) for a run that committed nothing yet and that is restarted from its
+    args.yaml.  Anything but the run's latest commit is refused: a resume never moves a run backwards."""
+    from ttt_zoo.fileio import LOCK_NAME
+    from ttt_zoo.run_folder import ARGS, LOG, is_stale_temp, tag_of
+    given = path
     if os.path.isdir(path):
-        path = state_path(path, "last")
-    elif path.endswith(".safetensors"):
-        path = path[: -len(".safetensors")].removesuffix("_ema") + ".state.pt"
-    folder, name = os.path.split(os.path.abspath(path))
-    manifest = read_manifest(folder) if os.path.isdir(folder) else None
-    committed = manifest is not None and name in manifest["files"]  # maybe not yet published: recover() does
-    if not os.path.isfile(path) and not committed:
-        raise CheckpointError(f"--resume {path!r}: no such training state. Give the experiment folder or its "
-                              f"last.state.pt / best.state.pt.")
-    return path
+        folder, name = os.path.abspath(path), state_name("last")
+    else:
+        folder, name = os.path.split(os.path.abspath(state_file_of(path)))
+    if not os.path.isdir(folder) or not os.path.exists(given) and tag_of(os.path.basename(given)) is None:
+        raise CheckpointError(f"--resume {given}: no such run folder; give the folder of a `ttt-zoo train` run (or "
+                              f"its {state_name('last')}).")
+    latest = committed_epoch(folder)
+    if latest is None:  # nothing committed: restart from args.yaml
+        if not os.path.isfile(os.path.join(folder, ARGS)):
+            if set(os.listdir(folder)) - {LOG, LOCK_NAME} - {n for n in os.listdir(folder) if is_stale_temp(n)}:
+                raise CheckpointError(f"--resume {given}: {folder} is not a `ttt-zoo train` run folder (it has no "
+                                      f"{ARGS} and no {MANIFEST}); give the folder of a run.")
+            raise CheckpointError(f"--resume {given}: the run in {folder} was stopped before it wrote its {ARGS}, "
+                                  f"so there is nothing to resume; run the command that started it again (it "
+                                  f"starts again in this folder).")
+        if name != state_name("last"):
+            raise CheckpointError(f"--resume {given}: no epoch of the run in {folder} was committed yet, so there is "
+                                  f"no {name}; restart the run with `ttt-zoo train --resume {folder}`.")
+        return folder, None
+    tag, manifest = tag_of(name), read_manifest(folder)
+    if manifest is not None and name not in manifest["files"] or tag is None:
+        raise CheckpointError(f"--resume {given}: {name} is not a training state committed in {folder}; continue "
+                              f"the run with `ttt-zoo train --resume {folder}`.")
+    if tag != "last":  # the latest commit is last.*; best.* is it only when the latest epoch was the best
+        last, this = latest, None
+        if manifest is not None:
+            best_epoch = manifest.get("best_epoch")
+            this = None if best_epoch is None else int(best_epoch) + 1
+        else:
+            last, this = _state_epoch(state_path(folder, "last")), _state_epoch(os.path.join(folder, name))
+        if this != last:
+            raise CheckpointError(
+                f"--resume {given}: that is epoch {this} of the run, but {folder} has committed epoch {last}; "
+                f"resuming it would move the run back and overwrite the later epochs. To continue the run: "
+                f"`ttt-zoo train --resume {folder}`; to start a new run from those weights: `ttt-zoo train ... "
+                f"--initial-checkpoint {weights_path(folder, tag)} --experiment NEW`")
+    return folder, state_path(folder, "last")
 
 
 def load_state(path: str) -> Dict[str, Any]:

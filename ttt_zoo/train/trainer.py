@@ -3,8 +3,9 @@
 timm's components do the work: ``create_optimizer_v2`` (on the task's parameter groups, which may carry
 ``lr_scale``), ``create_scheduler_v2`` (stepped per optimizer update), ``NativeScaler`` (float16 AMP),
 ``dispatch_clip_grad``, ``AverageMeter``; torch's DDP averages gradients under torchrun.
-The experiment folder (timm's layout) holds args.yaml, summary.csv, log.txt, train_plot.png and the checkpoints of
-:mod:`ttt_zoo.train.run_state`.  Only rank 0 writes files.
+The experiment folder (timm's layout, its names in :mod:`ttt_zoo.run_folder`) holds the arguments, the summary, the
+log, the plot and the checkpoints committed by :mod:`ttt_zoo.train.run_state`.  Only rank 0 writes files.
+Ctrl-C (SIGINT) and SIGTERM stop a run between two steps (never inside a commit) with one line: exit 130 / 143.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from typing import Any, Dict, Optional, Sequence
@@ -21,7 +24,8 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from ttt_zoo.fileio import atomic_write, folder_lock
+from ttt_zoo import run_folder
+from ttt_zoo.fileio import LOCK_NAME, atomic_write, folder_lock
 
 from . import run_state
 from .args import parse_args
@@ -69,23 +73,6 @@ _NOT_INHERITED = ("config", "world_size", "sched_on_updates", "resume", "stop_af
                   "initial_checkpoint", "pretrained")
 
 
-def _recorded_args(folder: str) -> Dict[str, Any]:
-    """The arguments a run folder was trained with: args.yaml, updated by its newest args.resume-epoch*.yaml."""
-    import re
-    import yaml
-    names = [n for n in os.listdir(folder) if re.fullmatch(r"args\.resume-epoch\d+\.yaml", n)]
-    names.sort(key=lambda n: int(re.findall(r"\d+", n)[-1]))
-    out: Dict[str, Any] = {}
-    for name in ["args.yaml"] + names:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-            if isinstance(data, dict):
-                out.update(data)
-    return out
-
-
 def _explicit(argv: Sequence[str], task_cls: type, prog: str) -> set:
     """The dest names given on the command line itself (not by defaults or -c)."""
     from .args import build_parser
@@ -108,8 +95,8 @@ def _parse_with_run_args(argv: Sequence[str], prog: str):
     first, _ = pre.parse_known_args(list(argv))
     if not first.resume:
         return parse_args(argv, prog)
-    state_file = run_state.resolve_resume(first.resume)
-    recorded = _recorded_args(os.path.dirname(os.path.abspath(state_file)))
+    folder, _ = run_state.resolve_resume(first.resume)
+    recorded = run_folder.recorded_args(folder)
     if not recorded:
         return parse_args(argv, prog)
     argv = list(argv)
@@ -129,6 +116,26 @@ def _parse_with_run_args(argv: Sequence[str], prog: str):
     return args, task_cls
 
 
+def _check_restartable(folder: str) -> None:
+    """An existing ``--experiment`` folder is started again only when it holds a run that committed nothing (a run
+    killed before its first epoch): nothing in it can be lost. Anything else is refused, saying what it holds."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"--experiment: {folder} exists and is not a folder; give a fresh --experiment NAME (or "
+                         f"another --output).")
+    epoch = run_folder.committed_epoch(folder)
+    if epoch is not None:
+        what = f"epoch {epoch}" if epoch else "a checkpoint"
+        raise ValueError(f"Experiment folder {folder} already exists and holds a run ({what} committed); nothing was "
+                         f"changed in it. To continue that run use --resume {folder}; to start a new one give a "
+                         f"fresh --experiment NAME (or another --output).")
+    ours = {run_folder.ARGS, run_folder.LOG, LOCK_NAME}
+    other = sorted(n for n in os.listdir(folder) if n not in ours and not run_folder.is_stale_temp(n))
+    if other:
+        raise ValueError(f"Experiment folder {folder} already exists and holds files that are not a ttt-zoo run's "
+                         f"({', '.join(other[:5])}); nothing was changed in it. Give a fresh --experiment NAME (or "
+                         f"another --output).")
+
+
 def _first_error(fn) -> Optional[str]:
     try:
         fn()
@@ -144,11 +151,42 @@ def _raise_everywhere(err: Optional[str], dist: DistInfo) -> None:
         raise SystemExit(f"ttt-zoo train: error: {err}")
 
 
+class Stopped(Exception):
+    """Ctrl-C (SIGINT) or SIGTERM stopped the run between two steps; ``str()`` is the one line to print."""
+
+    def __init__(self, signum: int, line: str):
+        super().__init__(line)
+        self.signum = signum
+        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_set_flag(flag: Dict[str, int]):
+    """While the run lasts, SIGINT / SIGTERM only record themselves in ``flag``: the loop stops at its next step
+    (so a commit in progress always completes). Only the main thread can own signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def record(signum, _frame):
+        flag.setdefault("signum", signum)
+    old = {sig: signal.signal(sig, record) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace, task_cls: type):
         self.args = args
         self.task_cls = task_cls
         self._folder_locks = contextlib.ExitStack()  # rank 0's lock of the run folder, released when run() ends
+        self._signal: Dict[str, int] = {}  # {"signum": N} once SIGINT / SIGTERM arrived
+        self._where = "before its first step"
 
     def _lock_folder(self, folder: str) -> None:
         """One writer per run folder: a second run on it (e.g. another --resume) is refused, naming our PID."""
@@ -162,13 +200,23 @@ class Trainer:
     def _experiment_folder(self) -> str:
         a, d = self.args, self.dist
         if a.resume:
-            self.resume_file = run_state.resolve_resume(a.resume)
-            folder = os.path.dirname(os.path.abspath(self.resume_file))
+            folder, _ = run_state.resolve_resume(a.resume)
 
             def lock_and_recover():  # with the lock held: finish / discard a commit cut off by a kill
                 self._lock_folder(folder)
                 run_state.recover(folder)
-            _raise_everywhere(_first_error(lock_and_recover) if d.is_primary else None, d)
+                return run_state.resolve_resume(a.resume)[1]  # again, now that no other run can commit
+            resume, err = None, None
+            if d.is_primary:
+                try:
+                    resume = lock_and_recover()
+                except (OSError, ValueError) as e:
+                    err = str(e)
+            _raise_everywhere(err, d)
+            self.resume_file = broadcast_object(resume) if d.distributed else resume
+            if resume is None and d.is_primary:
+                print(f"{folder}: no epoch was committed; the run starts again from its {run_folder.ARGS}",
+                      file=sys.stderr)
             return folder
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
                                          (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
@@ -179,9 +227,11 @@ class Trainer:
             self.created_folder = folder
             if os.path.exists(folder):
                 self.created_folder = None
-                raise ValueError(f"Experiment folder {folder} already exists; nothing was changed in it. To continue "
-                                 f"that run use --resume {folder}; to start a new one give a fresh --experiment NAME "
-                                 f"(or another --output).")
+                _check_restartable(folder)  # a run that committed nothing and is dead: started again in place
+                self._lock_folder(folder)
+                _check_restartable(folder)  # again, with the lock held
+                run_folder.remove_stale_temps(folder)
+                return
             try:
                 os.makedirs(folder)
             except OSError as e:
@@ -201,9 +251,13 @@ class Trainer:
         _resolve_lr(a, d.world_size)
         if not math.isfinite(a.lr):
             raise _usage(f"--lr {a.lr}: not a finite number; give a finite --lr, e.g. --lr 0.001")
+        if getattr(a, "initial_checkpoint", None):  # checked against its run's manifest (a run folder: its weights)
+            a.initial_checkpoint = run_folder.resolve_checkpoint(a.initial_checkpoint, "--initial-checkpoint").weights
         self.resume_file = None
         self.folder = self._experiment_folder()
-        self.log = setup_logging(os.path.join(self.folder, "log.txt"), d.is_primary)
+        if d.is_primary and not self.resume_file:  # the first file: what `--resume` restarts from after a kill
+            self._write_args(run_folder.ARGS)
+        self.log = setup_logging(os.path.join(self.folder, run_folder.LOG), d.is_primary)
         self.task = task = self.task_cls(a, d)
         self.eval_metric = a.eval_metric or task.eval_metric
 
@@ -251,24 +305,26 @@ class Trainer:
 
         self.start_epoch, self.num_updates = 0, 0
         self.best_metric, self.best_epoch = None, None
-        self.summary = Summary(os.path.join(self.folder, "summary.csv"))
+        self.summary = Summary(os.path.join(self.folder, run_folder.SUMMARY))
         if self.resume_file:
             self._resume(self.resume_file)
 
         need = 4 * run_state.estimate_checkpoint_bytes(model, ema=self.ema is not None)
         _raise_everywhere(_first_error(lambda: run_state.check_output_dir(self.folder, need)) if d.is_primary else None,
                           d)
-        if d.is_primary:
-            import yaml
-            name = "args.yaml" if not self.resume_file else f"args.resume-epoch{self.start_epoch}.yaml"
-            atomic_write(os.path.join(self.folder, name),
-                         yaml.safe_dump(dict(vars(a), world_size=d.world_size), sort_keys=False))
+        if d.is_primary and self.resume_file:
+            self._write_args(run_folder.resume_args_name(self.start_epoch))
         n_params = sum(p.numel() for p in model.parameters())
         self.log.info(f"{type(model).__name__}: {n_params / 1e6:.3f}M params; {d.world_size} process(es) on "
                       f"{d.device.type}; lr {a.lr:g}; {self.updates_per_epoch} updates/epoch; "
                       f"{len(self.optimizer.param_groups)} param groups "
                       f"(lr_scale {sorted({g.get('lr_scale', 1.0) for g in self.optimizer.param_groups})}); "
                       f"output {self.folder}")
+
+    def _write_args(self, name: str) -> None:
+        import yaml
+        atomic_write(os.path.join(self.folder, name),
+                     yaml.safe_dump(dict(vars(self.args), world_size=self.dist.world_size), sort_keys=False))
 
     def _resume(self, path: str) -> None:
         d, a = self.dist, self.args
@@ -369,6 +425,9 @@ class Trainer:
                     self.scheduler.step_update(num_updates=self.num_updates)
             if bar is not None:
                 bar.update(1)
+            self._where = f"in epoch {epoch} after step {i + 1} of {n_batches}"
+            if not d.distributed:
+                self._stop_if_signalled()
             if (i + 1) % a.log_interval == 0 or i == n_batches - 1:
                 now = time.perf_counter()
                 rate = (seen - seen_log) * d.world_size / max(now - t_log, 1e-9)
@@ -392,6 +451,30 @@ class Trainer:
             raise self._non_finite(epoch, total_loss)
         return {"loss": total_loss / max(total_seen, 1), "img_per_sec": total_seen / max(elapsed, 1e-9),
                 "time": elapsed}
+
+    def _stop_if_signalled(self) -> None:
+        """Raise :class:`Stopped` once a stop signal arrived (with DDP: on every rank once any rank got one)."""
+        got = self._signal.get("signum", 0)
+        if self.dist.distributed:
+            got = int(all_reduce_sum([float(got)], self.dist.device)[0] > 0) and (got or signal.SIGTERM)
+        if got:
+            raise Stopped(got, self._stop_line(got))
+
+    def _stop_line(self, signum: int) -> str:
+        folder = getattr(self, "folder", None)
+        name = signal.Signals(signum).name
+        try:
+            epoch = run_folder.committed_epoch(folder) if folder else None
+        except ValueError:
+            epoch = None
+        if epoch is not None:  # (0: a folder from before manifests, which only its state's epoch knows)
+            done = f"{epoch} epoch{'s' if epoch != 1 else ''} committed" if epoch else "its checkpoint is kept"
+            return (f"ttt-zoo train: stopped by {name} {self._where}; {done}: continue with `ttt-zoo train "
+                    f"--resume {folder}`")
+        if folder and os.path.isfile(os.path.join(folder, run_folder.ARGS)):
+            return (f"ttt-zoo train: stopped by {name} {self._where}; no epoch was committed: start the run again "
+                    f"with `ttt-zoo train --resume {folder}`")
+        return f"ttt-zoo train: stopped by {name} {self._where}; nothing was written: run the same command again"
 
     def _non_finite(self, epoch: int, value: float) -> SystemExit:
         return _usage(f"the training loss of epoch {epoch} is {value} (not finite); nothing of this epoch was saved "
@@ -453,6 +536,11 @@ class Trainer:
     def run(self) -> Dict[str, Any]:
         a = self.args
         self.created_folder, self.saved = None, False
+        with _signals_set_flag(self._signal):
+            return self._run()
+
+    def _run(self) -> Dict[str, Any]:
+        a = self.args
         try:
             self.setup()
             d = self.dist
@@ -485,17 +573,24 @@ class Trainer:
                 self.saved = True
                 self.summary.rows.append(row)
                 if d.is_primary:
-                    write_plot(self.summary.rows, os.path.join(self.folder, "train_plot.png"), self.eval_metric)
+                    write_plot(self.summary.rows, os.path.join(self.folder, run_folder.PLOT), self.eval_metric)
                     self.log.info(f"epoch {epoch}: train_loss {train['loss']:.4f} " +
                                   " ".join(f"eval_{k} {v:.4f}" for k, v in evals.items()) +
                                   f" lr {lr:.3g} {train['img_per_sec']:.1f} img/s"
                                   + (" (best)" if better else ""))
                 barrier()
+                self._where = f"after epoch {epoch}"
+                self._stop_if_signalled()  # (with DDP the only place: one collective per epoch)
             if self.best_metric is not None:
                 self.log.info(f"best eval_{self.eval_metric} {self.best_metric:.4f} at epoch {self.best_epoch}")
             return {"folder": self.folder, "best_metric": self.best_metric, "best_epoch": self.best_epoch,
                     "last": row}
-        except BaseException:
+        except Stopped:
+            raise
+        except BaseException as e:
+            if self._signal and isinstance(e, Exception):  # e.g. a DataLoader worker that the Ctrl-C ended
+                signum = self._signal["signum"]
+                raise Stopped(signum, self._stop_line(signum)) from e
             if getattr(self, "dist", None) is None or self.dist.is_primary:
                 self._remove_failed_start()
             raise
@@ -508,5 +603,10 @@ class Trainer:
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train") -> int:
     args, task_cls = _parse_with_run_args(argv, prog)
-    Trainer(args, task_cls).run()
+    try:
+        Trainer(args, task_cls).run()
+    except Stopped as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, file=sys.stderr)
+        return e.exit_code
     return 0

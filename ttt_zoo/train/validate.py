@@ -17,7 +17,7 @@ import torch
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, unwrap_checkpoint,
                                 validate_state_dict)
 from ttt_zoo.fileio import atomic_write
-from ttt_zoo.train import run_state
+from ttt_zoo import run_folder
 
 __all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path", "load_weights",
            "write_results", "RESULT_COLUMNS"]
@@ -42,9 +42,9 @@ def find_checkpoints(path: str) -> List[str]:
     names = sorted(set(os.listdir(path)) | _committed_names(path))
     out = []
     for n in names:
-        if not n.endswith(_WEIGHT_EXTS) or n.endswith("_ema.safetensors"):
+        if not n.endswith(_WEIGHT_EXTS) or n.endswith(run_folder.EMA_WEIGHTS_SUFFIX):
             continue
-        if n.endswith(".state.pt") and n[: -len(".state.pt")] + ".safetensors" in names:
+        if n.endswith(run_folder.STATE_SUFFIX) and n[: -len(run_folder.STATE_SUFFIX)] + ".safetensors" in names:
             continue
         out.append(os.path.join(path, n))
     if not out:
@@ -52,44 +52,30 @@ def find_checkpoints(path: str) -> List[str]:
     return out
 
 
-def _run_weights_name(path: str) -> Optional[Tuple[str, bool]]:
-    """(tag, ema) when ``path`` is named like a trainer's weights file (``last.safetensors``, ``best_ema...``)."""
-    name = os.path.basename(path)
-    for tag in run_state.TAGS:
-        for ema in (False, True):
-            if name == os.path.basename(run_state.weights_path("", tag, ema)):
-                return tag, ema
-    return None
-
-
 def _committed_names(folder: str) -> Set[str]:
-    manifest = run_state.read_manifest(folder) if os.path.isdir(folder) else None
+    manifest = run_folder.read_manifest(folder) if os.path.isdir(folder) else None
     return set(manifest["files"]) if manifest else set()
 
 
 def committed_path(path: str, use_ema: bool) -> str:
-    """The file to load for ``path``: a trainer's weights file in a run folder with a commit manifest is the
-    committed one (:func:`run_state.committed_weights`); anything else is ``path`` itself."""
-    run_name = _run_weights_name(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if run_name is None or run_state.read_manifest(folder) is None:
-        return path
-    tag, ema = run_name
-    committed = run_state.committed_weights(folder, tag, ema or use_ema)
-    if committed is None:
-        if use_ema and not ema:
+    """The file to load for ``path``, checked against its run folder's manifest (:func:`run_folder.committed_file`);
+    with ``use_ema``, a trainer's ``<tag>.safetensors`` stands for its committed ``<tag>_ema.safetensors``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tag = run_folder.tag_of(name)
+    if use_ema and tag and name == run_folder.weights_name(tag) and run_folder.read_manifest(folder) is not None:
+        ema = run_folder.committed_weights(folder, tag, ema=True)
+        if ema is None:
             raise CheckpointError(f"--use-ema: the run in {folder} has no committed EMA weights (not trained with "
                                   f"--model-ema?). Leave out --use-ema to validate the model's own weights.")
-        raise CheckpointError(f"{path} is not committed by {run_state.manifest_path(folder)}; it is not a checkpoint "
-                              f"of this run: give last.safetensors or best.safetensors.")
-    return committed
+        return ema
+    return run_folder.committed_file(path)
 
 
 def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False) -> None:
     """Load ``path`` (strictly) into ``model``; ``use_ema`` takes the EMA weights: a trainer's
     ``<tag>_ema.safetensors`` beside ``<tag>.safetensors``, or the EMA entry of a ``.pth`` / ``.pt`` checkpoint."""
-    if use_ema and path.endswith(".safetensors") and not path.endswith("_ema.safetensors"):
-        ema_path = path[: -len(".safetensors")] + "_ema.safetensors"
+    if use_ema and path.endswith(".safetensors") and not path.endswith(run_folder.EMA_WEIGHTS_SUFFIX):
+        ema_path = run_folder.ema_weights_of(path)
         if not os.path.isfile(ema_path):
             raise CheckpointError(f"--use-ema: no EMA weights {ema_path!r} beside {path!r} (the run was not trained "
                                   f"with --model-ema?). Leave out --use-ema to validate the model's own weights.")

@@ -1,0 +1,90 @@
+"""Fault injection for the kill tests: hold a training process inside the commit of one epoch, at one stage, so
+that the test can kill it exactly there.  Nothing of this is in the package: :func:`install` wraps, in the process
+under test, the file operations the commit calls (``run_state``'s ``fsync_file`` / ``write_file`` /
+``replace_file``, ``run_folder``'s ``replace_file``) and ``run_state.commit_epoch`` itself.
+
+Stages, in order (``pause`` is ``"<epoch>:<stage>"``): ``wrote:<name>`` (that temp file complete), ``written``
+(every temp and the manifest's temp complete, nothing renamed), ``committed`` (the manifest renamed: the commit),
+``renamed:<name>`` (that file published; ``renamed`` is the first one, ``last.state.pt``), ``published`` (all);
+and ``0:setup``: the run folder and its args.yaml are written, no step was taken (the disk check of the setup).
+At the stage the process writes the marker file ``SAVE_PAUSED`` (holding the stage) into the run folder and
+waits until the test kills it, or deletes the marker to let it go on.
+
+In a forked child: ``install(pause)`` before calling the trainer.  As a command: :func:`command` gives the argv of
+``python tests/_commit_faults.py PAUSE train ...`` (``ttt-zoo`` with the pause installed).
+"""
+import os
+import sys
+import time
+
+MARKER = "SAVE_PAUSED"
+
+
+def install(pause: str) -> None:
+    from ttt_zoo import run_folder
+    from ttt_zoo.train import run_state
+    want_epoch, want_stage = pause.split(":", 1)
+    now = {"epoch": None, "folder": None, "renamed": 0}
+
+    def hold(stage: str) -> None:
+        if now["epoch"] is not None and str(now["epoch"]) == want_epoch and stage == want_stage:
+            marker = os.path.join(now["folder"], MARKER)
+            with open(marker, "w") as f:
+                f.write(stage)
+            deadline = time.monotonic() + 600
+            while os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def after(real, stage_of):
+        def wrapped(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if now["epoch"] is not None:
+                for stage in stage_of(*args):
+                    hold(stage)
+            return out
+        return wrapped
+
+    def name_of(path: str) -> str:
+        return os.path.basename(path)[: -len(run_folder.TMP)] if path.endswith(run_folder.TMP) else ""
+
+    def renamed(tmp: str, path: str):
+        now["renamed"] += 1
+        return (["renamed"] if now["renamed"] == 1 else []) + [f"renamed:{os.path.basename(path)}"]
+
+    manifest_tmp = lambda: run_folder.manifest_path(now["folder"]) + run_folder.TMP  # noqa: E731
+    run_state.fsync_file = after(run_state.fsync_file, lambda p: [f"wrote:{name_of(p)}"])
+    run_state.write_file = after(run_state.write_file, lambda p, *a: ["written"] if p == manifest_tmp() else [])
+    run_state.replace_file = after(run_state.replace_file,
+                                   lambda t, p: ["committed"] if p == run_folder.manifest_path(now["folder"]) else [])
+    run_folder.replace_file = after(run_folder.replace_file, renamed)
+    real_check = run_state.check_output_dir
+
+    def check_output_dir(folder, *args, **kwargs):
+        real_check(folder, *args, **kwargs)
+        now.update(epoch=0, folder=folder)
+        try:
+            hold("setup")
+        finally:
+            now["epoch"] = None
+    run_state.check_output_dir = check_output_dir
+    real_commit = run_state.commit_epoch
+
+    def commit_epoch(folder, state, *args, **kwargs):
+        now.update(epoch=int(state["epoch"]), folder=folder, renamed=0)
+        try:
+            real_commit(folder, state, *args, **kwargs)
+            hold("published")
+        finally:
+            now["epoch"] = None
+    run_state.commit_epoch = commit_epoch
+
+
+def command(pause: str, *argv: str) -> list:
+    """The argv of ``ttt-zoo ARGV...`` in a new interpreter with the pause installed."""
+    return [sys.executable, os.path.abspath(__file__), pause, *argv]
+
+
+if __name__ == "__main__":
+    install(sys.argv[1])
+    from ttt_zoo.cli import main
+    sys.exit(main(sys.argv[2:]))
