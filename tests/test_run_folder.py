@@ -145,8 +145,8 @@ def test_a_folder_that_is_no_run_is_called_a_folder(tmp_path, capsys, command):
             "validate": ["validate", "--checkpoint", other, "--model", "vit3_tiny", "--data-dir", other]}[command]
     line = _one_error_line(*cli(capsys, *argv))
     assert "does not exist" not in line
-    assert f"{other} is a folder" in line or f"No checkpoint files (*.safetensors, *.pth, *.pt) in folder {str(other)!r}" \
-        in line
+    assert f"{other} is a folder" in line or \
+        f"No checkpoint files (*.safetensors, *.pth, *.pt) in folder {str(other)!r}" in line
 
 
 # ----- the recorded arguments -----

@@ -5,7 +5,6 @@ or inside its first commit); the signal is sent there, then the run is let go on
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest

@@ -28,7 +28,8 @@ from ttt_zoo.fileio import folder_lock, fsync_dir, replace_file, sha256_file
 
 __all__ = ["ARGS", "SUMMARY", "MANIFEST", "LOG", "PLOT", "TAGS", "TMP", "MANIFEST_FORMAT", "RUN_WEIGHTS",
            "state_path", "weights_path", "manifest_path", "resume_args_name", "commit_names", "read_manifest",
-           "publish", "recover", "is_stale_temp", "remove_stale_temps", "committed_epoch", "committed_weights", "committed_file",
+           "publish", "recover", "is_stale_temp", "remove_stale_temps", "committed_epoch", "committed_weights",
+           "committed_file",
            "is_run_folder", "recorded_args", "find_weights", "ResolvedCheckpoint", "resolve_checkpoint",
            "apply_run_defaults", "run_model_kwargs", "RUN_DEFAULTS", "STATE_SUFFIX",
            "EMA_WEIGHTS_SUFFIX", "ema_weights_of", "state_name", "weights_name", "tag_of", "state_file_of"]

@@ -11,8 +11,6 @@ With a training folder (or a file in one) as ``--checkpoint``, the folder's ``ar
 ``--model-kwargs``, ``--img-size``, ``--num-classes``, ``--crop-pct``, ``--data-dir`` and the split; flags given on
 the command line override it.
 """
-import os
-
 __all__ = ["add_parser", "run"]
 
 # the flags a `ttt-zoo train` folder's recorded arguments supply (ttt_zoo.run_folder.RUN_DEFAULTS)

@@ -36,9 +36,9 @@ import torch
 
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
 from ttt_zoo.fileio import fsync_file, replace_file, sha256_file, write_file
-from ttt_zoo.run_folder import (MANIFEST, MANIFEST_FORMAT, SUMMARY, TAGS, TMP, commit_names, committed_epoch,  # noqa: F401
-                                committed_weights, family, manifest_path, publish, read_manifest, recover,
-                                state_file_of, state_name, state_path, weights_name, weights_path)
+from ttt_zoo.run_folder import (  # noqa: F401  (the names the tests and older callers use, re-exported)
+    MANIFEST, MANIFEST_FORMAT, SUMMARY, TAGS, TMP, commit_names, committed_epoch, committed_weights, family,
+    manifest_path, publish, read_manifest, recover, state_file_of, state_name, state_path, weights_name, weights_path)
 
 __all__ = ["FORMAT", "commit_epoch", "load_state", "resolve_resume", "rng_state", "set_rng_state",
            "check_output_dir", "estimate_checkpoint_bytes"]

@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
