@@ -89,6 +89,7 @@ CASES = [
     ("crop_mode", "pretrained_cfg.crop_mode", "zoom", "'pretrained_cfg.crop_mode' is \"zoom\""),
     ("input_size of 2", "pretrained_cfg.input_size", [3, 32], "'pretrained_cfg.input_size' is [3, 32]"),
     ("input_size 0", "pretrained_cfg.input_size", [3, 0, 32], "'pretrained_cfg.input_size' is [3, 0, 32]"),
+    ("a key timm's PretrainedCfg refuses", "pretrained_cfg.crop_percent", 0.9, "'pretrained_cfg.crop_percent' is not a"),
     ("tag with a slash", "pretrained_cfg.tag", "my/tag", "'pretrained_cfg.tag' is \"my/tag\""),
     ("label_names short", "label_names", ["a", "b"], "'label_names' is [\"a\", \"b\"]"),
     ("model_args a list", "model_args", [1], "'model_args' is [1]"),
@@ -174,6 +175,24 @@ def test_the_valid_folder_passes_every_reader(folder):
     assert cfg["ttt_zoo"]["weights_sha256"] == sha256_file(os.path.join(folder["folder"], "model.safetensors"))
     assert hub.validate_folder(folder["folder"], source=folder["src"])["max_abs_diff"] == 0.0
     assert "| `ttt_zoo.weights_sha256` |" in hub_format.key_table()
+
+
+def test_a_global_pool_of_ones_own_is_a_model_arg_every_loader_passes(tmp_path):
+    """timm's PretrainedCfg has no global_pool field: a non-default one is recorded in model_args, which timm's
+    loaders pass to the constructor; the folder loads and equals its source."""
+    torch.manual_seed(2)
+    model = timm.create_model("vit3_tiny", num_classes=10, global_pool="", **SMALL).eval()
+    torch.save(model.state_dict(), tmp_path / "gp.pth")
+    out = str(tmp_path / "hub")
+    hub.convert_checkpoint(str(tmp_path / "gp.pth"), "vit3_tiny.digits", out, model_args=dict(SMALL, global_pool=""),
+                           flops=False)
+    cfg = _config(out)
+    assert cfg["model_args"]["global_pool"] == "" and "global_pool" not in cfg["pretrained_cfg"]
+    x = torch.randn(2, 3, 32, 32)
+    for loaded in (hub.load_folder(out), timm.create_model(f"local-dir:{out}", pretrained=True).eval()):
+        assert loaded.global_pool == ""
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert hub.validate_folder(out, source=str(tmp_path / "gp.pth"))["max_abs_diff"] == 0.0
 
 
 def test_timm_and_transformers_ignore_the_recorded_sha256(folder):

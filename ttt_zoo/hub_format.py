@@ -38,6 +38,10 @@ CARD_NAME = "README.md"
 #: constructor arguments timm's loaders derive themselves (``num_classes`` and ``global_pool`` from the config,
 #: ``in_chans`` from ``pretrained_cfg.input_size``) and other clients pass explicitly: ``model_args`` never has them
 LOADER_ARGS = ("num_classes", "global_pool", "in_chans")
+#: of those, the ones a folder never records in ``model_args`` (clients pass num_classes themselves, e.g. transformers'
+#: TimmWrapper passes 0); a global_pool other than the model's default is recorded there (timm's PretrainedCfg has no
+#: field for it, and timm's loaders ``setdefault`` every ``model_args`` key)
+_DERIVED_ARGS = ("num_classes", "in_chans")
 #: what a folder holds (``ttt_zoo.kind``): an image classifier, a diffusion transformer, a dense-prediction backbone
 KINDS = ("classifier", "diffusion", "backbone")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -155,7 +159,7 @@ def _label_descriptions(v, c):
 def _model_args(v, c):
     if _dict(v, c):
         return "a JSON object of constructor arguments"
-    loader = sorted(set(v) & set(LOADER_ARGS))
+    loader = sorted(set(v) & set(_DERIVED_ARGS))
     return f"free of the loader arguments {loader} (they come from num_classes and pretrained_cfg)" if loader else None
 
 
@@ -202,7 +206,6 @@ KEYS: Tuple[Key, ...] = (
         f"one of {', '.join(_CROP_MODES)}", "evaluation crop", _T),
     Key(("pretrained_cfg", "tag"), False, _tag, "the weights' tag (model.TAG)", _T),
     Key(("pretrained_cfg", "num_classes"), False, _same_num_classes, "classifier rows (as num_classes)", _T),
-    Key(("pretrained_cfg", "global_pool"), False, _str(False), "head pooling passed to the constructor", _T),
     Key(("pretrained_cfg", "fixed_input_size"), False, _bool, "whether the model needs input_size exactly", _T),
     Key(("pretrained_cfg", "custom_load"), False, _bool, "false: a native timm state dict", ("timm",)),
     Key(("pretrained_cfg", "pool_size"), False, _opt(_ints(None, 1, _MAX_SIDE)), "final feature-map size", _T),
@@ -244,6 +247,12 @@ def _lookup(cfg: Dict[str, Any], path: Tuple[str, ...]) -> Iterator[Any]:
         yield node[path[-1]]
 
 
+def _timm_pretrained_fields() -> set:
+    import dataclasses
+    from timm.models._pretrained import PretrainedCfg
+    return {f.name for f in dataclasses.fields(PretrainedCfg)}
+
+
 def validate_config(cfg: Any, where: str = CONFIG_NAME, architectures: Optional[Collection[str]] = None) -> None:
     """Check every key of :data:`KEYS` present in ``cfg`` (and that the required ones are); ``architectures``: the
     names ``architecture`` may take.  Raises :class:`HubFolderError` naming the first bad key."""
@@ -263,6 +272,10 @@ def validate_config(cfg: Any, where: str = CONFIG_NAME, architectures: Optional[
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
                 raise HubFolderError(f"{where}: '{key.name}' is {shown}; it must be {expected}. Re-run "
                                      f"`ttt-zoo convert` (or correct the key).")
+    unknown = sorted(set(cfg["pretrained_cfg"]) - _timm_pretrained_fields())
+    if unknown:  # timm builds a PretrainedCfg from the whole object and fails on any other key
+        raise HubFolderError(f"{where}: 'pretrained_cfg.{unknown[0]}' is not a field of timm's PretrainedCfg; remove "
+                             f"it (or re-run `ttt-zoo convert`).")
     if architectures is not None and cfg["architecture"] not in architectures:
         raise HubFolderError(f"{where}: 'architecture' {cfg['architecture']!r} is not a ttt-zoo model (see "
                              f"`ttt-zoo list`).")
@@ -353,13 +366,9 @@ def paper_ids(cfg: Dict[str, Any]) -> Any:
 
 
 def loader_args(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The :data:`LOADER_ARGS` timm's loaders take from ``num_classes`` and ``pretrained_cfg`` (what
-    ``timm.create_model('local-dir:...')`` passes to the constructor)."""
-    pc = cfg["pretrained_cfg"]
-    args = dict(num_classes=cfg["num_classes"], in_chans=pc["input_size"][0])
-    if pc.get("global_pool") is not None:
-        args["global_pool"] = pc["global_pool"]
-    return args
+    """The constructor arguments timm's loaders take from ``num_classes`` and ``pretrained_cfg.input_size`` (what
+    ``timm.create_model('local-dir:...')`` passes besides ``model_args``)."""
+    return dict(num_classes=cfg["num_classes"], in_chans=cfg["pretrained_cfg"]["input_size"][0])
 
 
 # ----- building a config (the writer's input) -----
@@ -386,8 +395,8 @@ def timm_config(model: Any, used_args: Dict[str, Any], labels: Dict[str, Any], p
     args = {k: v for k, v in (config.pop("model_args", None) or {}).items() if k not in LOADER_ARGS}
     if "img_size" in args and "img_size" not in used_args:  # the size built from the name
         del args["img_size"]
-    if "global_pool" in used_args:  # loaders pass pretrained_cfg's global_pool (timm _update_default_model_kwargs)
-        config["pretrained_cfg"]["global_pool"] = config.get("global_pool", used_args["global_pool"])
+    if "global_pool" in used_args:  # not the name's default: a constructor argument timm's loaders pass back
+        args["global_pool"] = used_args["global_pool"]
     ordered = {}
     for k, v in config.items():  # timm's key order: model_args before pretrained_cfg
         if k == "pretrained_cfg" and args:
