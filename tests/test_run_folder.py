@@ -186,3 +186,24 @@ def test_resume_messages_say_what_the_folder_holds(tmp_path):
     assert resolve_resume(str(early)) == (str(early), None)
     with pytest.raises(CheckpointError, match="no epoch of the run .* was committed yet, so there is no best.state.pt"):
         resolve_resume(str(early / "best.state.pt"))
+
+
+def test_sample_refuses_a_diffusion_run_file_that_differs_from_its_commit(tmp_path, capsys):
+    """A real (tiny) `--task diffusion` run: `sample --checkpoint RUN` works, then with one byte of the file it
+    picks (best_ema.safetensors) flipped it is refused in one line, as is the flipped file given directly."""
+    data = make_tiny_digits(str(tmp_path / "digits"), img_size=8)
+    from ttt_zoo.cli import main
+    assert main(["train", "--task", "diffusion", "--model", "dit3_s_2", "--model-kwargs", "hidden_size=32", "depth=1",
+                 "num_heads=2", "patch_size=2", "--img-size", "8", "--data-dir", data, "-b", "8", "-j", "0",
+                 "--hflip", "0", "--opt", "adamw", "--lr", "3e-3", "--warmup-epochs", "0", "--epochs", "1",
+                 "--model-ema", "--log-interval", "100", "--output", str(tmp_path), "--experiment", "d",
+                 "--device", "cpu"]) == 0
+    run = tmp_path / "d"
+    sample = ["sample", "--steps", 2, "--labels", 0, 1, "--device", "cpu", "--out"]
+    rc, err = cli(capsys, *sample, tmp_path / "ok.png", "--checkpoint", run)
+    assert rc == 0 and (tmp_path / "ok.png").is_file(), err[-3000:]
+    _flip_a_data_byte(run / "best_ema.safetensors")
+    for given in (run, run / "best_ema.safetensors"):
+        line = _one_error_line(*cli(capsys, *sample, tmp_path / "bad.png", "--checkpoint", given))
+        assert f"{run / 'best_ema.safetensors'} is missing or differs from what {run / 'checkpoint.json'}" in line
+    assert not (tmp_path / "bad.png").exists()
