@@ -143,17 +143,20 @@ def publish(folder: str, names: List[str]) -> None:
 _STALE_TEMP = re.compile(r"\.tmp-.+|\.\d+\.write_probe\.tmp")  # fileio's atomic temps; the trainer's write probe
 
 
-def is_stale_temp(name: str) -> bool:
-    """A half-written file's name: a commit temp, an atomic-write temp (:mod:`ttt_zoo.fileio`), a write probe."""
-    return (name.endswith(TMP) and name[: -len(TMP)] in commit_names()) or bool(_STALE_TEMP.fullmatch(name))
+def is_stale_temp(name: str, commit_only: bool = False) -> bool:
+    """A half-written file's name: a commit temp, an atomic-write temp (:mod:`ttt_zoo.fileio`), a write probe
+    (``commit_only``: only a commit temp)."""
+    if name.endswith(TMP) and name[: -len(TMP)] in commit_names():
+        return True
+    return not commit_only and bool(_STALE_TEMP.fullmatch(name))
 
 
-def remove_stale_temps(folder: str) -> List[str]:
+def remove_stale_temps(folder: str, commit_only: bool = False) -> List[str]:
     """Delete what a dead writer left half-written (:func:`is_stale_temp`). Call it only with the folder's lock
-    held (then no live writer owns them). Returns the names removed."""
+    held (then no live trainer owns them). Returns the names removed."""
     removed = []
     for name in sorted(os.listdir(folder)):
-        if is_stale_temp(name):
+        if is_stale_temp(name, commit_only):
             path = os.path.join(folder, name)
             if os.path.isfile(path):
                 os.remove(path)
@@ -161,11 +164,11 @@ def remove_stale_temps(folder: str) -> List[str]:
     return removed
 
 
-def recover(folder: str) -> Optional[Dict[str, Any]]:
+def recover(folder: str, reader: bool = False) -> Optional[Dict[str, Any]]:
     """At the start of a run on ``folder`` (its lock held): finish a commit that was cut off after its manifest
-    landed, check every committed file against its sha256, and delete the temps of a commit that never landed (and
-    of any other write a dead process left). Returns the manifest (None for a folder without one). A committed
-    file that is missing or differs raises."""
+    landed, check every committed file against its sha256, and delete the temps of a commit that never landed (and,
+    unless a ``reader`` finishes the commit, those of any other write a dead trainer left). Returns the manifest
+    (None for a folder without one). A committed file that is missing or differs raises."""
     manifest = read_manifest(folder)
     pending = []
     for name, digest in (manifest or {}).get("files", {}).items():
@@ -178,7 +181,7 @@ def recover(folder: str) -> Optional[Dict[str, Any]]:
                                   f"the file, or start a new run with --initial-checkpoint.")
     if pending:
         publish(folder, pending)
-    remove_stale_temps(folder)
+    remove_stale_temps(folder, commit_only=reader)
     fsync_dir(folder)
     return manifest
 
@@ -217,7 +220,7 @@ def committed_file(path: str) -> str:
         if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:  # committed, not yet published
             try:
                 with folder_lock(folder, "ttt-zoo reader"):
-                    recover(folder)
+                    recover(folder, reader=True)
             except FolderInUseError:
                 raise CheckpointError(f"{folder}: a training run is committing epoch {manifest.get('epoch')} "
                                       f"right now ({name} is not yet in place); retry in a moment.") from None
