@@ -6,7 +6,7 @@ from types import ModuleType
 import torch
 
 __all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
-           "triton_module"]
+           "triton_module", "count_flops_as"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,3 +65,22 @@ def make_function(name: str, fwd, bwd, n_weights: int):
         return (*grads,) + (None,) * len(ctx.consts)
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def count_flops_as(custom_op, impl) -> None:
+    """Register the FLOP formula of ``custom_op`` for ``torch.utils.flop_counter.FlopCounterMode``: the FLOPs of
+    ``impl``, the op's own PyTorch path, run on meta copies of the arguments (no compute).  Without it the counter
+    sees one opaque node and counts nothing for the inner step (a meta-device model runs only the fakes)."""
+    from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+    def meta(a):
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return [meta(t) for t in a] if isinstance(a, (list, tuple)) else a
+
+    def flops(*args, out_val=None, **kwargs):
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            impl(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+        return counter.get_total_flops()
+
+    register_flop_formula(custom_op._opoverload._overloadpacket, get_raw=True)(flops)

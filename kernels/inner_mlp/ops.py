@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..backend import use_triton
-from ..utils import compute_dtype, triton_module
+from ..utils import compute_dtype, count_flops_as, triton_module
 from . import torch as R
 
 _OP = "t5_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
@@ -94,6 +94,8 @@ def _t5_backward(ctx, dout, *_):
 
 
 t5_fwd_op.register_autograd(_t5_backward, setup_context=_t5_setup)
+count_flops_as(t5_fwd_op, R.t5_fwd)
+count_flops_as(t5_bwd_op, R.t5_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------- DiT5
@@ -131,6 +133,8 @@ def _dit5_backward(ctx, dout, *_):
 
 
 dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
+count_flops_as(dit5_fwd_op, R.dit5_fwd)
+count_flops_as(dit5_bwd_op, R.dit5_bwd)
 
 
 # --------------------------------------------------------------------------------------------- public entry

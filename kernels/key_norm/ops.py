@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..backend import use_triton
-from ..utils import triton_module
+from ..utils import count_flops_as, triton_module
 from .torch import check_key_norm, key_norm_bwd, key_norm_fwd
 
 _OP = "key_instance_norm"  # the op name the backend rules (head-dim limit) are looked up under
@@ -66,6 +66,8 @@ def _backward(ctx, dy, *_):
 
 
 key_norm_fwd_op.register_autograd(_backward, setup_context=_setup)
+count_flops_as(key_norm_fwd_op, key_norm_fwd)
+count_flops_as(key_norm_bwd_op, key_norm_bwd)
 
 
 def key_norm_op(x: Tensor, eps: float = 1.0) -> Tensor:

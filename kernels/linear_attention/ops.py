@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..backend import use_triton
-from ..utils import triton_module
+from ..utils import count_flops_as, triton_module
 from .common import check_la_args
 from .torch import la_chunk_torch
 
@@ -50,6 +50,7 @@ def _backward(ctx, do):
 
 
 la_fwd_op.register_autograd(_backward, setup_context=_setup)
+count_flops_as(la_fwd_op, la_chunk_torch)
 
 
 def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..backend import use_triton
 from ..utils import needs_grad as _needs_grad
-from ..utils import triton_module
+from ..utils import count_flops_as, triton_module
 from . import torch as R
 
 _OP = "ttt_linear"  # the op name the backend rules (head-dim limit) are looked up under
@@ -78,6 +78,8 @@ def _backward(ctx, dout, dstates):
 
 
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
+count_flops_as(scan_fwd_op, R.scan_fwd)
+count_flops_as(scan_bwd_op, R.scan_bwd)
 
 
 def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float) -> Tensor:

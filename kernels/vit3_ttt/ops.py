@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..backend import use_triton
-from ..utils import compute_dtype, triton_module
+from ..utils import compute_dtype, count_flops_as, triton_module
 from . import torch as R
 from .torch import make_qkv_function
 
@@ -83,6 +83,8 @@ def _swiglu_backward(ctx, dout, dg):
 
 
 swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+count_flops_as(swiglu_fwd_op, R.swiglu_fwd)
+count_flops_as(swiglu_bwd_op, R.swiglu_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------- conv
@@ -125,6 +127,8 @@ def _dwconv_backward(ctx, dout, dg):
 
 
 dwconv_fwd_op.register_autograd(_dwconv_backward, setup_context=_dwconv_setup)
+count_flops_as(dwconv_fwd_op, R.dwconv_fwd)
+count_flops_as(dwconv_bwd_op, R.dwconv_bwd)
 
 
 # --------------------------------------------------------------------------------------------- public entry
