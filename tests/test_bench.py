@@ -325,3 +325,118 @@ def test_bench_gmacs_count_the_inner_step(name):
         model(torch.randn(1, 3, *size))
     reference = counter.get_total_flops() / 2 / 1e9
     assert meta == pytest.approx(reference, rel=0.01), (meta, reference)
+
+
+class _Evt:
+    """The attributes torch's FunctionEventAvg rows have that the profile sums read."""
+
+    def __init__(self, key, device_type, self_device_us=0.0, self_cpu_us=0.0, count=1, is_legacy=False,
+                 is_user_annotation=False):
+        self.key, self.device_type, self.count = key, device_type, count
+        self.self_device_time_total, self.self_cpu_time_total = self_device_us, self_cpu_us
+        self.is_legacy, self.is_user_annotation = is_legacy, is_user_annotation
+
+
+def _fake_step():
+    """One CUDA step as kineto reports it: the launch rows hold their kernels' time again, as does a
+    record_function annotation on the device; one fp32 GEMM, one bf16 GEMM, a Triton kernel, a copy, a fill."""
+    from torch.autograd import DeviceType
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    return [_Evt("aten::mm", cpu, 0.0, 30.0, count=2), _Evt("cudaLaunchKernel", cpu, 100.0 + 50.0 + 20.0, 12.0, 3),
+            _Evt("cudaMemcpyAsync", cpu, 8.0, 5.0), _Evt("cudaMemsetAsync", cpu, 2.0, 3.0),
+            _Evt("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32", gpu, 100.0),
+            _Evt("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", gpu, 50.0),
+            _Evt("_swiglu_fwd_kernel", gpu, 20.0),
+            _Evt("Memcpy HtoD (Pageable -> Device)", gpu, 8.0), _Evt("Memset (Device)", gpu, 2.0),
+            _Evt("## forward ##", gpu, 180.0, is_user_annotation=True)]
+
+
+def test_profile_sums_each_kernel_once():
+    """The device time of a step is the device rows' sum (180 us here), not every row's (540 us: each kernel again
+    in its launch row, and the annotation spanning them); the step summary splits it into kernels and copies and
+    the kernel time by element type (from the kernel names)."""
+    from ttt_zoo.bench.profiling import device_time_us, kernel_is_fp32, step_summary
+    rows = _fake_step()
+    assert sum(r.self_device_time_total for r in rows) == 540.0  # the old sum: three times the truth here
+    assert device_time_us(rows) == 180.0
+    s = step_summary(rows, wall_us=360.0)
+    assert s["device_ms"] == pytest.approx(0.18) and s["busy_pct"] == pytest.approx(50.0)
+    assert (s["kernels"], s["copies"]) == (3, 2) and s["copy_ms"] == pytest.approx(0.01)
+    assert s["fp32_share"] == pytest.approx(100 * 100 / 170) and s["half_share"] == pytest.approx(100 * 50 / 170)
+    assert s["unknown_dtype_share"] == pytest.approx(100 * 20 / 170)
+    two = step_summary(rows + rows, wall_us=720.0, steps=2)  # per step over two profiled steps
+    assert two["device_ms"] == pytest.approx(0.18) and two["kernels"] == 3 and two["busy_pct"] == pytest.approx(50.0)
+    for name, want in [("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", True),
+                       ("void at::native::unrolled_elementwise_kernel<c10::BFloat16, float>", False),
+                       ("ampere_sgemm_128x64_nn", True), ("ampere_fp16_s16816gemm_fp16_128x128", False),
+                       ("_vit3_bwd_dq_kernel", None)]:
+        assert kernel_is_fp32(name) is want, name
+
+
+def test_profile_cpu_sum_matches_torchs_table():
+    """On a real (CPU) profile of one ViT3 block, the CPU sum equals the "Self CPU time total" torch's own table
+    prints (to its printed precision), and no row counts as device time."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+    from ttt_zoo.bench.profiling import cpu_time_us, device_time_us
+    model = timm.create_model("vit3_tiny", depth=1, img_size=64).train()
+    x = torch.randn(1, 3, 64, 64)
+    model(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    rows = prof.key_averages()
+    m = re.search(r"Self CPU time total: ([\d.]+)(us|ms|s)\b", rows.table())
+    printed = float(m.group(1)) * {"us": 1.0, "ms": 1e3, "s": 1e6}[m.group(2)]
+    assert cpu_time_us(rows) == pytest.approx(printed, abs=0.5e-3 * {"us": 1.0, "ms": 1e3, "s": 1e6}[m.group(2)])
+    assert device_time_us(rows) == 0
+
+
+_HANG_PEER = """
+import time
+import timm
+from timm.models import register_model
+
+@register_model
+def hang_peer_tiny(pretrained=False, **kw):
+    open(__import__("os").environ["HANG_MARK"], "w").close()
+    time.sleep(600)  # the second configuration never finishes: the run is killed while it waits
+"""
+
+
+@pytest.mark.parametrize("mode", ["bench", "profile"])
+def test_bench_killed_mid_run_keeps_its_finished_rows(tmp_path, mode):
+    """A run killed (SIGKILL) while its second configuration runs keeps the first one's row, in valid files:
+    each row is written (atomically) the moment it is measured."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "hang_peer_mod.py").write_text(_HANG_PEER)
+    out, mark = tmp_path / "out", tmp_path / "hanging"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               HANG_MARK=str(mark), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "ttt_zoo", "bench", "--import", "hang_peer_mod", "--model", "vit3_tiny",
+            "--model-kwargs", "depth=1", "--peers", "hang_peer_tiny", "--img-size", "32", "--bench", "inference",
+            "--num-warm-iter", "0", "--num-bench-iter", "1", "--device", "cpu", "--threads", "1", "--output", str(out)]
+    argv += ["--profile"] if mode == "profile" else ["--results-file", str(tmp_path / "r.json")]
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        for _ in range(1200):  # the peer's child signals that it hangs (the first row is then done)
+            if mark.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert mark.exists(), proc.stderr.read().decode() if proc.poll() is not None else "no hang after 120 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and its hanging child
+        proc.wait()
+    if mode == "profile":
+        (row,) = json.loads((out / "profile.json").read_text())["results"]
+        assert row["label"] == "vit3_tiny" and row["total_ms"] > 0 and row["ops"]
+        assert "## vit3_tiny @ 32x32, infer:" in (out / "profile.md").read_text()
+    else:
+        (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
+        assert row["label"] == "vit3_tiny" and row["infer_step_time"] > 0
+        assert "| 32 | vit3_tiny |" in (out / "bench.md").read_text()
+    assert not [p for p in os.listdir(out) if p.startswith(".tmp-")]

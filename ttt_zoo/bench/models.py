@@ -178,27 +178,56 @@ def profile_model(spec: Dict) -> Dict:
     Each step is profiled on its own and only its per-operator totals are kept: the profiler holds every event of
     what it records, and one training step of Vision-TTT at 1024 records ~10^5 operators (the scan's mini-batches),
     so recording 10 steps at once grew the child past 23 GB and the kernel killed it.
+
+    On CUDA the rows are the device's (kernels, copies), each counted once (``profiling.device_time_us``), with
+    the step's GPU-busy %, kernels per step, copy time and fp32 share (``profiling.step_summary``); on the CPU the
+    rows are the operators by self CPU time.
     """
+    import time
     from torch.profiler import ProfilerActivity, profile
+    from .profiling import is_device_row, step_summary
     s = _Setup(spec)
     for _ in range(max(spec["num_warm_iter"], 1)):
         s.step()
     cuda = s.device.startswith("cuda")
     iters = max(spec["num_bench_iter"], 1)
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    totals: Dict[str, List] = {}  # operator -> [self time (us), calls] over all steps
+    totals: Dict[str, List] = {}  # row -> [self time (us), calls] over all steps
+    device_rows: Dict[str, "_Row"] = {}  # device row -> its totals (for the step summary)
+    wall_us = cpu_us = 0.0
     for _ in range(iters):
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t0 = time.perf_counter()
             s.step()
             if cuda:
                 torch.cuda.synchronize()
+            wall_us += (time.perf_counter() - t0) * 1e6
         for e in prof.key_averages():
+            cpu_us += e.self_cpu_time_total
+            if cuda and not is_device_row(e):
+                continue  # its device time is its kernels', counted in their own rows
             t = totals.setdefault(e.key, [0.0, 0])
-            t[0] += getattr(e, attr)
+            t[0] += e.self_device_time_total if cuda else e.self_cpu_time_total
             t[1] += e.count
+            if cuda:
+                r = device_rows.setdefault(e.key, _Row(e))
+                r.self_device_time_total += e.self_device_time_total
+                r.count += e.count
         del prof
     ops = sorted(((k, t, n) for k, (t, n) in totals.items() if t > 0), key=lambda x: -x[1])
     total = sum(t for _, t, _ in ops)
     rows: List = [dict(op=k, ms=t / iters / 1e3, share=100.0 * t / total, calls=n // iters)
                   for k, t, n in ops[:spec.get("top", 12)]]
-    return dict(total_ms=total / iters / 1e3, num_ops=len(ops), ops=rows)
+    out = dict(total_ms=total / iters / 1e3, cpu_ms=cpu_us / iters / 1e3, wall_ms=wall_us / iters / 1e3,
+               num_ops=len(ops), ops=rows, time="device" if cuda else "cpu")
+    if cuda:
+        out.update(step_summary(device_rows.values(), wall_us, iters))
+    return out
+
+
+class _Row:
+    """A device row's totals over the profiled steps (the attributes ``profiling.step_summary`` reads)."""
+
+    def __init__(self, evt):
+        self.key, self.device_type, self.is_legacy = evt.key, evt.device_type, getattr(evt, "is_legacy", False)
+        self.is_user_annotation = getattr(evt, "is_user_annotation", False)
+        self.self_device_time_total, self.count = 0.0, 0

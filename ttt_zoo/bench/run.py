@@ -144,8 +144,9 @@ def _merge(runs: List[Dict]) -> Dict:
     return out
 
 
-def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
-    """One row per (configuration, image size) with timm's ``infer_`` / ``train_`` keys."""
+def run_models(cfg: BenchConfig, log=print, on_rows=None) -> List[Dict]:
+    """One row per (configuration, image size) with timm's ``infer_`` / ``train_`` keys.  ``on_rows(rows)`` is
+    called with the rows measured so far after every measurement (to write them at once: a killed run keeps them)."""
     configs = _configs(cfg)
     runs: Dict[tuple, List[Dict]] = {}
     for rep in range(cfg.repeats):  # repeats interleaved, so load from other processes hits every config alike
@@ -162,9 +163,18 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
                         log(f"{c['label']:>28} {h}x{w} {p:5s} {r['step_time']:10.2f} ms/step "
                             f"{r['samples_per_sec']:9.2f} samples/s  peak {r['peak_mem_mb'] or 0:8.1f} MB"
                             + (f"  (repeat {rep + 1})" if cfg.repeats > 1 else ""))
+                    if on_rows is not None:
+                        on_rows(_rows(cfg, configs, runs))
+    return _rows(cfg, configs, runs)
+
+
+def _rows(cfg: BenchConfig, configs: List[Dict], runs: Dict[tuple, List[Dict]]) -> List[Dict]:
+    """The table rows of the measurements in ``runs`` (a configuration not measured yet has none)."""
     rows = []
     for h, w in cfg.img_sizes:
         for c in configs:
+            if not any((c["label"], h, w, p) in runs for p in cfg.phases):
+                continue
             row = dict(model=c["model"], label=c["label"], role=c["role"], backend=c["backend"] or "",
                        img_size=h if h == w else f"{h}x{w}", img_h=h, img_w=w, device=cfg.device,
                        amp_dtype=cfg.amp_dtype or "float32", channels_last=cfg.channels_last,
@@ -186,8 +196,9 @@ def run_models(cfg: BenchConfig, log=print) -> List[Dict]:
     return rows
 
 
-def run_profiles(cfg: BenchConfig, log=print) -> List[Dict]:
-    """torch.profiler breakdown per (configuration, size, phase), each in a fresh subprocess."""
+def run_profiles(cfg: BenchConfig, log=print, on_rows=None) -> List[Dict]:
+    """torch.profiler breakdown per (configuration, size, phase), each in a fresh subprocess; ``on_rows(rows)``
+    after each (as :func:`run_models`)."""
     out = []
     for h, w in cfg.img_sizes:
         for c in _configs(cfg):
@@ -197,6 +208,8 @@ def run_profiles(cfg: BenchConfig, log=print) -> List[Dict]:
                 log(f"{c['label']} {h}x{w} {p}: " + (f"FAILED {r['error']}" if "error" in r else
                                                      f"{r['total_ms']:.1f} ms self time per step"))
                 out.append(r)
+                if on_rows is not None:
+                    on_rows(out)
     return out
 
 

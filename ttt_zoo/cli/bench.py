@@ -62,6 +62,31 @@ def _write_md(path: str, title: str, cmd: str, machine: str, protocol: str, body
     atomic_write(path, f"# {title}\n\n`{cmd}`\n\nMachine: {machine}.\n\n{protocol}\n\n{body}\n")
 
 
+PROFILE_NOTE = ("On CUDA the rows are the device's kernels and copies, each counted once (as torch's table's \"Self "
+                "CUDA time total\"); GPU busy = device time / wall time of the profiled step; fp32 share = kernel "
+                "time in kernels whose name says float32 (cuBLAS/CUTLASS f32/tf32/sgemm, ATen's <float>); unnamed = "
+                "kernels whose name gives no type (Triton's). On the CPU the rows are the operators' self CPU time.")
+
+
+def _profile_text(profiles) -> str:
+    body = []
+    for r in profiles:
+        body.append(f"## {r['label']} @ {r['img_size']}, {r['phase']}: " + (
+            f"failed: {r['error']}" if "error" in r else f"{r['total_ms']:.1f} ms self {r.get('time', 'cpu')} "
+                                                         f"time per step"))
+        if r.get("busy_pct") is not None:
+            share = (lambda k: "-" if r.get(k) is None else f"{r[k]:.1f}%")
+            body += ["", f"GPU busy {r['busy_pct']:.1f}% of a {r['wall_ms']:.2f} ms step; {r['kernels']:.0f} kernels "
+                         f"and {r['copies']:.0f} copies per step; copies {r['copy_ms']:.3f} ms; kernel time in fp32 "
+                         f"kernels {share('fp32_share')}, half precision {share('half_share')}, unnamed "
+                         f"{share('unknown_dtype_share')}."]
+        if "ops" in r:
+            body += ["", "| operator | ms / step | share | calls / step |", "|---|---:|---:|---:|"]
+            body += [f"| `{o['op']}` | {o['ms']:.2f} | {o['share']:.1f}% | {o['calls']} |" for o in r["ops"]]
+        body.append("")
+    return "\n".join(body)
+
+
 def _check_outputs(args) -> None:
     """Refuse to overwrite --results-file or the files of --output without --force, before measuring."""
     from ._common import check_out, check_out_folder
@@ -158,33 +183,31 @@ def run(args) -> int:
                       if cfg.malloc_trim else "")) + "). "
                 "Ratios: this row / each peer's row at the same size, from this one run.")
     if args.profile:
-        profiles = run_profiles(cfg)
-        body = []
-        for r in profiles:
-            body.append(f"## {r['label']} @ {r['img_size']}, {r['phase']}: " + (
-                f"failed: {r['error']}" if "error" in r else f"{r['total_ms']:.1f} ms self time per step"))
-            if "ops" in r:
-                body += ["", "| operator | ms / step | share | calls / step |", "|---|---:|---:|---:|"]
-                body += [f"| `{o['op']}` | {o['ms']:.2f} | {o['share']:.1f}% | {o['calls']} |" for o in r["ops"]]
-            body.append("")
-        text = "\n".join(body)
-        print(text)
-        if args.output:
-            _write_md(os.path.join(args.output, "profile.md"), "Operator profile", cmd, describe_machine(machine),
-                      protocol + " The profiler adds overhead per operator: compare shares, not absolute times.",
-                      text)
-            write_results(os.path.join(args.output, "profile.json"), profiles, machine)  # unrounded values
+        def write_profiles(profiles):  # after every row: a killed run keeps the finished ones
+            if args.output:
+                _write_md(os.path.join(args.output, "profile.md"), "Operator profile", cmd, describe_machine(machine),
+                          protocol + " The profiler adds overhead per operator: compare shares, not absolute times. "
+                          + PROFILE_NOTE, _profile_text(profiles))
+                write_results(os.path.join(args.output, "profile.json"), profiles, machine)  # unrounded values
+
+        profiles = run_profiles(cfg, on_rows=write_profiles)
+        print(_profile_text(profiles))
         return 1 if any("error" in r for r in profiles) else 0
 
-    rows = run_models(cfg)
+    def write_rows(rows):  # after every measurement: a killed run keeps the finished rows
+        if results_file:
+            write_results(results_file, rows, machine)
+        if args.output:
+            _write_md(os.path.join(args.output, "bench.md"), "ttt-zoo bench", cmd, describe_machine(machine),
+                      protocol, format_table(rows))
+
+    rows = run_models(cfg, on_rows=write_rows)
     table = format_table(rows)
     print(table)
+    write_rows(rows)
     if results_file:
-        write_results(results_file, rows, machine)
         print(f"wrote {results_file}")
     if args.output:
-        _write_md(os.path.join(args.output, "bench.md"), "ttt-zoo bench", cmd, describe_machine(machine), protocol,
-                  table)
         if plot_results(rows, os.path.join(args.output, "bench.png"), describe_machine(machine)):
             print(f"wrote {os.path.join(args.output, 'bench.png')}")
         print(f"wrote {os.path.join(args.output, 'bench.md')}")
