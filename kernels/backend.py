@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Set
 
 import torch
+from timm.layers import is_exportable
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
-           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "get_op", "gpu_verified",
-           "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path", "register_op",
-           "resolve_backend", "set_backend", "triton_unsupported", "use_backend", "use_triton"]
+           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "exporting", "get_op",
+           "gpu_verified", "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path",
+           "register_op", "resolve_backend", "set_backend", "triton_unsupported", "use_backend", "use_triton"]
 
 TRITON_BACKEND = "triton"
 BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
@@ -107,6 +108,14 @@ def use_backend(name: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _BACKEND_SET = previous
+
+
+def exporting() -> bool:
+    """A graph is being exported: torch.export (the dynamo ONNX exporter), torch.jit.trace (the TorchScript ONNX
+    exporter), or timm's ``exportable`` flag is set (``timm.layers.set_layer_config(exportable=True)``).  The one
+    export decision: ``auto`` runs PyTorch, and the ops that branch on it (the ViT3 ops) run a path both exporters
+    trace (no autograd.Function, no strided view, no grouped conv with a traced group count)."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing() or is_exportable()
 
 
 def _interpreter_on() -> bool:
@@ -240,7 +249,7 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
             what = f"op {op!r}" if op else "this op"
             raise BackendError(f"backend='triton' cannot run {what}: {reason}. Use backend='auto' (falls back to "
                                f"PyTorch) or backend='torch'.")
-    elif reason is not None or device.type != "cuda" or not gpu_verified(op):
+    elif reason is not None or device.type != "cuda" or exporting() or not gpu_verified(op):
         return "torch"  # auto: the kernels only on CUDA, and only where verified there
     if device.type == "cuda" and kernel_folder(op):
         _CUDA_FOLDERS.add(kernel_folder(op))  # this op's custom ops (and their backward) run the kernels from now on

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..backend import exporting
 from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
@@ -159,7 +160,7 @@ def _taps(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     no im2col copy and no loop over taps.
     """
     b, d, h, w = x.shape
-    if torch.compiler.is_exporting():  # ONNX has no strided views: the nine shifted windows, one at a time
+    if exporting():  # ONNX has no strided views: the nine shifted windows, one at a time
         xp = F.pad(x, (1, 1, 1, 1))
         taps = [(xp[:, :, i:i + h, j:j + w] * e).sum((2, 3)) for i in range(3) for j in range(3)]
         return torch.stack(taps, -1).unflatten(-1, (3, 3))
@@ -174,7 +175,7 @@ def _dwconv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     b, d, h, wd = x.shape
     # the nine shifted taps instead of a grouped conv: ONNX's Conv needs a static group count, and inductor fuses
     # the taps (its grouped-conv fallback fails under dynamic shapes: `cannot determine truth value of Relational`)
-    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+    if exporting() or torch.compiler.is_compiling():
         xp = F.pad(x, (1, 1, 1, 1))
         return sum(xp[:, :, i:i + h, j:j + wd] * w[:, :, i, j, None, None] for i in range(3) for j in range(3))
     if b * d == 0:  # an empty batch: conv2d refuses groups=0
@@ -238,6 +239,11 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
     (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     b, n, c = x.shape
     d = c // heads
+    if exporting():  # a traced graph: the heads merged and concatenated, no buffer written through views
+        with _autocast(x.device):
+            x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
+            x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
+        return torch.cat([x1.transpose(1, 2).flatten(2), x2.flatten(2).transpose(1, 2)], -1), g1, g3
     out = q1.new_empty(b, n, c + d)
     out1 = out[..., :c].unflatten(-1, (heads, d)).transpose(1, 2)
     with _autocast(x.device):
@@ -315,6 +321,6 @@ def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: flo
     # feat_size stays symbolic under torch.compile(dynamic=True) / export (int() would fix it to the traced size)
     args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
             bool(normalize_grad))
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
-        return qkv_forward(*args)[0]  # inference: skip the autograd.Function bookkeeping
+    if exporting() or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
+        return qkv_forward(*args)[0]  # inference or export: no autograd.Function
     return QKVTTT.apply(*args)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..backend import exporting
 from ..utils import autocast_state, compute_dtype, no_autocast, reduce_to
 from ..vit3_ttt.common import rope_2d
 from ..vit3_ttt.torch import _dwconv, _taps, normalize_columns, normalize_columns_bwd, swiglu_bwd, swiglu_fwd
@@ -221,10 +222,10 @@ def run_variant(function, impls_of, x, weight, bias, w1, w2, w3, feat_size, head
                                  last_only, lr, share_qk, steps)
     lr = float(lr) * (steps if kind != "all" else 1)   # loss linear in the stepped weights: k steps = k N(G)
     # the map size stays symbolic under torch.export (int() would bake the traced size into an ONNX graph)
-    fs = tuple(s if isinstance(s, (int, torch.SymInt)) else int(s) for s in feat_size)
+    fs = tuple(s if isinstance(s, (int, torch.SymInt)) or exporting() else int(s) for s in feat_size)
     args = (x, weight, bias, w1, w2, w3, cos, sin, fs, int(heads), float(scale),
             bool(normalize_grad), kind, lr, bool(share_qk))
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
+    if exporting() or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
         return variant_forward(*args, impls_of(kind))[0]
     return function.apply(*args)
 

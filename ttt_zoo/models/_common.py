@@ -7,7 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import register_notrace_function, trunc_normal_
+from timm.layers import is_exportable, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint
 from timm.models._features import feature_take_indices
 
@@ -80,6 +80,8 @@ def build_ttt_model(model_cls, variant: str, pretrained: bool, default_out_indic
                 cfg = getattr(m, "pretrained_cfg", None)
                 if isinstance(cfg, dict):
                     cfg.pop("state_dict", None)
+                if is_exportable() and hasattr(m, "recompute_act"):  # timm's exportable=True: the MLPs keep their
+                    m.recompute_act = False  # activations (an autograd.Function stops TorchScript's ONNX exporter)
             return model.to(dtype=dtype) if dtype is not None else model
         except Exception as e:  # noqa: BLE001 - only safetensors read errors are rewritten
             if type(e).__name__ != "SafetensorError":

@@ -63,13 +63,33 @@ def _resample_backward(ctx, grad):
 _resample_op.register_autograd(_resample_backward, setup_context=_resample_setup)
 
 
+def _bicubic_aa_onnx(g, x, output_size, align_corners, *scales):
+    """TorchScript's ONNX exporter has no symbolic for the antialiased bicubic resize of the position embedding:
+    ONNX Resize (opset 18) with the settings of onnxscript's, which the dynamo exporter uses (Keys a = -0.5,
+    out-of-bounds taps dropped and renormalised, as PyTorch's antialias kernel)."""
+    from torch.onnx import symbolic_helper as sh
+    if sh._is_packed_list(output_size):  # traced sizes: one value per axis
+        output_size = g.op("Concat", *[sh._unsqueeze_helper(g, v, [0]) for v in sh._unpack_list(output_size)],
+                           axis_i=0)
+    lead = g.op("Slice", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([0])),
+                g.op("Constant", value_t=torch.tensor([2])))
+    sizes = g.op("Concat", lead, g.op("Cast", output_size, to_i=7), axis_i=0)  # 7: int64
+    empty = g.op("Constant", value_t=torch.tensor([], dtype=torch.float32))
+    mode = "align_corners" if sh._maybe_get_const(align_corners, "b") else "half_pixel"
+    return g.op("Resize", x, empty, empty, sizes, mode_s="cubic", coordinate_transformation_mode_s=mode,
+                cubic_coeff_a_f=-0.5, antialias_i=1, exclude_outside_i=1, nearest_mode_s="floor")
+
+
+torch.onnx.register_custom_op_symbolic("aten::_upsample_bicubic2d_aa", _bicubic_aa_onnx, 18)
+
+
 @register_notrace_function
 def resample_pos_embed(pos_embed: torch.Tensor, grid_size: Tuple[int, int], feat_size: Tuple[int, int]) -> torch.Tensor:
     """(1, gh*gw, C) learned embedding -> (1, H*W, C) for the runtime map (bicubic, as timm's ViT)."""
     # no size-match early-out when exporting (as timm): it would fix the graph to the example input's size
     exporting = False
     if not torch.jit.is_scripting():  # TorchScript cannot compile torch.compiler.is_exporting
-        exporting = torch.compiler.is_exporting()
+        exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
         if torch.compiler.is_compiling() and not exporting and not (
                 grid_size[0] == feat_size[0] and grid_size[1] == feat_size[1]):
             # torch 2.14's antialiased bicubic backward has no meta kernel for symbolic sizes: under torch.compile
