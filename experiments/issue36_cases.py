@@ -10,8 +10,8 @@ Each command runs as ``PYTHONPATH=TREE python -m ttt_zoo ...`` (this interpreter
 offline, in a scratch folder with fixtures made by the same tree: a tiny digits folder, a 3-epoch run whose best epoch
 (``--eval-metric loss``, the highest loss) is its first, weights whose head bias is NaN, Hub folders made by the tree's
 own ``convert`` and then damaged.  "line" is the first ``error:`` line on stderr, else a traceback's last line, else
-the first stderr line.  A full disk is simulated: ``OSError(ENOSPC)`` from ``torch.save`` / ``safetensors``'
-``save_file`` (where the bytes are written).
+the last stderr line of a command that stopped with another status, else the first stderr line.  A full disk is
+simulated: ``OSError(ENOSPC)`` from ``torch.save`` / safetensors' ``save_file`` (where the bytes are written).
 """
 import argparse
 import hashlib
@@ -61,13 +61,13 @@ class Ctx:
                 "--num-classes", "10", "-j", "0"]
 
 
-def line_of(err: str) -> str:
+def line_of(err: str, rc=0) -> str:
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error")]
     if errors:
         return errors[0]
-    if "Traceback" in err:
-        return lines[-1]
+    if "Traceback" in err or rc:  # a traceback's exception, or the last word of a stopped command
+        return lines[-1] if lines else ""
     return lines[0] if lines else ""
 
 
@@ -299,8 +299,8 @@ def _top(out):
 
 
 def c_png16(c):
-    r = c.run("predict", c.p("imgs16", "eight.png"), c.p("imgs16", "sixteen.png"), *c.model_args(c.p("good.safetensors")),
-              "--topk", "3", "--label-type", "index")
+    r = c.run("predict", c.p("imgs16", "eight.png"), c.p("imgs16", "sixteen.png"),
+              *c.model_args(c.p("good.safetensors")),              "--topk", "3", "--label-type", "index")
     if r["rc"] != 0:
         return r, "", False
     got = _top(r["out"])
@@ -461,18 +461,20 @@ def verdict(want, r, ok):
     return f"dead end (exit {r['rc']})" if errs else f"exit {r['rc']}"
 
 
-def run_tree(tree: str, label: str) -> list:
+def run_tree(tree: str, label: str, only=None) -> list:
     work = tempfile.mkdtemp(prefix=f"issue36_{label}_")
     c = Ctx(tree, work)
     make_fixtures(c)
     rows = []
     for i, (section, case, want, scenario) in enumerate(CASES, 1):
+        if only and i not in only:
+            continue
         t0 = time.time()
         try:
             r, note, ok = scenario(c)
         except Exception as e:  # noqa: BLE001 - a scenario that could not run is shown, not hidden
             r, note, ok = dict(rc=None, out="", err=""), f"scenario failed: {type(e).__name__}: {e}", False
-        row = dict(n=i, section=section, case=case, want=want, rc=r["rc"], line=line_of(r["err"])[:300],
+        row = dict(n=i, section=section, case=case, want=want, rc=r["rc"], line=line_of(r["err"], r["rc"])[:300],
                    traceback="Traceback" in r["err"], note=note,
                    verdict=verdict(want, r, ok) if r["rc"] is not None else "not run")
         rows.append(row)
@@ -524,6 +526,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
                     help="write experiments/results/issue36_cases.{md,json} from two runs")
     ap.add_argument("--out", default=OUT, help="stem of the table files (default %(default)s)")
+    ap.add_argument("--only", type=int, nargs="+", help="run these case numbers only, replacing their rows in --json")
     args = ap.parse_args(argv)
     if args.table:
         table(*args.table, args.out)
@@ -532,7 +535,10 @@ def main(argv=None) -> int:
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", args.tree, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
-    rows = run_tree(args.tree, args.label)
+    rows = run_tree(args.tree, args.label, args.only)
+    if args.only and args.json and os.path.isfile(args.json):  # the other rows as they were
+        new = {r["n"]: r for r in rows}
+        rows = [new.get(r["n"], r) for r in json.load(open(args.json))["rows"]]
     data = dict(tree=args.label, commit=commit + (" + uncommitted edits" if dirty else ""), rows=rows)
     text = json.dumps(data, indent=1, allow_nan=False) + "\n"
     if args.json:

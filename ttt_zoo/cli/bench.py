@@ -261,7 +261,8 @@ def add_parser(sub) -> None:
                         "CPU inference)")
     g.add_argument("--num-warm-iter", type=Range(int, ge=0, le=1_000_000), default=2)
     g.add_argument("--num-bench-iter", type=Range(int, ge=1, le=1_000_000), default=10)
-    g.add_argument("--repeats", type=Range(int, ge=1, le=1000), default=1, help="fresh subprocesses per config (median), interleaved")
+    g.add_argument("--repeats", type=Range(int, ge=1, le=1000), default=1,
+                   help="fresh subprocesses per config (median), interleaved")
     g.add_argument("--saved-mem", action="store_true", help="train: also MB of tensors saved for the backward")
     g.add_argument("--malloc-trim", action="store_true",
                    help="CPU: glibc returns freed memory at once in every child (MALLOC_TRIM_THRESHOLD_=0), so the "

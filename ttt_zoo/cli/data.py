@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
     kinds = p.add_subparsers(dest="dataset", required=True)
     d = kinds.add_parser("digits", help="scikit-learn's bundled 8x8 digits as an RGB ImageFolder (train/ and val/)")
     d.add_argument("--out", required=True, help="folder to create (reused if it already holds the same digits folder)")
-    d.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=32, help="side of the upsampled images (bicubic)")
-    d.add_argument("--val-fraction", type=Range(float, gt=0, lt=1), default=0.2, help="fraction of each class held out in val/")
+    d.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=32,
+                   help="side of the upsampled images (bicubic)")
+    d.add_argument("--val-fraction", type=Range(float, gt=0, lt=1), default=0.2,
+                   help="fraction of each class held out in val/")
     d.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=0, help="random_state of the stratified split")
     d.set_defaults(func=_run_digits)

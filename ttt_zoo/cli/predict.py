@@ -360,11 +360,15 @@ def add_parser(sub) -> None:
                         "the pretrained weights")
     p.add_argument("--pretrained", action="store_true", help="the model's pretrained weights (the default "
                                                              "without --checkpoint, as in timm)")
-    p.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None, help="default: the checkpoint's classifier rows")
+    p.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None,
+                   help="default: the checkpoint's classifier rows")
     p.add_argument("--class-map", default="", metavar="FILE", help="class names: one per line (timm's class map)")
-    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None, help="input size (default: the model's)")
-    p.add_argument("--input-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), nargs=3, default=None, metavar="N", help="C H W, e.g. 3 224 224")
-    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None, help="center crop fraction (default: the model's)")
+    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None,
+                   help="input size (default: the model's)")
+    p.add_argument("--input-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), nargs=3, default=None, metavar="N",
+                   help="C H W, e.g. 3 224 224")
+    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None,
+                   help="center crop fraction (default: the model's)")
     p.add_argument("--crop-mode", default=None, help="center, squash or border (default: the model's)")
     p.add_argument("--interpolation", default="", help="resize interpolation (default: the model's)")
     p.add_argument("--mean", type=Range(float, ge=0, le=1), nargs="+", default=None, help="default: the model's")
@@ -373,7 +377,8 @@ def add_parser(sub) -> None:
     p.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
-    p.add_argument("--topk", type=Range(int, ge=1, le=1000), default=1, metavar="N", help="classes per image (default 1)")
+    p.add_argument("--topk", type=Range(int, ge=1, le=1000), default=1, metavar="N",
+                   help="classes per image (default 1)")
     p.add_argument("--label-type", choices=_LABEL_TYPES, default="description",
                    help="label column: name, description or detail (timm's); index / none: no label column")
     p.add_argument("--include-index", action="store_true", help="add the class index column")

@@ -158,13 +158,15 @@ def add_parser(sub) -> None:
                    help="one class per sample (default: the official 8 ImageNet classes, else classes 0..15)")
     p.add_argument("--steps", type=Range(int, ge=1, le=1000), default=250, help="sampling steps (respaced from 1000)")
     p.add_argument("--scheduler", choices=["ddpm", "ddim"], default="ddpm")
-    p.add_argument("--cfg", type=Range(float, ge=0, le=100), default=4.0, help="classifier-free guidance scale (1 = none)")
+    p.add_argument("--cfg", type=Range(float, ge=0, le=100), default=4.0,
+                   help="classifier-free guidance scale (1 = none)")
     p.add_argument("--guidance-channels", type=Range(int, ge=1, le=64), default=None,
                    help="eps channels guided (default 3: the official DiT quirk for 4-channel latents, all of a "
                         "pixel model's; 4 = the standard recipe for latents)")
     p.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=0)
     p.add_argument("--device", default=None, help="default: cuda when available")
-    p.add_argument("--nrow", type=Range(int, ge=1, le=1024), default=None, help="images per grid row (default: about square)")
+    p.add_argument("--nrow", type=Range(int, ge=1, le=1024), default=None,
+                   help="images per grid row (default: about square)")
     p.add_argument("--upscale", type=Range(int, ge=1, le=64), default=1, metavar="N",
                    help="enlarge every image N times in the grid (nearest neighbour), e.g. 8 for 16-px samples")
     p.add_argument("--tiny", action="store_true", help="tiny random model and VAE (no files; a smoke test)")

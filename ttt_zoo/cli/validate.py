@@ -83,8 +83,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pretrained", action="store_true", help="the model's pretrained weights (without --checkpoint)")
     p.add_argument("--use-ema", action="store_true", help="the EMA weights (<tag>_ema.safetensors, or the EMA entry)")
     p.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=64)
-    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None, help="input size (default: the model's)")
-    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None, help="center crop fraction (default: the model's)")
+    p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None,
+                   help="input size (default: the model's)")
+    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None,
+                   help="center crop fraction (default: the model's)")
     p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
     p.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None,
                    help="default: the number of class folders with --checkpoint, else the model's")

@@ -42,8 +42,10 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--initial-checkpoint", default="", metavar="PATH", help="load these weights before training")
     g.add_argument("--resume", default="", metavar="PATH",
                    help="continue a run from its latest commit: give its folder")
-    g.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None, help="number of classes (default: the model's)")
-    g.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None, help="input image size (default: the model's)")
+    g.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None,
+                   help="number of classes (default: the model's)")
+    g.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None,
+                   help="input image size (default: the model's)")
     g.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root")
     g.add_argument("--drop", type=Range(float, ge=0, lt=1), default=0.0, help="dropout rate")
     g.add_argument("--drop-path", type=Range(float, ge=0, lt=1), default=None, help="drop path (stochastic depth) rate")
@@ -52,7 +54,8 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
 
     g = p.add_argument_group("optimizer and schedule (timm)")
     g.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=128, help="batch size per process")
-    g.add_argument("-vb", "--validation-batch-size", type=Range(int, ge=1, le=65536), default=None, help="eval batch size (default: -b)")
+    g.add_argument("-vb", "--validation-batch-size", type=Range(int, ge=1, le=65536), default=None,
+                   help="eval batch size (default: -b)")
     g.add_argument("--epochs", type=Range(int, ge=1, le=1_000_000), default=300)
     g.add_argument("--stop-after", type=Range(int, ge=1, le=1_000_000), default=None, metavar="N",
                    help="end this run after epoch N (the schedule still spans --epochs); continue with --resume")
@@ -61,15 +64,19 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--opt-betas", type=Range(float, ge=0, lt=1), nargs="+", default=None)
     g.add_argument("--momentum", type=Range(float, ge=0, lt=1), default=0.9)
     g.add_argument("--weight-decay", type=Range(float, ge=0, le=10), default=2e-5)
-    g.add_argument("--layer-decay", type=Range(float, gt=0, le=1), default=None, help="layer-wise lr decay (model.group_matcher)")
-    g.add_argument("--clip-grad", type=Range(float, gt=0, le=1e6, hint="; leave out --clip-grad to turn clipping off"), default=None, help="gradient clipping value (off by default)")
+    g.add_argument("--layer-decay", type=Range(float, gt=0, le=1), default=None,
+                   help="layer-wise lr decay (model.group_matcher)")
+    g.add_argument("--clip-grad", type=Range(float, gt=0, le=1e6, hint="; leave out --clip-grad to turn clipping off"),
+                   default=None, help="gradient clipping value (off by default)")
     g.add_argument("--clip-mode", default="norm", choices=("norm", "value", "agc"))
     g.add_argument("--grad-accum-steps", type=Range(int, ge=1, le=65536), default=1)
     g.add_argument("--sched", default="cosine", help="timm scheduler (create_scheduler_v2)")
     g.add_argument("--sched-on-epochs", action="store_true",
                    help="step the schedule once per epoch (default: once per optimizer update)")
-    g.add_argument("--lr", type=Range(float, gt=0, le=100), default=None, help="learning rate (default: --lr-base scaled by batch)")
-    g.add_argument("--lr-base", type=Range(float, gt=0, le=100), default=0.1, help="lr at --lr-base-size (when --lr is not given)")
+    g.add_argument("--lr", type=Range(float, gt=0, le=100), default=None,
+                   help="learning rate (default: --lr-base scaled by batch)")
+    g.add_argument("--lr-base", type=Range(float, gt=0, le=100), default=0.1,
+                   help="lr at --lr-base-size (when --lr is not given)")
     g.add_argument("--lr-base-size", type=Range(int, ge=1, le=1_000_000), default=256)
     g.add_argument("--lr-base-scale", default="", choices=("", "linear", "sqrt"),
                    help="'' = linear for SGD, sqrt for adaptive optimizers (as timm)")
@@ -95,9 +102,11 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--experiment", default="", help="experiment folder name (default: date-model-img_size)")
     g.add_argument("--eval-metric", default=None, help="metric that picks the best checkpoint (default: task's)")
     g.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=42)
-    g.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=4, help="data loader processes per training process")
+    g.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=4,
+                   help="data loader processes per training process")
     g.add_argument("--pin-mem", action="store_true")
-    g.add_argument("--log-interval", type=Range(int, ge=1, le=1_000_000_000), default=50, help="batches between log lines")
+    g.add_argument("--log-interval", type=Range(int, ge=1, le=1_000_000_000), default=50,
+                   help="batches between log lines")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     if task_cls is not None:
         task_cls.add_args(p)

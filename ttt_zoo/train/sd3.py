@@ -124,8 +124,10 @@ class SD3Task(Task):
         g.add_argument("--teacher", default=None, metavar="DIR",
                        help="softmax SD3 transformer folder for --distill-weight / the teacher MSE (default: the "
                             "--sd3-pipeline transformer when it is softmax)")
-        g.add_argument("--ttt-dual-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None, help="default: the paper's layout")
-        g.add_argument("--ttt-joint-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None, help="default: the paper's layout")
+        g.add_argument("--ttt-dual-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None,
+                       help="default: the paper's layout")
+        g.add_argument("--ttt-joint-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None,
+                       help="default: the paper's layout")
         g.add_argument("--ttt-key-norm-span", default="joint", choices=("joint", "separate"))
         g.add_argument("--ttt-rms-qk-norm", default="keep", choices=("keep", "skip"))
         g.add_argument("--softmax", action="store_true",
@@ -133,11 +135,13 @@ class SD3Task(Task):
         g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=LR_SCALES["sd3"],
                        help="lr multiplier of the new TTT parameters (the paper's SD3 recipe states none)")
         g.add_argument("--eval-data-dir", default=None, metavar="DIR", help="default: --data-dir")
-        g.add_argument("--max-sequence-length", type=Range(int, ge=1, le=4096), default=256, help="T5 tokens per caption")
+        g.add_argument("--max-sequence-length", type=Range(int, ge=1, le=4096), default=256,
+                       help="T5 tokens per caption")
         g.add_argument("--cache-text-embeddings", action="store_true",
                        help="encode every caption once, then free the text encoders")
         g.add_argument("--cache-latents", action="store_true", help="encode every image once with the VAE")
-        g.add_argument("--caption-dropout", type=Range(float, ge=0, le=1), default=0.0, help="probability of the empty caption")
+        g.add_argument("--caption-dropout", type=Range(float, ge=0, le=1), default=0.0,
+                       help="probability of the empty caption")
         g.add_argument("--hflip", action="store_true", help="random horizontal flips (not with --cache-latents)")
         g.add_argument("--weighting-scheme", default="logit_normal",
                        choices=("sigma_sqrt", "logit_normal", "mode", "cosmap", "none"))
