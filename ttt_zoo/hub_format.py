@@ -159,8 +159,14 @@ def _label_descriptions(v, c):
 def _model_args(v, c):
     if _dict(v, c):
         return "a JSON object of constructor arguments"
-    loader = sorted(set(v) & set(_DERIVED_ARGS))
-    return f"free of the loader arguments {loader} (they come from num_classes and pretrained_cfg)" if loader else None
+    # timm's own save_for_hf records them too; timm's loaders setdefault them, so they must agree with what the
+    # loaders derive (our writer leaves them out)
+    pc = c.get("pretrained_cfg")
+    size = pc.get("input_size") if isinstance(pc, dict) else None
+    derived = {"num_classes": c.get("num_classes"), "in_chans": size[0] if isinstance(size, list) and size else None}
+    clash = sorted(k for k in _DERIVED_ARGS if k in v and v[k] != derived[k])
+    return (f"consistent with the folder's {', '.join(f'{k}={derived[k]!r}' for k in clash)} (timm's loaders take "
+            f"those from num_classes and pretrained_cfg.input_size)") if clash else None
 
 
 def _kind(v, c):
@@ -354,7 +360,8 @@ def model_name(cfg: Dict[str, Any]) -> str:
 
 
 def model_args(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    return dict(cfg.get("model_args") or {})
+    """``model_args`` without the loader arguments (checked to agree with :func:`loader_args` on reading)."""
+    return {k: v for k, v in (cfg.get("model_args") or {}).items() if k not in _DERIVED_ARGS}
 
 
 def input_size(cfg: Dict[str, Any]) -> Tuple[int, ...]:
