@@ -300,7 +300,7 @@ def _top(out):
 
 def c_png16(c):
     r = c.run("predict", c.p("imgs16", "eight.png"), c.p("imgs16", "sixteen.png"),
-              *c.model_args(c.p("good.safetensors")),              "--topk", "3", "--label-type", "index")
+              *c.model_args(c.p("good.safetensors")), "--topk", "3", "--label-type", "index")
     if r["rc"] != 0:
         return r, "", False
     got = _top(r["out"])

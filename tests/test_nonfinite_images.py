@@ -211,3 +211,11 @@ def test_predict_names_every_bad_file_and_skip_bad_writes_the_rest(env, tmp_path
     assert list(json.loads(out)) == ["good.png"] and "skipped 2 unreadable image(s)" in err
     assert results.read_text().splitlines()[1].startswith("good.png,")
 
+
+def test_push_refuses_a_folder_with_nan_outputs(env, tmp_path, capsys):
+    hub = tmp_path / "hub"
+    rc, _, err = cli(capsys, "convert", env["nan"], "--model", "vit3_tiny.nan", "--model-kwargs", *KW_ARGS,
+                     "img_size=16", "num_classes=10", "--out", hub, "--no-flops")
+    assert rc == 0, err
+    rc, out, err = cli(capsys, "push", hub, "--dry-run", "--no-source-check")
+    _one_error(rc, err, f"the output of {hub} has NaN for 2 of 2 example inputs")
