@@ -42,8 +42,12 @@ class Ctx:
         return os.path.join(self.work, *parts)
 
     def run(self, *argv, timeout=600):
-        return self.popen_result(subprocess.run([PY, "-m", "ttt_zoo", *map(str, argv)], cwd=self.work, env=self.env,
-                                                capture_output=True, text=True, timeout=timeout))
+        try:
+            return self.popen_result(subprocess.run([PY, "-m", "ttt_zoo", *map(str, argv)], cwd=self.work,
+                                                    env=self.env, capture_output=True, text=True, timeout=timeout))
+        except subprocess.TimeoutExpired as e:  # still working: stopped here, shown as such
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            return dict(rc=f"killed after {timeout} s", out="", err=err)
 
     def py(self, code, timeout=600):
         return self.popen_result(subprocess.run([PY, "-c", code], cwd=self.work, env=self.env, capture_output=True,
@@ -224,8 +228,8 @@ def c_flag(*extra):
     return lambda c: (c.run(*c.train("--experiment", "flag_" + "_".join(extra).replace("-", ""), *extra)), "", None)
 
 
-def c_args(*argv):
-    return lambda c: (c.run(*[a(c) if callable(a) else a for a in argv]), "", None)
+def c_args(*argv, timeout=600):
+    return lambda c: (c.run(*[a(c) if callable(a) else a for a in argv], timeout=timeout), "", None)
 
 
 def c_nan_validate(c):
@@ -409,7 +413,7 @@ CASES = [
     ("tracebacks", "train --model-kwargs depth=100000", "refuse",
      c_args(lambda c: "train", "--data-dir", lambda c: c.p("digits"), "--output", lambda c: c.p("runs"),
             "--experiment", "deep", "--model", "vit3_tiny", "--model-kwargs", "depth=100000", "embed_dim=16",
-            "num_heads=2", "patch_size=4", "--img-size", "16", "--epochs", "1", "-j", "0")),
+            "num_heads=2", "patch_size=4", "--img-size", "16", "--epochs", "1", "-j", "0", timeout=120)),
     ("tracebacks", "predict --crop-pct -1", "refuse",
      c_args("predict", lambda c: c.p("digits", "val", "3"), "--checkpoint", lambda c: c.p("runs", "r3"),
             "--crop-pct", "-1", "-j", "0")),
@@ -440,6 +444,8 @@ CASES = [
 
 
 def verdict(want, r, ok):
+    if isinstance(r["rc"], str):
+        return f"no answer ({r['rc']})"
     tb = "Traceback" in r["err"]
     errs = [ln for ln in r["err"].splitlines() if ln.startswith("error")]
     if tb:
