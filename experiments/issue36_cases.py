@@ -214,14 +214,22 @@ def c_ctrl_c(c):
     name = "ctrlc"
     shutil.rmtree(c.p("runs", name), ignore_errors=True)
     proc = subprocess.Popen([PY, "-m", "ttt_zoo", *c.train("--experiment", name, "--epochs", "200")], cwd=c.work,
-                            env=c.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=c.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     folder = c.p("runs", name)
     t0 = time.time()
-    while time.time() - t0 < 120 and _manifest_epoch(folder) is None:
+    while time.time() - t0 < 120 and not os.path.exists(os.path.join(folder, "checkpoint.json")):
         time.sleep(0.05)
+    committed = os.path.exists(os.path.join(folder, "checkpoint.json"))
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    return dict(rc=proc.returncode, out="", err=err), "", proc.returncode == 130 and "Traceback" not in err
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        return dict(rc="still running 120 s after Ctrl-C, killed", out="", err=err), "", False
+    note = "" if committed else "(Ctrl-C came before the first commit)"
+    return dict(rc=proc.returncode, out="", err=err), note, proc.returncode == 130 and "Traceback" not in err
 
 
 def c_flag(*extra):
