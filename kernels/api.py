@@ -92,7 +92,8 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
     op = _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)
     if op is qkv_ttt_torch and _compiling():
-        op = qkv_ttt_op  # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
+        # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
+        return qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, triton=False)
     return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
 
 
@@ -114,13 +115,15 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
-def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> bool:
+def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> Optional[str]:
     """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
-    same kernels: Triton where allowed, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
-    mini-batches into a graph fixed to the traced token count.  (torch.export takes the loop op instead, see
-    ``ttt_linear.torch._scan_loop``.)"""
-    return (not return_grad_norm and _compiling()
-            and resolve_backend(backend, q.device, q.dtype, q.shape[-1], name) != "torch_naive")
+    same kernels: Triton where chosen, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
+    mini-batches into a graph fixed to the traced token count: the chosen backend then, else None.  (torch.export
+    takes the loop op instead, see ``ttt_linear.torch._scan_loop``.)"""
+    if return_grad_norm or not _compiling():
+        return None
+    chosen = resolve_backend(backend, q.device, q.dtype, q.shape[-1], name)
+    return None if chosen == "torch_naive" else chosen
 
 
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
@@ -130,8 +133,10 @@ def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=
     torch: recomputing backward (``ttt_linear.torch``); triton: the fused scan kernels; torch_naive: the plain
     per-mini-batch scan (``ttt_linear_naive``) under autograd.
     """
-    if _opaque_scan("ttt_linear", q, backend, return_grad_norm):
-        return ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps)
+    chosen = _opaque_scan("ttt_linear", q, backend, return_grad_norm)
+    if chosen:
+        return ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
+                             triton=chosen == "triton")
     return _op("ttt_linear", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
                                                     eps, return_grad_norm)
 
@@ -151,8 +156,10 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
     if torch.jit.is_scripting():
         return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                         eps, return_grad_norm)
-    if _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm):
-        return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
+    chosen = _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm)
+    if chosen:
+        return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
+                                   triton=chosen == "triton")
     return _op("ttt_linear_bidir", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
                                                           ln_residual, rope_theta, eps, return_grad_norm)
 

@@ -1,7 +1,8 @@
 """The one backend decision for every TTT op.
 
-Every op wrapper (``kernels/__init__.py``) asks :func:`resolve_backend` which path to run, and every custom op asks
-:func:`use_triton` (the same rule) whether its kernel may run Triton.  Values, the same for every op and layer:
+Every op wrapper (``kernels/api.py``) asks :func:`resolve_backend`, under the op's own name, which path to run, once
+per call; a ``ttt_zoo::`` custom op is handed that choice as its last argument (``triton``) and its backward gets the
+forward's.  No choice outlives its call.  Values, the same for every op and layer:
 
 - ``auto`` (default): the Triton kernels for CUDA tensors where they can run (Triton installed, float32 / float16 /
   bfloat16, head dim within the kernel's limit) and only for ops verified on a GPU (below), else ``torch``;
@@ -28,7 +29,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from timm.layers import is_exportable
@@ -36,7 +37,7 @@ from timm.layers import is_exportable
 __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
            "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "exporting", "get_op",
            "gpu_verified", "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path",
-           "register_op", "resolve_backend", "set_backend", "triton_unsupported", "use_backend", "use_triton"]
+           "register_op", "resolve_backend", "set_backend", "triton_unsupported", "use_backend"]
 
 TRITON_BACKEND = "triton"
 BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
@@ -89,11 +90,9 @@ def default_backend() -> str:
 
 def set_backend(name: Optional[str]) -> None:
     """Set the process-wide default backend of every TTT op (overrides ``TTT_ZOO_BACKEND``); ``None`` restores the
-    environment variable / ``auto``.  The op folders whose custom ops a forced ``triton`` made run the kernels on
-    CUDA are forgotten, so the new choice holds for them too."""
+    environment variable / ``auto``."""
     global _BACKEND_SET
     _BACKEND_SET = None if name is None else _check_name(name, "set_backend")
-    _CUDA_FOLDERS.clear()
 
 
 @contextlib.contextmanager
@@ -145,7 +144,6 @@ def triton_unsupported(device: torch.device, dtype: Optional[torch.dtype] = None
 # ------------------------------------------------------------------------------------------- GPU verification
 _HASHES: Dict[tuple, Optional[str]] = {}  # (kernels dir, op folder) -> sha256, once per process
 _RECORDS: Dict[str, List[dict]] = {}      # records file -> its records, read once per process
-_CUDA_FOLDERS: Set[str] = set()           # op folders whose custom ops run the kernels on CUDA in this process
 
 
 def kernel_folder(op: Optional[str]) -> Optional[str]:
@@ -230,10 +228,9 @@ def gpu_verified(op: Optional[str]) -> bool:
 
 
 def clear_verification_cache() -> None:
-    """Forget the cached hashes, records and kernel choices (for tests: a new process starts this way)."""
+    """Forget the cached hashes and records (for tests: a new process starts this way)."""
     _HASHES.clear()
     _RECORDS.clear()
-    _CUDA_FOLDERS.clear()
 
 
 def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -251,20 +248,7 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
                                f"PyTorch) or backend='torch'.")
     elif reason is not None or device.type != "cuda" or exporting() or not gpu_verified(op):
         return "torch"  # auto: the kernels only on CUDA, and only where verified there
-    if device.type == "cuda" and kernel_folder(op):
-        _CUDA_FOLDERS.add(kernel_folder(op))  # this op's custom ops (and their backward) run the kernels from now on
     return TRITON_BACKEND
-
-
-def use_triton(t: torch.Tensor, op: Optional[str] = None) -> bool:
-    """Inside a custom op: run the Triton kernel for these inputs (same rule as :func:`resolve_backend`; an empty
-    batch needs no kernel launch, the meta device only the fake impl).  On CUDA only for a verified op, an op whose
-    kernel :func:`resolve_backend` chose in this process (forced), or under a ``triton`` default (:func:`set_backend`,
-    ``TTT_ZOO_BACKEND=triton``)."""
-    if t.numel() == 0 or t.device.type == "meta" or triton_unsupported(t.device, t.dtype, t.shape[-1], op):
-        return False
-    return (t.device.type != "cuda" or default_backend() == TRITON_BACKEND or kernel_folder(op) in _CUDA_FOLDERS
-            or gpu_verified(op))
 
 
 def get_op(name: str, device: torch.device, backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,

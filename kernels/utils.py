@@ -6,7 +6,7 @@ from types import ModuleType
 import torch
 
 __all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
-           "triton_module", "count_flops_as"]
+           "triton_module", "count_flops_as", "launches_kernel", "kernel_choice"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,10 +67,28 @@ def make_function(name: str, fwd, bwd, n_weights: int):
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
+def launches_kernel(triton: bool, t: torch.Tensor) -> bool:
+    """Inside a ``ttt_zoo::`` custom op: run its Triton kernel.  ``triton`` is the op's last argument, the choice
+    its caller made once (``backend.resolve_backend``, under the op's own name); an empty batch needs no launch and
+    meta tensors run only the fake."""
+    return triton and t.numel() != 0 and t.device.type != "meta"
+
+
+def kernel_choice(triton, t: torch.Tensor, op: str, head_dim: int) -> bool:
+    """The ``triton`` argument an op's ``triton`` entry hands its custom op: the caller's choice as given (the
+    wrappers of ``api.py``: ``backend.resolve_backend`` under the op's own name), or for ``None`` (a direct call)
+    whether the kernels can run these inputs, again under ``op``'s own name (``backend.triton_unsupported``)."""
+    if triton is not None:
+        return bool(triton)
+    from .backend import triton_unsupported
+    return triton_unsupported(t.device, t.dtype, head_dim, op) is None
+
+
 def count_flops_as(custom_op, impl) -> None:
     """Register the FLOP formula of ``custom_op`` for ``torch.utils.flop_counter.FlopCounterMode``: the FLOPs of
-    ``impl``, the op's own PyTorch path, run on meta copies of the arguments (no compute).  Without it the counter
-    sees one opaque node and counts nothing for the inner step (a meta-device model runs only the fakes)."""
+    ``impl``, the op's own PyTorch path, run on meta copies of the op's arguments but the last (``triton``, the
+    backend choice; no compute).  Without it the counter sees one opaque node and counts nothing for the inner step
+    (a meta-device model runs only the fakes)."""
     from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
     def meta(a):
@@ -78,9 +96,9 @@ def count_flops_as(custom_op, impl) -> None:
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         return [meta(t) for t in a] if isinstance(a, (list, tuple)) else a
 
-    def flops(*args, out_val=None, **kwargs):
+    def flops(*args, out_val=None):
         with FlopCounterMode(display=False) as counter, torch.no_grad():
-            impl(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+            impl(*[meta(a) for a in args[:-1]])
         return counter.get_total_flops()
 
     register_flop_formula(custom_op._opoverload._overloadpacket, get_raw=True)(flops)

@@ -212,20 +212,76 @@ def test_bad_backend_name_is_one_clear_error():
     assert B.default_backend() == "auto"  # a rejected name changes nothing
 
 
+@pytest.fixture
+def records(monkeypatch, tmp_path):
+    """``records(*ops)``: GPU verification records for exactly these ops (their current kernel hashes)."""
+    import json
+
+    def write(*ops):
+        path = tmp_path / "gpu_verified.json"
+        path.write_text(json.dumps([dict(op=op, sha256=B.kernel_source_hash(op)) for op in ops]))
+        monkeypatch.setenv(B.RECORDS_ENV, str(path))
+        B.clear_verification_cache()
+
+    yield write
+    B.clear_verification_cache()
+
+
 @pytest.mark.usefixtures("no_backend_set")
-def test_set_backend_reaches_the_custom_ops_and_forgets_forced_kernels(monkeypatch):
+def test_each_op_is_decided_under_its_own_name(monkeypatch, records):
+    # the three ViT3 ops share one kernel folder (one hash), yet a record for vit3_qkv_ttt counts for it alone
+    monkeypatch.setattr(B, "HAS_TRITON", True)
+    records("vit3_qkv_ttt")
+    cuda = torch.device("cuda")
+    assert resolve_backend(None, cuda, torch.bfloat16, 32, "vit3_qkv_ttt") == "triton"
+    for op in ("vit3_swiglu_ttt", "vit3_dwconv_ttt", "vit3_variant_qkv_ttt", "ttt_linear"):
+        assert resolve_backend(None, cuda, torch.bfloat16, 32, op) == "torch", op
+    records("vit3_swiglu_ttt")
+    assert resolve_backend(None, cuda, torch.bfloat16, 32, "vit3_swiglu_ttt") == "triton"
+    assert resolve_backend(None, cuda, torch.bfloat16, 32, "vit3_qkv_ttt") == "torch"
+
+
+@pytest.mark.usefixtures("no_backend_set")
+def test_a_forced_backend_does_not_carry_to_the_next_call(monkeypatch, records):
+    monkeypatch.setattr(B, "HAS_TRITON", True)
+    records()  # nothing verified: auto runs PyTorch on CUDA
+    cuda = torch.device("cuda")
+    for op in TRITON_OPS:
+        assert resolve_backend("triton", cuda, torch.float16, 16, op) == "triton"
+        assert resolve_backend(None, cuda, torch.float16, 16, op) == "torch", op  # the next call decides anew
+        with kernels.use_backend("triton"):
+            assert resolve_backend(None, cuda, torch.float16, 16, op) == "triton"
+        assert resolve_backend(None, cuda, torch.float16, 16, op) == "torch", op
+
+
+def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
+    """The ViT3 mixer core's custom ops run the Triton kernels exactly when told (their last argument), forward
+    and backward alike, whatever ran before; the kernels are spied on (stand-ins computing the PyTorch path)."""
     import types
-    cuda = _fake_cuda(monkeypatch)
-    monkeypatch.setattr(B, "gpu_verified", lambda op: False)
-    monkeypatch.setattr(B, "_CUDA_FOLDERS", set())
-    x = types.SimpleNamespace(numel=lambda: 1, device=cuda, dtype=torch.float32, shape=(1, 2, 3, 16))  # a CUDA input
-    assert not B.use_triton(x, "ttt_linear")  # auto, not verified: PyTorch inside the custom op
-    with kernels.use_backend("triton"):
-        assert B.use_triton(x, "ttt_linear")
-        assert resolve_backend(None, cuda, torch.float32, 16, "ttt_linear") == "triton"
-    assert B.use_triton(x, "ttt_linear")  # the kernel chosen inside stays chosen: a later backward matches it
-    B.set_backend("torch")  # a new choice forgets it
-    assert not B.use_triton(x, "ttt_linear")
+    from ttt_zoo.kernels.vit3_ttt import ops as vit3_ops
+    from ttt_zoo.kernels.vit3_ttt import torch as R
+    calls = []
+
+    def spy(name, impl):
+        return lambda *a: calls.append(name) or impl(*a)
+
+    fake = types.SimpleNamespace(**{f"{k}_triton": spy(k, getattr(R, k)) for k in
+                                    ("swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd")})
+    monkeypatch.setattr(vit3_ops, "_t", lambda: fake)
+    heads, h, w, d = 2, 2, 3, 4
+    c = heads * d
+    x, weight, bias = (torch.randn(*s, requires_grad=True) for s in ((2, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,)))
+    w1, w2, w3 = (torch.randn(*s) * 0.3 for s in ((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3)))
+    outs, grads = {}, {}
+    for triton in (True, False, True):
+        calls.clear()
+        out = vit3_ops.qkv_ttt_op(x, weight, bias, w1, w2, w3, (h, w), heads, 0.5, True, triton=triton)
+        grads[triton] = torch.autograd.grad(out.sum(), (x, weight, bias))
+        outs[triton] = out.detach()
+        assert sorted(calls) == (["dwconv_bwd", "dwconv_fwd", "swiglu_bwd", "swiglu_fwd"] if triton else []), calls
+    torch.testing.assert_close(outs[True], outs[False])
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.usefixtures("no_backend_set")

@@ -97,11 +97,11 @@ def test_dispatch_backends(monkeypatch):
 def test_custom_ops_opcheck():
     q = [torch.randn(2, 2, 7, 8) for _ in range(3)]
     w = [torch.randn(1, 2, 8, 8) * 0.2 for _ in range(3)]
-    torch.library.opcheck(torch.ops.ttt_zoo.t5_swiglu_fwd.default, [*q, *w, 0.5],
+    torch.library.opcheck(torch.ops.ttt_zoo.t5_swiglu_fwd.default, [*q, *w, 0.5, False],
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.ttt_zoo.dit5_mlp_fwd.default, [*q, *w[:2], 0.5],
+    torch.library.opcheck(torch.ops.ttt_zoo.dit5_mlp_fwd.default, [*q, *w[:2], 0.5, False],
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.ttt_zoo.key_instance_norm_fwd.default, [torch.randn(2, 9, 6), 1.0],
+    torch.library.opcheck(torch.ops.ttt_zoo.key_instance_norm_fwd.default, [torch.randn(2, 9, 6), 1.0, False],
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -142,12 +142,12 @@ def test_meta_device(mixer, backend):
 def test_meta_through_custom_ops():
     q = torch.empty(2, 3, 10, 8, device="meta", dtype=torch.float16)
     w = torch.empty(1, 3, 8, 8, device="meta")
-    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, q, q, w, w, w, 0.5)
+    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, q, q, w, w, w, 0.5, False)
     assert out.shape == q.shape and out.dtype == torch.float16 and w3n.shape == (2, 3, 8, 8)
     assert w1n.dtype == torch.float32
-    grads = torch.ops.ttt_zoo.dit5_mlp_bwd(q, q, q, q, w, w, w1n, w2n, 0.5)
+    grads = torch.ops.ttt_zoo.dit5_mlp_bwd(q, q, q, q, w, w, w1n, w2n, 0.5, False)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape)] * 3 + [(1, 3, 8, 8)] * 2
-    y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(torch.empty(2, 10, 24, device="meta"), 1.0)
+    y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(torch.empty(2, 10, 24, device="meta"), 1.0, False)
     assert y.shape == (2, 10, 24) and mean.shape == rstd.shape == (2, 24)
 
 

@@ -403,13 +403,13 @@ def test_opcheck_fake_kernels():
     x = make_inputs(2, 1, 23, 4, 4, 1, torch.float32)
     q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
     args = [q2, k2, x[2], x[3], x[4], w2, b2, x[7], x[8], 2, 4, True, 1e-6]
-    torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_fwd.default, args + [True],
+    torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_fwd.default, args + [True, False],
                           test_utils=("test_schema", "test_faketensor"))
-    out, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, True)
+    out, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, True, False)
     # 6 mini-batches, a checkpoint every max(4, ceil(6 / 32)) = 4: (ndir B, heads, 2, d + 1, d)
     assert st.shape == (4, 1, 2, 5, 4) and R.ckpt_every(6) == 4 and R.ckpt_every(4096) == 128
     torch.library.opcheck(torch.ops.ttt_zoo.ttt_linear_scan_bwd.default, [torch.randn_like(out)] + args[:9] + [st]
-                          + args[9:], test_utils=("test_schema", "test_faketensor"))
+                          + args[9:] + [False], test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fake_kernel_sizes_stay_symbolic():
@@ -418,7 +418,7 @@ def test_fake_kernel_sizes_stay_symbolic():
     to the traced size: a graph per length, and inside a model, whose token count is a product of sizes, a wrong
     size at the next length.)"""
     def states_like(*args):
-        st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True)[1]
+        st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True, False)[1]
         return st.new_zeros(st.shape)  # sized by the fake kernel's formula
 
     torch._dynamo.reset()
@@ -428,7 +428,7 @@ def test_fake_kernel_sizes_stay_symbolic():
         x = make_inputs(2, 1, n, 4, 4, 1, torch.float32)
         q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
         args = [q2, k2, x[2], x[3], x[4], w2, b2, x[7], x[8]]
-        real = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True)[1]
+        real = torch.ops.ttt_zoo.ttt_linear_scan_fwd(*args, 2, 4, True, 1e-6, True, False)[1]
         assert compiled(*args).shape == real.shape, n
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
@@ -622,7 +622,7 @@ def test_inference_saves_no_states(count_launches):
         out = ttt_linear_bidir(*x, mini_batch=8, backend="triton")[0]
     torch.testing.assert_close(out, reference_bidir(*x, 8)[0], **KTOL[torch.float32])
     q2, k2, w2, b2 = ops.R.bidir_inputs(x[0], x[1], x[5], x[6], 8, 10000.0)
-    _, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q2, k2, *x[2:5], w2, b2, *x[7:], 2, 8, True, 1e-6, False)
+    _, st = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q2, k2, *x[2:5], w2, b2, *x[7:], 2, 8, True, 1e-6, False, True)
     assert st.numel() == 0 and count_launches["fwd"] == 2 and count_launches["bwd"] == 0
 
 

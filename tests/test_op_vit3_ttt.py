@@ -158,7 +158,7 @@ def test_custom_ops_are_registered_and_differentiable():
     # the fake (meta) kernels agree with the real ones on shapes/dtypes
     torch.library.opcheck(torch.ops.ttt_zoo.vit3_swiglu_fwd.default,
                           [torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
-                           torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), 0.5, True],
+                           torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), 0.5, True, False],
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -1,13 +1,13 @@
 """The T5 / DiT5 inner steps as ``torch.library`` custom ops (``ttt_zoo::t5_*``, ``ttt_zoo::dit5_*``).
 
-Each op runs the Triton kernels where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
-the recomputing path of ``torch.py`` elsewhere, and has a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
+Each op runs the Triton kernels when its last argument ``triton`` says so (the backend its caller chose once, under
+its own op name: ``backend.resolve_backend``), the recomputing path of ``torch.py`` otherwise, and has a fake (meta) implementation, so ``torch.compile`` sees opaque nodes and meta-device
 models build and run.  The forward ops are differentiable through ``register_autograd`` (backward = the ``*_bwd`` op).
 
-    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, k, v, w1, w2, w3, scale)
-    dq, dk, dv, dw1, dw2, dw3 = torch.ops.ttt_zoo.t5_swiglu_bwd(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
-    out, w1n, w2n = torch.ops.ttt_zoo.dit5_mlp_fwd(q, k, v, w1, w2, scale)
-    dq, dk, dv, dw1, dw2 = torch.ops.ttt_zoo.dit5_mlp_bwd(do, q, k, v, w1, w2, w1n, w2n, scale)
+    out, w1n, w2n, w3n = torch.ops.ttt_zoo.t5_swiglu_fwd(q, k, v, w1, w2, w3, scale, triton)
+    dq, dk, dv, dw1, dw2, dw3 = torch.ops.ttt_zoo.t5_swiglu_bwd(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale, triton)
+    out, w1n, w2n = torch.ops.ttt_zoo.dit5_mlp_fwd(q, k, v, w1, w2, scale, triton)
+    dq, dk, dv, dw1, dw2 = torch.ops.ttt_zoo.dit5_mlp_bwd(do, q, k, v, w1, w2, w1n, w2n, scale, triton)
 """
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import use_triton
-from ..utils import compute_dtype, count_flops_as, triton_module
+from ..utils import compute_dtype, count_flops_as, kernel_choice, launches_kernel, triton_module
 from . import torch as R
-
-_OP = "t5_swiglu_ttt"  # the op name the backend rules (head-dim limit) are looked up under
 
 __all__ = ["t5_swiglu_ttt_op", "mlp_ttt_op"]
 
@@ -30,31 +27,31 @@ def _t():
 
 
 
-def _fake_fwd(q: Tensor, ws) -> List[Tensor]:
+def _fake_fwd(q: Tensor, ws, triton: bool) -> List[Tensor]:
     b, h, n, d = q.shape
-    out = q.new_empty(b, n, h, d).transpose(1, 2) if use_triton(q, _OP) else q.new_empty(b, h, n, d)
+    out = q.new_empty(b, n, h, d).transpose(1, 2) if launches_kernel(triton, q) else q.new_empty(b, h, n, d)
     return [out] + [q.new_empty(b, h, d, d, dtype=compute_dtype(q.dtype)) for _ in ws]
 
 
-def _fake_bwd(q: Tensor, ws) -> List[Tensor]:
+def _fake_bwd(q: Tensor, ws, triton: bool) -> List[Tensor]:
     b, h, n, d = q.shape
-    if use_triton(q, _OP):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
+    if launches_kernel(triton, q):  # the Triton kernels write heads-merged (B, N, heads, d) buffers
         grads = [q.new_empty(b, n, h, d).transpose(1, 2) for _ in range(3)]
     else:
         grads = [q.new_empty(b, h, n, d) for _ in range(3)]
     return grads + [torch.empty_like(w, memory_format=torch.contiguous_format) for w in ws]
 
 
-def _fwd_impl(q, ws, torch_fwd, triton_fwd, *args):
-    impl = triton_fwd() if use_triton(q, _OP) else torch_fwd
+def _fwd_impl(q, ws, triton, torch_fwd, triton_fwd, *args):
+    impl = triton_fwd() if launches_kernel(triton, q) else torch_fwd
     out, *wn = impl(*args)
     return (out,) + tuple(w.to(compute_dtype(q.dtype)).contiguous() for w in wn)
 
 
-def _bwd_impl(q, torch_bwd, triton_bwd, *args):
-    impl = triton_bwd() if use_triton(q, _OP) else torch_bwd
-    grads = impl(*args)
-    if use_triton(q, _OP):
+def _bwd_impl(q, triton, torch_bwd, triton_bwd, *args):
+    kernel = launches_kernel(triton, q)
+    grads = (triton_bwd() if kernel else torch_bwd)(*args)
+    if kernel:
         return [t if i < 3 else t.contiguous() for i, t in enumerate(grads)]
     return [t.contiguous() for t in grads]
 
@@ -62,35 +59,35 @@ def _bwd_impl(q, torch_bwd, triton_bwd, *args):
 # ------------------------------------------------------------------------------------------------------ T5
 @torch.library.custom_op("ttt_zoo::t5_swiglu_fwd", mutates_args=())
 def t5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-              scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fwd_impl(q, (w1, w2, w3), R.t5_fwd, lambda: _t().t5_fwd_triton, q, k, v, w1, w2, w3, scale)
+              scale: float, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fwd_impl(q, (w1, w2, w3), triton, R.t5_fwd, lambda: _t().t5_fwd_triton, q, k, v, w1, w2, w3, scale)
 
 
 @t5_fwd_op.register_fake
-def _(q, k, v, w1, w2, w3, scale):
-    return tuple(_fake_fwd(q, (w1, w2, w3)))
+def _(q, k, v, w1, w2, w3, scale, triton):
+    return tuple(_fake_fwd(q, (w1, w2, w3), triton))
 
 
 @torch.library.custom_op("ttt_zoo::t5_swiglu_bwd", mutates_args=())
 def t5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, w1n: Tensor,
-              w2n: Tensor, w3n: Tensor, scale: float) -> List[Tensor]:
-    return _bwd_impl(q, R.t5_bwd, lambda: _t().t5_bwd_triton, do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
+              w2n: Tensor, w3n: Tensor, scale: float, triton: bool) -> List[Tensor]:
+    return _bwd_impl(q, triton, R.t5_bwd, lambda: _t().t5_bwd_triton, do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
 
 
 @t5_bwd_op.register_fake
-def _(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale):
-    return _fake_bwd(q, (w1, w2, w3))
+def _(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale, triton):
+    return _fake_bwd(q, (w1, w2, w3), triton)
 
 
 def _t5_setup(ctx, inputs, output):
-    q, k, v, w1, w2, w3, scale = inputs
+    q, k, v, w1, w2, w3, scale, triton = inputs
     ctx.save_for_backward(q, k, v, w1, w2, w3, *output[1:])
-    ctx.scale = scale
+    ctx.scale, ctx.triton = scale, triton
 
 
 def _t5_backward(ctx, dout, *_):
-    grads = t5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale)
-    return (*grads, None)
+    grads = t5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton)
+    return (*grads, None, None)
 
 
 t5_fwd_op.register_autograd(_t5_backward, setup_context=_t5_setup)
@@ -101,35 +98,35 @@ count_flops_as(t5_bwd_op, R.t5_bwd)
 # ---------------------------------------------------------------------------------------------------- DiT5
 @torch.library.custom_op("ttt_zoo::dit5_mlp_fwd", mutates_args=())
 def dit5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
-                scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    return _fwd_impl(q, (w1, w2), R.dit5_fwd, lambda: _t().dit5_fwd_triton, q, k, v, w1, w2, scale)
+                scale: float, triton: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    return _fwd_impl(q, (w1, w2), triton, R.dit5_fwd, lambda: _t().dit5_fwd_triton, q, k, v, w1, w2, scale)
 
 
 @dit5_fwd_op.register_fake
-def _(q, k, v, w1, w2, scale):
-    return tuple(_fake_fwd(q, (w1, w2)))
+def _(q, k, v, w1, w2, scale, triton):
+    return tuple(_fake_fwd(q, (w1, w2), triton))
 
 
 @torch.library.custom_op("ttt_zoo::dit5_mlp_bwd", mutates_args=())
 def dit5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w1n: Tensor, w2n: Tensor,
-                scale: float) -> List[Tensor]:
-    return _bwd_impl(q, R.dit5_bwd, lambda: _t().dit5_bwd_triton, do, q, k, v, w1, w2, w1n, w2n, scale)
+                scale: float, triton: bool) -> List[Tensor]:
+    return _bwd_impl(q, triton, R.dit5_bwd, lambda: _t().dit5_bwd_triton, do, q, k, v, w1, w2, w1n, w2n, scale)
 
 
 @dit5_bwd_op.register_fake
-def _(do, q, k, v, w1, w2, w1n, w2n, scale):
-    return _fake_bwd(q, (w1, w2))
+def _(do, q, k, v, w1, w2, w1n, w2n, scale, triton):
+    return _fake_bwd(q, (w1, w2), triton)
 
 
 def _dit5_setup(ctx, inputs, output):
-    q, k, v, w1, w2, scale = inputs
+    q, k, v, w1, w2, scale, triton = inputs
     ctx.save_for_backward(q, k, v, w1, w2, *output[1:])
-    ctx.scale = scale
+    ctx.scale, ctx.triton = scale, triton
 
 
 def _dit5_backward(ctx, dout, *_):
-    grads = dit5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale)
-    return (*grads, None)
+    grads = dit5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton)
+    return (*grads, None, None)
 
 
 dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
@@ -138,13 +135,16 @@ count_flops_as(dit5_bwd_op, R.dit5_bwd)
 
 
 # --------------------------------------------------------------------------------------------- public entry
-def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float) -> Tensor:
-    """T5 inner step + apply through the custom op (the ``triton`` backend)."""
+def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float, triton=None) -> Tensor:
+    """T5 inner step + apply through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path,
+    None: the kernels where they can run, ``utils.kernel_choice``)."""
     R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
-    return t5_fwd_op(q, k, v, w1, w2, w3, float(scale))[0]
+    triton = kernel_choice(triton, q, "t5_swiglu_ttt", q.shape[-1])
+    return t5_fwd_op(q, k, v, w1, w2, w3, float(scale), triton)[0]
 
 
-def mlp_ttt_op(q, k, v, w1, w2, scale: float) -> Tensor:
-    """DiT5 inner step + apply through the custom op (the ``triton`` backend)."""
+def mlp_ttt_op(q, k, v, w1, w2, scale: float, triton=None) -> Tensor:
+    """DiT5 inner step + apply through the custom op (the ``triton`` backend; ``triton`` as above)."""
     R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
-    return dit5_fwd_op(q, k, v, w1, w2, float(scale))[0]
+    triton = kernel_choice(triton, q, "dit5_mlp_ttt", q.shape[-1])
+    return dit5_fwd_op(q, k, v, w1, w2, float(scale), triton)[0]

@@ -1,7 +1,7 @@
 """The linear-attention Vision-TTT scan as a ``torch.library`` custom op (``ttt_zoo::linear_attention_fwd``).
 
-The forward runs the Triton kernel where ``backend.use_triton`` allows (CUDA, or CPU under ``TRITON_INTERPRET=1``),
-the chunk-parallel PyTorch form elsewhere; a fake (meta) impl lets ``torch.compile`` and meta-device models see an
+The forward runs the Triton kernel when its last argument ``triton`` says so (the backend the caller chose once:
+``backend.resolve_backend``), the chunk-parallel PyTorch form otherwise; a fake (meta) impl lets ``torch.compile`` and meta-device models see an
 opaque node.  The backward recomputes the chunk-parallel form (``torch.py``) and differentiates it.
 """
 from typing import List
@@ -9,26 +9,23 @@ from typing import List
 import torch
 from torch import Tensor
 
-from ..backend import use_triton
-from ..utils import count_flops_as, triton_module
+from ..utils import count_flops_as, kernel_choice, launches_kernel, triton_module
 from .common import check_la_args
 from .torch import la_chunk_torch
-
-_OP = "linear_attention"
 
 __all__ = ["la_fwd_op", "linear_attention_op"]
 
 
 @torch.library.custom_op("ttt_zoo::linear_attention_fwd", mutates_args=())
 def la_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
-              mini_batch: int) -> Tensor:
-    if use_triton(q, _OP):
+              mini_batch: int, triton: bool) -> Tensor:
+    if launches_kernel(triton, q):
         return triton_module(__package__).la_fwd_triton(q, k, v, lr, tau, w0, b0, mini_batch)
     return la_chunk_torch(q, k, v, lr, tau, w0, b0, mini_batch).contiguous()
 
 
 @la_fwd_op.register_fake
-def _(q, k, v, lr, tau, w0, b0, mini_batch):
+def _(q, k, v, lr, tau, w0, b0, mini_batch, triton):
     return torch.empty_like(q)
 
 
@@ -46,14 +43,16 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, do):
-    return (*_chunk_vjp(do, ctx.saved_tensors, ctx.mini_batch), None)
+    return (*_chunk_vjp(do, ctx.saved_tensors, ctx.mini_batch), None, None)
 
 
 la_fwd_op.register_autograd(_backward, setup_context=_setup)
 count_flops_as(la_fwd_op, la_chunk_torch)
 
 
-def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16) -> Tensor:
-    """The scan through the custom op (the ``triton`` backend); arguments as ``naive.la_scan_naive``."""
+def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16, triton=None) -> Tensor:
+    """The scan through the custom op (the ``triton`` backend; ``triton`` as ``utils.kernel_choice``); arguments
+    as ``naive.la_scan_naive``."""
     check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
-    return la_fwd_op(q, k, v, lr, tau, w0, b0, int(mini_batch))
+    triton = kernel_choice(triton, q, "linear_attention", q.shape[-1])
+    return la_fwd_op(q, k, v, lr, tau, w0, b0, int(mini_batch), triton)

@@ -1,14 +1,14 @@
 """The TTT-Linear scan as ``torch.library`` custom ops (``ttt_zoo::ttt_linear_scan_fwd`` / ``_bwd``).
 
 General contract of ``torch.py`` (``ndir`` = 1 causal, 2 bidirectional with direction 1 reversed).  The ops have
-one kernel for every device: Triton where ``backend.use_triton`` allows (CUDA or CPU under ``TRITON_INTERPRET=1``,
-fp32/fp16/bf16, head dim <= ``backend.MAX_HEAD_DIM['ttt_linear']``), the recomputing PyTorch path otherwise, plus fake (meta) implementations,
+one kernel for every device: Triton when their last argument ``triton`` says so (the backend the caller chose once,
+under its own op name: ``backend.resolve_backend``), the recomputing PyTorch path otherwise, plus fake (meta) implementations,
 so ``torch.compile`` treats them as opaque nodes and meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
-                                                         ln_residual, eps, save_states)
+                                                         ln_residual, eps, save_states, triton)
     dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b = torch.ops.ttt_zoo.ttt_linear_scan_bwd(
-        do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
+        do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton)
 
 ``ttt_linear_op`` / ``ttt_linear_bidir_op`` have the signatures of the references.  ``return_grad_norm=True`` (the
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
@@ -18,12 +18,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import use_triton
 from ..utils import needs_grad as _needs_grad
-from ..utils import count_flops_as, triton_module
+from ..utils import count_flops_as, kernel_choice, launches_kernel, triton_module
 from . import torch as R
-
-_OP = "ttt_linear"  # the op name the backend rules (head-dim limit) are looked up under
 
 __all__ = ["scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
@@ -36,14 +33,14 @@ def _t():
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
-                save_states: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().scan_fwd_triton if use_triton(q, _OP) else R.scan_fwd
+                save_states: bool, triton: bool) -> Tuple[Tensor, Tensor]:
+    impl = _t().scan_fwd_triton if launches_kernel(triton, q) else R.scan_fwd
     out, st = impl(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
     return out.contiguous(), st.contiguous()
 
 
 @scan_fwd_op.register_fake
-def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states):
+def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton):
     _, bsz, h, n, d = q.shape
     cd = q.dtype if q.dtype == torch.float64 else torch.float32
     n_mb = -(-n // mini_batch)
@@ -55,26 +52,26 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_bwd", mutates_args=())
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
-                eps: float) -> List[Tensor]:
-    impl = _t().scan_bwd_triton if use_triton(q, _OP) else R.scan_bwd
+                eps: float, triton: bool) -> List[Tensor]:
+    impl = _t().scan_bwd_triton if launches_kernel(triton, q) else R.scan_bwd
     grads = impl(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     return [g.contiguous() for g in grads]
 
 
 @scan_bwd_op.register_fake
-def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps):
+def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lr, tau, w0, b0, ln_w, ln_b)]
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states = inputs
+    q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton = inputs
     ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, output[1])
-    ctx.cfg = (ndir, mini_batch, ln_residual, eps)
+    ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton)
 
 
 def _backward(ctx, dout, dstates):
     grads = scan_bwd_op(dout.contiguous(), *ctx.saved_tensors, *ctx.cfg)
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -82,25 +79,29 @@ count_flops_as(scan_fwd_op, R.scan_fwd)
 count_flops_as(scan_bwd_op, R.scan_bwd)
 
 
-def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float) -> Tensor:
+def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
+          triton: bool) -> Tensor:
     save = _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b)
     return scan_fwd_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, int(mini_batch), bool(ln_residual), float(eps),
-                       save)[0]
+                       save, bool(triton))[0]
 
 
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
-                  eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal scan through the custom ops (the ``triton`` backend); signature of ``naive.ttt_linear_naive``."""
+                  eps: float = 1e-6, return_grad_norm: bool = False, triton=None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Causal scan through the custom ops (the ``triton`` backend; ``triton=False``: their PyTorch path, the opaque
+    node torch.compile sees for the ``torch`` backend; None: as ``utils.kernel_choice``); signature of
+    ``naive.ttt_linear_naive``."""
     if return_grad_norm:
         return R.ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
     R._check(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = R.single_inputs(q, k, w0, b0)
-    return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None
+    triton = kernel_choice(triton, q, "ttt_linear", q.shape[-1])
+    return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
 def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
-                        rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
-                        ) -> Tuple[Tensor, Optional[Tensor]]:
+                        rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False,
+                        triton=None) -> Tuple[Tensor, Optional[Tensor]]:
     """Bidirectional scan, both directions in one kernel launch; signature of ``ttt_linear_bidir``.
 
     In-chunk RoPE runs in PyTorch before the op (one rotated q, k per direction, in original token order).
@@ -110,4 +111,5 @@ def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 
                                         eps, True)
     R._check(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
-    return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
+    triton = kernel_choice(triton, q, "ttt_linear_bidir", q.shape[-1])
+    return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps, triton), None
