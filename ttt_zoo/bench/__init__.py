@@ -2,7 +2,8 @@
 
 - ``measure.py``: step timing, peak memory (CUDA allocator / CPU peak RSS), the fresh-subprocess runner, machine info;
 - ``models.py`` / ``ops.py``: what one child process measures (a model at one size and phase; all shapes of an op);
-- ``run.py``: the side-by-side runs; ``report.py``: results file, markdown tables with ratios, plot.
+- ``run.py``: the side-by-side runs, each row handed on the moment it is measured; ``report.py``: results file,
+  markdown tables with ratios, plot; ``profiling.py``: a profiled step's times, each kernel counted once.
 """
 
 from typing import Dict, List, Sequence
