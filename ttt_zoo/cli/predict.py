@@ -113,6 +113,7 @@ def _build_model(args):
     """(model with its weights in eval mode, class names from a training folder or None)."""
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
+    from ttt_zoo import hub_format
     from ttt_zoo.hub import CONFIG_NAME, load_folder, read_config
     from ttt_zoo.run_folder import ARGS, apply_run_defaults, resolve_checkpoint, run_model_kwargs
     from ttt_zoo.train.validate import create_eval_model, load_weights
@@ -124,7 +125,7 @@ def _build_model(args):
         if not os.path.isfile(os.path.join(ck, CONFIG_NAME)):
             raise UsageError(f"--checkpoint {ck} is a folder without {ARGS} or {CONFIG_NAME}: neither a `ttt-zoo "
                              f"train` run folder nor a Hub folder; give a weights file, a run folder or a Hub folder")
-        arch = read_config(ck)["architecture"]
+        arch = hub_format.architecture(read_config(ck))
         if args.model and args.model != arch:
             raise UsageError(f"--model {args.model} differs from the Hub folder's {arch}; leave out --model")
         args.model = arch
