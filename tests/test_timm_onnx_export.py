@@ -8,7 +8,7 @@ run here, with small widths (the script takes no model kwargs; the code path is 
 also compared within 1e-4 (relative) at the traced size and at batch 3 and a larger non-square size, which
 the script does not do (a traced graph that fixed the size fails there).  This file runs TorchScript's exporter;
 the dynamo exporter's per-code-path test stays ``tests/test_registry_contract.py::test_onnx_export``
-(``ttt_zoo.export``, without autograd).  ``timm_onnx_export(name, tmp_path, dynamo=True)`` passed on 10 of the 14
+(``ttt_zoo.export``, without autograd).  ``timm_onnx_export(name, tmp_path, dynamo=True)`` passed on 11 of the 14
 code paths by hand; with autograd on (timm's export leaves it on) ``visionttt_h_tiny_la`` failed after 15 minutes
 (experiments/results/timm_onnx_export.md).
 """
