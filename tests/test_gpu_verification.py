@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from ttt_zoo.kernels import backend as B
 KERNEL = B.TRITON_BACKEND
 KERNEL_OPS = sorted(op for op, impls in available_ops().items() if impls[KERNEL])
 CUDA = torch.device("cuda")
-_use_kernel = getattr(B, f"use_{KERNEL}")  # the custom ops' rule
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,11 +46,6 @@ def _record(op, root=None):
                 command="pytest", **{KERNEL: "x"})
 
 
-def _fake_cuda_tensor(d=32):
-    """What the custom ops' rule reads of a tensor, on CUDA, without a GPU."""
-    return types.SimpleNamespace(numel=lambda: 1, device=CUDA, dtype=torch.float32, shape=(1, 4, d))
-
-
 def test_every_kernel_op_has_sources():
     assert KERNEL_OPS and "last_layer_ttt" not in KERNEL_OPS
     for op in KERNEL_OPS:
@@ -77,7 +70,6 @@ def test_no_matching_record_means_pytorch_on_cuda(records, monkeypatch, tmp_path
     for op in KERNEL_OPS:
         assert B.resolve_backend("auto", CUDA, torch.float16, 32, op) == "torch", op
         assert B.resolve_backend(None, CUDA, torch.float32, 32, op) == "torch", op
-        assert not _use_kernel(_fake_cuda_tensor(), op), op
     assert not torch.cuda.is_initialized()
 
 
@@ -85,10 +77,9 @@ def test_matching_record_selects_the_kernel(monkeypatch, tmp_path):
     for op in KERNEL_OPS:
         _records(monkeypatch, tmp_path, [_record(op)])
         assert B.resolve_backend("auto", CUDA, torch.float16, 32, op) == KERNEL, op
-        assert _use_kernel(_fake_cuda_tensor(), op), op
         assert B.resolve_backend("auto", CUDA, torch.float64, 32, op) == "torch", op  # no fp64 kernels
         assert B.resolve_backend("auto", torch.device("cpu"), torch.float32, 32, op) == "torch", op
-        others = [o for o in KERNEL_OPS if o != op and B.kernel_folder(o) != B.kernel_folder(op)]
+        others = [o for o in KERNEL_OPS if o != op]  # a record counts for its op alone, not its folder's others
         assert all(B.resolve_backend("auto", CUDA, torch.float32, 32, o) == "torch" for o in others), op
     assert not torch.cuda.is_initialized()
 
@@ -133,15 +124,13 @@ def test_editing_a_kernel_invalidates_its_record(monkeypatch, tmp_path):
 
 def test_forced_kernel_ignores_records(monkeypatch, tmp_path):
     _records(monkeypatch, tmp_path, [])
-    assert not any(_use_kernel(_fake_cuda_tensor(), op) for op in KERNEL_OPS)
     for op in KERNEL_OPS:
         assert B.resolve_backend(KERNEL, CUDA, torch.float32, 32, op) == KERNEL, op
-        assert _use_kernel(_fake_cuda_tensor(), op), op  # its custom ops (and backward) follow the choice
+        assert B.resolve_backend(None, CUDA, torch.float32, 32, op) == "torch", op  # the choice ends with its call
     B.clear_verification_cache()
     monkeypatch.setenv(B.ENV_VAR, KERNEL)
     for op in KERNEL_OPS:
         assert B.resolve_backend(None, CUDA, torch.float32, 32, op) == KERNEL, op
-        assert _use_kernel(_fake_cuda_tensor(), op), op
     assert not torch.cuda.is_initialized()
 
 
