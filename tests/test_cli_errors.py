@@ -308,3 +308,33 @@ def test_force_replaces_and_files_get_the_normal_mode(tmp_path, capsys):
         assert sorted(os.listdir(tmp_path)) == ["a.json", "b.yaml", "c.onnx", "s.png"]  # no temporaries left
     finally:
         os.umask(old)
+
+
+def _full_disk(*args, **kwargs):
+    import errno
+    raise OSError(errno.ENOSPC, "No space left on device")  # as torch.save / save_file raise it: no file name
+
+
+def test_full_disk_is_one_line_naming_the_file_and_no_dead_end(env, tmp_path, capsys, monkeypatch):
+    """A full disk inside an epoch commit (torch.save) and inside convert (safetensors' save_file): one line naming
+    the file and saying what to do, exit 2; the same commands then succeed once there is space again."""
+    import safetensors.torch
+    out = tmp_path / "runs"
+    train = ["train", "--data-dir", env["data"], "--output", out, *TINY, "--epochs", "1", "--experiment", "fd"]
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", _full_disk)
+        rc, err = cli(capsys, *train)
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines[-1].startswith("error: ") and "Traceback" not in err, err
+    assert "last.state.pt: no space left on its disk" in lines[-1] and "committing epoch 1" in lines[-1], lines[-1]
+    assert cli(capsys, *train)[0] == 0  # space again: the same command runs
+    hub_out = tmp_path / "hub"
+    convert = ["convert", out / "fd" / "last.safetensors", "--model", "vit3_tiny.fd", "--model-kwargs", "depth=1",
+               "embed_dim=16", "num_heads=2", "patch_size=4", "img_size=16", "num_classes=10", "--out", hub_out,
+               "--no-flops"]
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", _full_disk)
+        rc, err = cli(capsys, *convert)
+    assert rc == 2 and err.count("\n") == 1 and f"{hub_out}: no space left on its disk" in err, err
+    assert not hub_out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".hub")] == []
+    assert cli(capsys, *convert)[0] == 0 and (hub_out / "model.safetensors").is_file()

@@ -16,7 +16,7 @@ from typing import IO, Callable, Iterator, Optional, Set, Union
 
 from ttt_zoo.errors import FolderInUseError, UsageError  # noqa: F401  (re-exported)
 
-__all__ = ["atomic_write", "atomic_path", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
+__all__ = ["atomic_write", "atomic_path", "named_os_error", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
            "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive"]
 
 _UMASK = os.umask(0o022)
@@ -78,6 +78,16 @@ def _temp_sibling(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
 
 
+def named_os_error(e: OSError, path: str) -> OSError:
+    """``e`` naming ``path`` when it names no file (``torch.save`` and safetensors' ``save_file`` raise a full disk
+    without one), so that its one ``error:`` line says which file could not be written."""
+    if e.filename is not None:
+        return e
+    named = OSError(e.errno, e.strerror or str(e), path)
+    named.__cause__ = e
+    return named
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, temp: Optional[str] = None) -> Iterator[str]:
     """Yield a temporary path beside ``path`` for a writer that needs a file name; when the body completes, the
@@ -91,9 +101,11 @@ def atomic_path(path: str, temp: Optional[str] = None) -> Iterator[str]:
         os.chmod(tmp, _NORMAL_MODE)  # some writers (safetensors' save_file) create their file private (0600)
         fsync_file(tmp)
         replace_file(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            raise named_os_error(e, path) from e
         raise
 
 

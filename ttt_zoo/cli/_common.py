@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import re
@@ -96,6 +97,8 @@ def error_line(e: BaseException) -> Optional[str]:
         msg = e.code
     elif isinstance(e, USER_ERRORS):
         msg = str(e)
+    elif isinstance(e, OSError) and e.filename is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        msg = f"{e.filename}: no space left on its disk ({e.strerror}); free some space, then run the command again"
     elif isinstance(e, OSError) and e.filename is not None:
         msg = f"{e.filename}: {e.strerror or e}; check the path and its permissions"
     elif isinstance(e, (ValueError, OSError)) and _raised_in_zoo(e):  # our own clear messages

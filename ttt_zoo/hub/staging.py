@@ -11,7 +11,7 @@ import tempfile
 from typing import Iterator
 
 from ttt_zoo.errors import HubFolderError
-from ttt_zoo.fileio import pid_alive
+from ttt_zoo.fileio import named_os_error, pid_alive
 
 __all__ = ["output_folder", "check_output", "staged_folder"]
 
@@ -103,6 +103,10 @@ def staged_folder(out_dir: str, overwrite: bool = False) -> Iterator[str]:
     try:
         yield tmp
         _swap_in(tmp, target)
+    except OSError as e:  # e.g. a full disk inside save_file, which names no file: name the folder being written
+        if e.filename is None:
+            raise named_os_error(e, out_dir) from e
+        raise
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -77,7 +77,13 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
     written: Dict[str, str] = {}
     for name, write in writers:  # 1. temps
         tmp = os.path.join(folder, name + TMP)
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as e:  # e.g. a full disk: the previous epoch stays committed, this one's temps are cleaned
+            kept_epoch = previous.get("epoch") if previous else None  # at the next start
+            raise OSError(e.errno, f"{e.strerror or e} while committing epoch {epoch}; " + (
+                f"epoch {kept_epoch} stays committed: continue with `ttt-zoo train --resume {folder}`"
+                if kept_epoch is not None else "no epoch was committed yet"), os.path.join(folder, name)) from e
         fsync_file(tmp)
         written[name] = sha256_file(tmp)
     rewritten = {family(n) for n in written}
