@@ -133,7 +133,7 @@ def test_sample_cli_errors(tmp_path, capsys):
     assert main(["sample", "--out", str(tmp_path / "x.png")]) == 2
     assert "give --model" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
-    assert "is it a `ttt-zoo train` output folder" in capsys.readouterr().err
+    assert "is a folder, not a weights file" in capsys.readouterr().err  # neither args.yaml nor checkpoint.json
     assert main(["sample", "--model", "dit_s_2", "--model-kwargs", "hidden_size=32", "depth=1", "num_heads=2",
                  "num_classes=5", "--labels", "7", "--out", str(tmp_path / "x.png")]) == 2
     assert "outside the model's 5 classes" in capsys.readouterr().err
