@@ -17,6 +17,8 @@ import ttt_zoo  # noqa: F401
 from ttt_zoo.bench import format_table, measure_steps, scaling_exponents, write_results
 from ttt_zoo.cli import main
 
+from test_registry_contract import small_kwargs
+
 TIMM_KEYS = ("samples_per_sec", "step_time", "batch_size", "img_size", "gmacs")
 
 
@@ -291,17 +293,6 @@ def test_bench_profile_averages_steps_profiled_one_at_a_time(tmp_path, capsys):
         assert abs(sum(o["ms"] for o in t["ops"]) - t["total_ms"]) <= 1e-9 * t["total_ms"]
 
 
-def _tiny_kwargs(name):
-    """One block per stage, small widths (head dims within every Triton kernel's limit)."""
-    if name.startswith("hvit3"):
-        return dict(embed_dim=(16, 16, 32, 32), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2))
-    if name.startswith("visionttt_h"):
-        return dict(embed_dim=16, depths=(1, 1, 1, 1), head_dim=(8, 8, 8, 8))
-    if name.startswith("visionttt"):
-        return dict(embed_dim=32, depth=1, head_dim=16)
-    return dict(embed_dim=32, depth=1, num_heads=2)
-
-
 def _gmacs_models():
     from ttt_zoo.registry import list_zoo_families
     return sorted(set(list_zoo_families().values()) | {"visionttt_tiny_la"})  # + the linear-attention op
@@ -317,7 +308,7 @@ def test_bench_gmacs_count_the_inner_step(name):
     from torch.utils.flop_counter import FlopCounterMode
     from ttt_zoo.bench.models import count_gmacs, create
     from ttt_zoo.kernels import use_backend
-    size, kwargs = (96, 96), _tiny_kwargs(name)
+    size, kwargs = (96, 96), small_kwargs(name)  # one block per stage, small widths
     with use_backend("triton"):
         meta = count_gmacs(name, size, kwargs)
     model = create(name, size, kwargs).eval()

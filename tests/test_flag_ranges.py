@@ -3,19 +3,12 @@ the parsers, so a new numeric flag without one fails here.  A value below and on
 `error:` line naming the flag, exit status 2, before any work (issue 36, deliverable 4)."""
 import pytest
 
-from ttt_zoo.cli import main
 from ttt_zoo.cli._ranges import numeric_flags
 from ttt_zoo.flags import MODEL_KWARG_RANGES
 
+from test_cli_errors import cli  # (exit status, stderr) of `ttt-zoo ARGV` in this process
+
 FLAGS = numeric_flags()
-
-
-def cli(capsys, *argv):
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    return rc, capsys.readouterr().err
 
 
 def _id(f):
