@@ -1,0 +1,205 @@
+"""Count what a step launches: kernel-launching aten ops and Triton kernels, on any device (the CPU included).
+
+A GPU step's cost below a few thousand tokens is its launches, so they are counted, not timed (issue 39).  The
+count is taken where a GPU would launch: at the dispatcher, below autograd and below the composite decompositions
+(``linear`` is one ``addmm``; ``dropout`` in eval is nothing), with every aten op that is not a view, an allocation
+without a fill or a no-op (:data:`NO_LAUNCH`) counted as one launch.  The ``ttt_zoo::`` custom ops are opened: their
+own aten ops and Triton kernels are counted (a GPU launches them too).  Triton kernels are counted at their launch
+(compiled or under ``TRITON_INTERPRET=1``); the aten ops the interpreter runs inside a launch are not.
+
+    >>> counts = count_launches(lambda: block(x, feat_size))                    # inference
+    >>> counts = count_launches(lambda: block(x, feat_size).sum().backward())   # a training step (fwd + bwd)
+    >>> counts.aten_total, counts.triton_total, counts.total
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Counter, Iterator, List
+
+import torch
+from torch._library.custom_ops import _maybe_get_opdef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LaunchCounts", "NO_LAUNCH", "count_launches", "count_triton_launches"]
+
+OPENED_NAMESPACE = "ttt_zoo"  # custom ops whose insides are counted
+# aten ops that launch no kernel (views are recognised from their schema)
+NO_LAUNCH = frozenset((
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view", "detach",
+    "lift_fresh", "lift_fresh_copy_noop", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
+    "is_same_size", "_has_compatible_shallow_copy_type", "resolve_conj", "resolve_neg", "set_", "_nested_tensor_size",
+    "is_nonzero_noop", "prim_layout", "record_stream",
+))
+
+
+@dataclass
+class LaunchCounts:
+    """Launches of one call: ``aten`` (leaf op name -> count) and ``triton`` (kernel name -> count)."""
+    aten: Counter = field(default_factory=collections.Counter)
+    triton: Counter = field(default_factory=collections.Counter)
+    by_op: Counter = field(default_factory=collections.Counter)  # launches inside each ``ttt_zoo::`` op, by op
+
+    def op_launches(self, name: str) -> int:
+        """Launches inside the custom op ``ttt_zoo::<name>`` (aten ops and Triton kernels)."""
+        return self.by_op[name]
+
+    @property
+    def aten_total(self) -> int:
+        return sum(self.aten.values())
+
+    @property
+    def triton_total(self) -> int:
+        return sum(self.triton.values())
+
+    @property
+    def total(self) -> int:
+        return self.aten_total + self.triton_total
+
+    def table(self) -> List[str]:
+        rows = [f"| {n} | {c} |" for n, c in self.aten.most_common()] + \
+               [f"| triton {n} | {c} |" for n, c in self.triton.most_common()]
+        return ["| op | launches |", "|---|---|"] + rows
+
+
+def _jit_classes():
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: nothing to count
+        return []
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    return classes
+
+
+_inside_triton = [0]  # > 0 while a Triton launch runs: its interpreter's aten ops are not launches
+_op_stack: List[str] = []  # the opened ttt_zoo:: ops being run (innermost last)
+_by_op: List[Counter] = []  # the by-op counter of the current count_launches call
+
+
+@contextlib.contextmanager
+def count_triton_launches(counter: Counter) -> Iterator[Counter]:
+    """Count every Triton kernel launched inside (``kernel[grid](...)``), by kernel name."""
+    patched = []
+    for cls in _jit_classes():
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "kernel")
+            if not _inside_triton[0]:
+                counter[name] += 1
+                if _op_stack and _by_op:
+                    _by_op[-1][_op_stack[-1]] += 1
+            _inside_triton[0] += 1
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                _inside_triton[0] -= 1
+
+        cls.run = run
+        patched.append((cls, original))
+    try:
+        yield counter
+    finally:
+        for cls, original in patched:
+            cls.run = original
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class _LaunchCounter(TorchDispatchMode):
+    def __init__(self, counter: Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == OPENED_NAMESPACE:
+            opdef = _maybe_get_opdef(func)
+            if opdef is not None:  # count what the op's implementation launches
+                _op_stack.append(func._schema.name.split("::")[-1])
+                try:
+                    with self:
+                        return opdef._init_fn(*args, **kwargs)
+                finally:
+                    _op_stack.pop()
+        if not _inside_triton[0] and func.namespace == "aten" and not _is_view(func) \
+                and func._schema.name.split("::")[-1] not in NO_LAUNCH:
+            self.counter[func._schema.name.split("::")[-1]] += 1
+            if _op_stack and _by_op:
+                _by_op[-1][_op_stack[-1]] += 1
+        return func(*args, **kwargs)
+
+
+def count_launches(fn: Callable[[], object]) -> LaunchCounts:
+    """Run ``fn()`` once and count its launches (see the module docstring).  Warm up first: lazy initialisation
+    (a Triton compile, a cache fill) would count too."""
+    counts = LaunchCounts()
+    _by_op.append(counts.by_op)
+    try:
+        with count_triton_launches(counts.triton), _LaunchCounter(counts.aten):
+            fn()
+    finally:
+        _by_op.pop()
+    return counts
+
+
+def _first_block(model: torch.nn.Module, x: torch.Tensor):
+    """The model's first block and the (args, kwargs) it is called with on ``x`` (captured by a hook)."""
+    blocks = [m for n, m in model.named_modules() if n.endswith("blocks.0")]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no module named '*blocks.0'")
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.setdefault("call", (args, kwargs))
+
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return blocks[0], seen["call"]
+
+
+def block_launches(model: torch.nn.Module, img_size: int = 64, batch: int = 2, seed: int = 0):
+    """(inference, training) :class:`LaunchCounts` of the model's first block on its input at ``img_size``.
+
+    Inference: eval mode under ``no_grad``.  Training: train mode, forward + ``.sum().backward()`` with the
+    gradients set to None beforehand (as ``optimizer.zero_grad()`` leaves them), after one warm-up step each.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, img_size, img_size, generator=g)
+    model.eval()
+    block, (args, kwargs) = _first_block(model, x)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    run = lambda: block(*args, **kwargs)  # noqa: E731
+    with torch.no_grad():
+        run()
+        infer = count_launches(run)
+    block.train()
+    for t in tensors:
+        t.requires_grad_(t.is_floating_point())
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        for t in tensors:
+            t.grad = None
+        out = run()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    step()
+    block.zero_grad(set_to_none=True)
+    for t in tensors:
+        t.grad = None
+    out_step = lambda: (lambda o: (o[0] if isinstance(o, tuple) else o).sum().backward())(run())  # noqa: E731
+    train = count_launches(out_step)
+    return infer, train
