@@ -19,7 +19,7 @@ FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
     ("files and ops", ("ttt_zoo/checkpoint.py", "ttt_zoo/run_folder.py", "ttt_zoo/hub_format.py", "kernels/*")),
     ("layers", ("ttt_zoo/layers/*",)),                                   # the mixers, the block
     ("models", ("ttt_zoo/models/*", "ttt_zoo/registry.py")),             # the families, the zoo's registry
-    ("model tools", ("ttt_zoo/analysis/*", "ttt_zoo/export.py", "ttt_zoo/sampling.py")),
+    ("model tools", ("ttt_zoo/analysis/*", "ttt_zoo/export.py", "ttt_zoo/sampling.py", "ttt_zoo/torchcompile.py")),
     ("formats and conversions", ("ttt_zoo/hub/*", "ttt_zoo/linearize/*", "ttt_zoo/sd3/*")),
     ("package", ("ttt_zoo/__init__.py",)),                               # `import ttt_zoo`: re-exports only
     ("applications", ("ttt_zoo/train/*", "ttt_zoo/bench/*", "ttt_zoo/adapters/*")),

@@ -11,6 +11,7 @@ import os
 from typing import Dict, List, Tuple
 
 import torch
+from ttt_zoo.torchcompile import compile_model
 
 __all__ = ["create", "bench_model", "profile_model", "count_gmacs"]
 
@@ -99,7 +100,7 @@ class _Setup:
         self.target = torch.randint(0, max(getattr(model, "num_classes", 0) or 1, 1), (spec["batch_size"],),
                                     device=self.device)
         mode = spec.get("torchcompile_mode")
-        self.run = torch.compile(model, backend=spec["torchcompile"], mode=mode) if spec.get("torchcompile") else model
+        self.run = compile_model(model, spec.get("torchcompile") or None, mode or None)
         # CUDA graphs (mode reduce-overhead): each training step starts a new graph replay
         self.mark_step = mode == "reduce-overhead" and spec.get("torchcompile") and self.train
         self.ort = _ort_session(model, (h, w), spec) if spec.get("runtime") == "onnxruntime" else None

@@ -19,6 +19,7 @@ import sys
 from ttt_zoo.kernels.backend import BACKENDS
 
 from ttt_zoo.flags import Range, SizeRange, model_kwargs_problem
+from ttt_zoo.torchcompile import add_torchcompile_args, check_torchcompile
 
 __all__ = ["add_parser", "run", "parse_img_size"]
 
@@ -250,11 +251,7 @@ def add_parser(sub) -> None:
     g.add_argument("--channels-last", action="store_true")
     g.add_argument("--grad-checkpointing", action="store_true",
                    help="train with activation checkpointing (model.set_grad_checkpointing(), every row)")
-    g.add_argument("--torchcompile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="torch.compile the model (default backend inductor)")
-    g.add_argument("--torchcompile-mode", default=None,
-                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                   help="torch.compile mode of the compiled rows (reduce-overhead: CUDA graphs)")
+    add_torchcompile_args(g, "torch.compile mode of the compiled rows (reduce-overhead: CUDA graphs)")
     g.add_argument("--runtime", nargs="+", default=["torch"], choices=["torch", "compile", "onnxruntime"],
                    help="side by side: torch (eager; alone, --torchcompile compiles it), compile (torch.compile with "
                         "--torchcompile's backend, default inductor) and/or onnxruntime (the `ttt-zoo export` graph, "
@@ -298,4 +295,6 @@ def _main(args) -> int:
             args._parser.error(f"--model-list {args.model_list!r} names no model")
     if args.ops is None and args.dry_run:
         args._parser.error("--dry-run applies to --ops")
+    if args.torchcompile or args.torchcompile_mode:  # (--runtime compile: inductor unless --torchcompile names one)
+        check_torchcompile(args.torchcompile or "inductor", args.torchcompile_mode)
     return run(args)

@@ -239,6 +239,7 @@ def _predict(model, loader, paths, args, dev, k):
     error, naming the first image."""
     import torch
     from ttt_zoo.finite import FiniteCheck
+    from ttt_zoo.torchcompile import mark_step
     from ._common import UsageError
     indices, outputs, unreadable = [], [], {}
     finite = FiniteCheck()
@@ -247,6 +248,7 @@ def _predict(model, loader, paths, args, dev, k):
         for x, errors in loader:
             start = len(indices)
             unreadable.update({paths[start + j]: e for j, e in enumerate(errors) if e})
+            mark_step(args.torchcompile is not None)
             out = model(x.to(dev))
             if isinstance(out, (tuple, list)):
                 out = out[0]
@@ -277,7 +279,9 @@ def run(args) -> int:
     import torch
     from timm.data import DatasetInfoLabelMapper, create_transform, resolve_data_config
     from ttt_zoo.fileio import atomic_write
+    from ttt_zoo.torchcompile import check_torchcompile, compile_model
     from ._common import UsageError, check_out
+    check_torchcompile(args.torchcompile, args.torchcompile_mode)
     sources = list(args.data) + ([args.data_dir] if args.data_dir else [])
     if not sources:
         raise UsageError("no images given; give an image file, a folder or a glob, e.g. `ttt-zoo predict "
@@ -294,6 +298,7 @@ def run(args) -> int:
     model, run_names = _build_model(args)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(dev)
+    compiled = compile_model(model, args.torchcompile, args.torchcompile_mode)
     cfg = resolve_data_config(dict(img_size=args.img_size, input_size=args.input_size, crop_pct=args.crop_pct,
                                    crop_mode=args.crop_mode, interpolation=args.interpolation, mean=args.mean,
                                    std=args.std), model=model, use_test_size=True)
@@ -308,7 +313,7 @@ def run(args) -> int:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                                          pin_memory=dev.type == "cuda")
     k = min(args.topk, model.num_classes)
-    indices, outputs, unreadable = _predict(model, loader, paths, args, dev, k)
+    indices, outputs, unreadable = _predict(compiled, loader, paths, args, dev, k)
     if len(unreadable) == len(paths):
         raise UsageError(f"none of the {len(paths)} image(s) can be read (e.g. {paths[0]}: {unreadable[paths[0]]}); "
                          f"fix the files or give others")
@@ -348,6 +353,7 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     from ttt_zoo.flags import MAX_IMG_SIDE, Range
+    from ttt_zoo.torchcompile import add_torchcompile_args
     from ._common import add_model_kwargs
     p = sub.add_parser("predict", help="top-k classes of images (a file, a folder or a glob), as timm's inference.py",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,6 +384,7 @@ def add_parser(sub) -> None:
     p.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
+    add_torchcompile_args(p)
     p.add_argument("--topk", type=Range(int, ge=1, le=1000), default=1, metavar="N",
                    help="classes per image (default 1)")
     p.add_argument("--label-type", choices=_LABEL_TYPES, default="description",

@@ -105,9 +105,11 @@ def run(args) -> int:
     import torch
     from ttt_zoo.checkpoint import CheckpointError
     from ttt_zoo.sampling import sample, save_image_grid
+    from ttt_zoo.torchcompile import check_torchcompile, compile_model
     from ._common import UsageError, check_out
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
+        check_torchcompile(args.torchcompile, args.torchcompile_mode)
         check_out(args.out, args.force)
         if args.tiny:
             model, vae, labels = _tiny(args)
@@ -122,6 +124,8 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model = model.to(device).eval()
+    # the forward in place: forward_with_cfg (guidance) calls self.forward
+    model = compile_model(model, args.torchcompile, args.torchcompile_mode, forward_only=True)
     vae = vae.to(device).eval() if vae is not None else None
     pixels = vae is None and model.in_chans == 3
     images = sample(model, labels, num_steps=args.steps, scheduler=args.scheduler, cfg_scale=args.cfg,
@@ -145,6 +149,7 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     from ttt_zoo.flags import MAX_IMG_SIDE, MAX_SEED, ModelKwargs, Range
+    from ttt_zoo.torchcompile import add_torchcompile_args
     p = sub.add_parser("sample", help="class-conditional DiT / DiT3 / DiT5 samples with guidance, as a PNG grid",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="DiT-family model (default: the training folder's)")
@@ -165,6 +170,7 @@ def add_parser(sub) -> None:
                         "pixel model's; 4 = the standard recipe for latents)")
     p.add_argument("--seed", type=Range(int, ge=0, le=MAX_SEED), default=0)
     p.add_argument("--device", default=None, help="default: cuda when available")
+    add_torchcompile_args(p)
     p.add_argument("--nrow", type=Range(int, ge=1, le=1024), default=None,
                    help="images per grid row (default: about square)")
     p.add_argument("--upscale", type=Range(int, ge=1, le=64), default=1, metavar="N",

@@ -48,6 +48,8 @@ def run(args) -> int:
     from ttt_zoo.train.validate import _results_format, validate, write_results
     from ttt_zoo.registry import resolve_model_name
     from ._common import check_out
+    from ttt_zoo.torchcompile import check_torchcompile
+    check_torchcompile(args.torchcompile, args.torchcompile_mode)
     _apply_run_args(args)
     resolve_model_name(args.model, "image", "--model")
     if args.results_file:
@@ -56,7 +58,8 @@ def run(args) -> int:
     rows = validate(args.model, args.data_dir, checkpoint=args.checkpoint, pretrained=args.pretrained,
                     use_ema=args.use_ema, batch_size=args.batch_size, img_size=args.img_size,
                     crop_pct=args.crop_pct, amp=args.amp, num_classes=args.num_classes, split=args.split,
-                    workers=args.workers, device=args.device, model_kwargs=args.model_kwargs)
+                    workers=args.workers, device=args.device, model_kwargs=args.model_kwargs,
+                    torchcompile=args.torchcompile, torchcompile_mode=args.torchcompile_mode)
     for r in rows:
         print(f"{r['model']} {r['checkpoint']}: top1 {r['top1']:.3f} top5 {r['top5']:.3f} "
               f"({r['param_count']:.2f}M params, {r['img_size']}px, crop_pct {r['crop_pct']})")
@@ -68,6 +71,7 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     from ttt_zoo.flags import MAX_IMG_SIDE, ModelKwargs, Range
+    from ttt_zoo.torchcompile import add_torchcompile_args
     p = sub.add_parser("validate", help="top-1/top-5 of a model (a checkpoint, a folder of them, or pretrained)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="image folder with a val/ (or validation/) split (default: a training folder's)")
@@ -92,6 +96,7 @@ def add_parser(sub) -> None:
                    help="default: the number of class folders with --checkpoint, else the model's")
     p.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    add_torchcompile_args(p)
     p.add_argument("--results-file", default="", metavar="FILE", help="write the rows as .csv or .json")
     p.add_argument("--force", action="store_true", help="replace an existing --results-file")
     p.set_defaults(func=run)

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ttt_zoo import flags
 from ttt_zoo.flags import MAX_IMG_SIDE, MAX_SEED, Range
+from ttt_zoo.torchcompile import add_torchcompile_args
 
 from .task import TASKS, get_task_class
 
@@ -51,6 +52,7 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--drop-path", type=Range(float, ge=0, lt=1), default=None, help="drop path (stochastic depth) rate")
     g.add_argument("--grad-checkpointing", action="store_true", help="gradient checkpointing through the model")
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm under DDP (models with BatchNorm)")
+    add_torchcompile_args(g)  # timm's --torchcompile [BACKEND] / --torchcompile-mode
 
     g = p.add_argument_group("optimizer and schedule (timm)")
     g.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=128, help="batch size per process")

@@ -26,6 +26,7 @@ from torch import nn
 
 from ttt_zoo import run_folder
 from ttt_zoo.fileio import LOCK_NAME, atomic_write, folder_lock
+from ttt_zoo.torchcompile import check_torchcompile, compile_model, mark_step
 
 from . import run_state
 from .args import parse_args
@@ -58,6 +59,7 @@ def _check_flags(a: argparse.Namespace) -> None:
     if a.img_size is not None and a.img_size < 1:
         raise _usage(f"--img-size {a.img_size}: not a positive size; give e.g. --img-size 224, or leave it out "
                      f"for the model's own")
+    check_torchcompile(getattr(a, "torchcompile", None), getattr(a, "torchcompile_mode", None))
     for flag in ("lr", "lr_base", "weight_decay", "momentum", "warmup_lr", "min_lr"):
         v = getattr(a, flag, None)
         if v is not None and not math.isfinite(v):
@@ -294,6 +296,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
             self.train_model = DistributedDataParallel(
                 model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        # as timm's train.py: compiled after DDP; self.model (EMA, clipping, checkpoints, evaluation) stays uncompiled
+        self.train_model = compile_model(self.train_model, getattr(a, "torchcompile", None),
+                                         getattr(a, "torchcompile_mode", None))
 
         self.train_loader, self.eval_loader = task.build_loaders()
         self.updates_per_epoch = math.ceil(len(self.train_loader) / a.grad_accum_steps)
@@ -400,6 +405,7 @@ class Trainer:
             need_update = (i + 1) % accum == 0 or i == n_batches - 1
             steps = (n_batches - last_group) if i >= last_group else accum
             sync = model.no_sync() if d.distributed and not need_update else contextlib.nullcontext()
+            mark_step(getattr(a, "torchcompile", None) is not None)  # reduce-overhead: a new CUDA graph replay
             with sync:
                 with self._autocast():
                     loss, extras = task.train_step(model, batch)

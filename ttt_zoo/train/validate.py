@@ -17,6 +17,7 @@ import torch
 from ttt_zoo.checkpoint import (CheckpointError, load_checkpoint_file, unwrap_checkpoint,
                                 validate_state_dict)
 from ttt_zoo.fileio import atomic_write
+from ttt_zoo.torchcompile import compile_model, mark_step
 from ttt_zoo import run_folder
 
 __all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path", "load_weights",
@@ -132,8 +133,10 @@ def eval_loader(dataset, model: torch.nn.Module, batch_size: int = 64, img_size:
 def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: bool = False, use_ema: bool = False,
              batch_size: int = 64, img_size: Optional[int] = None, crop_pct: Optional[float] = None,
              amp: bool = False, num_classes: Optional[int] = None, split: str = "validation", workers: int = 2,
-             device: Optional[str] = None, model_kwargs: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
-    """One result row per checkpoint (see :func:`find_checkpoints`), or one for ``pretrained`` weights.
+             device: Optional[str] = None, model_kwargs: Optional[Dict[str, Any]] = None,
+             torchcompile: Optional[str] = None, torchcompile_mode: Optional[str] = None) -> List[Dict[str, Any]]:
+    """One result row per checkpoint (see :func:`find_checkpoints`), or one for ``pretrained`` weights;
+    ``torchcompile`` / ``torchcompile_mode``: the forward through :func:`ttt_zoo.torchcompile.compile_model`.
 
     ``num_classes`` defaults to the number of class folders when a checkpoint is given, to the model's own
     otherwise (pretrained / random weights)."""
@@ -158,6 +161,7 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
         if path:
             load_weights(model, committed_path(path, use_ema), use_ema)
         model = model.to(dev).eval()
+        run = compile_model(model, torchcompile, torchcompile_mode)
         loader, cfg = eval_loader(dataset, model, batch_size, img_size, crop_pct, workers, dev)
         k = min(5, model.num_classes)
         top1 = topk = 0.0
@@ -168,7 +172,8 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
                                              enabled=amp):
             for x, y in loader:
                 x, y = x.to(dev), y.to(dev)
-                out = model(x)
+                mark_step(torchcompile is not None)
+                out = run(x)
                 if isinstance(out, (tuple, list)):
                     out = out[0]
                 if y.max() >= out.shape[-1]:
