@@ -27,7 +27,8 @@ BAD = [
 
 
 # (bench: a mode alone is the mode of --runtime compile's inductor)
-CASES = [(c, f, why) for c in sorted(COMMANDS) for f, why in BAD if not (c == "bench" and f[0] == "--torchcompile-mode")]
+CASES = [(c, f, why) for c in sorted(COMMANDS) for f, why in BAD
+         if not (c == "bench" and f[0] == "--torchcompile-mode")]
 
 
 @pytest.mark.parametrize("command,flags,phrase", CASES, ids=[f"{c}-{why}" for c, _, why in CASES])

@@ -1,7 +1,7 @@
 """Whole-model ``torch.compile`` checks: graph breaks (``torch._dynamo.explain``) and compiled-vs-eager parity.
 
-Used by ``tests/test_compile.py`` (CI, one block per stage); ``experiments/results/compile_graph_breaks.md`` came from
-these functions.
+Used by ``tests/test_compile.py`` (CI, one block per stage; and ``full_depth_check``: every family at its own depth);
+``experiments/results/compile_graph_breaks.md`` and ``compile_full_depth.md`` came from these functions.
 """
 import copy
 import os
@@ -11,9 +11,10 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 from ttt_zoo.registry import create_model, is_diffusion_model, list_zoo_families
+from ttt_zoo.torchcompile import compile_model, mark_step
 
 __all__ = ["SMALL", "IMAGE_SIZES", "LATENT_SIZES", "small_model", "model_inputs", "compiled_parity", "parity_ok",
-           "graph_breaks"]
+           "graph_breaks", "full_depth_check", "block_counts"]
 
 
 def _one_block_kwargs() -> Dict[str, Dict]:
@@ -116,9 +117,54 @@ def graph_breaks(name: str, model: torch.nn.Module, hw: Tuple[int, int]) -> Dict
     torch._dynamo.reset()
     with torch._dynamo.config.patch(assume_static_by_default=False):
         e = torch._dynamo.explain(model.eval())(*model_inputs(name, model, hw))
-    reasons = []
-    for b in e.break_reasons:
+    return dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=_reasons(e))
+
+
+def _reasons(explained) -> list:
+    out = []
+    for b in explained.break_reasons:
         where = b.user_stack[-1] if b.user_stack else None
-        reasons.append(f"{b.reason.splitlines()[0][:80]} at {os.path.basename(where.filename)}:{where.lineno}"
-                       if where else b.reason.splitlines()[0][:80])
-    return dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=sorted(set(reasons)))
+        out.append(f"{b.reason.splitlines()[0][:80]} at {os.path.basename(where.filename)}:{where.lineno}"
+                   if where else b.reason.splitlines()[0][:80])
+    return sorted(set(out))
+
+
+def block_counts(model: torch.nn.Module):
+    """Blocks of a plain model (an int), or of each stage of a hierarchical one (a tuple)."""
+    if hasattr(model, "layers"):
+        return tuple(len(stage.blocks) for stage in model.layers)
+    return len(model.blocks)
+
+
+def full_depth_check(family: str, steps: int = 2, backend: str = "eager", batch: int = 2) -> Dict:
+    """The family's smallest registered model at its own depth, as ``--torchcompile --torchcompile-mode
+    reduce-overhead`` traces it (static sizes first, at the model's own square size): ``torch._dynamo.explain`` of
+    the training forward (``graphs``, ``breaks``, ``reasons``, ``ops``), then ``steps`` training steps (forward and
+    backward) of one size through :func:`ttt_zoo.torchcompile.compile_model` with ``backend`` (the mode's code
+    generation, inductor and CUDA graphs, sits behind dynamo: the graphs and guards are dynamo's), counting the
+    graphs dynamo compiled after each step (``graphs_per_step``; a recompile raises the count) and timing each step
+    (``step_s``: the first holds the trace). ``explain_s``: wall time of explain."""
+    name, model, sizes = small_model(family, full=True)
+    hw = sizes[-1]
+    args = model_inputs(name, model, hw, batch=batch)
+    model.train()
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    e = torch._dynamo.explain(model)(*args)
+    explain_s = time.perf_counter() - t0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = compile_model(model, backend)
+    graphs, step_s = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        mark_step(True)
+        model.zero_grad(set_to_none=True)
+        out = compiled(*args)
+        out.float().square().mean().backward()
+        step_s.append(time.perf_counter() - t0)
+        graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    return dict(family=family, model=name, depth=block_counts(model), size="x".join(map(str, hw)), batch=batch,
+                backend=backend,
+                graphs=e.graph_count, breaks=e.graph_break_count, reasons=_reasons(e), ops=e.op_count,
+                explain_s=explain_s, graphs_per_step=graphs, step_s=step_s)
