@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -170,11 +171,13 @@ def _imported_files(path: Path, root: Path) -> List[Path]:
 
 
 def kernel_sources(op: str, root: Optional[Path] = None) -> List[Path]:
-    """The files ``op``'s kernel is built from: its folder's ``triton.py`` and every module of the package it
-    imports, transitively (``triton_utils.py``, the folder's ``torch.py`` glue, ...); empty without a kernel."""
+    """The files ``op``'s kernel is built from: its folder's Triton modules (``triton.py`` and any other that imports
+    triton, e.g. ``vit3_ttt/fused.py``) and every module of the package they import, transitively
+    (``triton_utils.py``, the folder's ``torch.py`` glue, ...); empty without a kernel."""
     root = Path(root) if root is not None else KERNELS_DIR
     folder = kernel_folder(op)
-    todo = [root / folder / "triton.py"] if folder and (root / folder / "triton.py").is_file() else []
+    todo = [f for f in sorted((root / folder).glob("*.py"))
+            if re.search(r"^(import|from) triton\b", f.read_text(), re.M)] if folder else []
     seen = set()
     while todo:
         f = todo.pop()

@@ -7,13 +7,20 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat", "store_mat",
-           "tile_rows"]
+__all__ = ["prec", "dot_prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat",
+           "store_mat", "tile_rows"]
 
 
 def prec(dtype: torch.dtype) -> str:
     """``tl.dot`` precision: IEEE fp32 for fp32/fp64 inputs, TF32 for fp16/bf16 inputs."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def dot_prec(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision of kernels that multiply their inputs as loaded (fp16/bf16 operands run on tensor cores
+    whatever this says): fp32 operands in IEEE fp32 unless the user enabled TF32 for matmuls
+    (``torch.backends.cuda.matmul.allow_tf32``)."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def block_d(d: int) -> int:

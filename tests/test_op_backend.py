@@ -259,15 +259,14 @@ def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
     and backward alike, whatever ran before; the kernels are spied on (stand-ins computing the PyTorch path)."""
     import types
     from ttt_zoo.kernels.vit3_ttt import ops as vit3_ops
-    from ttt_zoo.kernels.vit3_ttt import torch as R
     calls = []
 
     def spy(name, impl):
         return lambda *a: calls.append(name) or impl(*a)
 
-    fake = types.SimpleNamespace(**{f"{k}_triton": spy(k, getattr(R, k)) for k in
-                                    ("swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd")})
-    monkeypatch.setattr(vit3_ops, "_t", lambda: fake)
+    fake = types.SimpleNamespace(qkv_fused_fwd=spy("fused_fwd", vit3_ops._qkv_fwd_torch),
+                                 qkv_fused_bwd=spy("fused_bwd", vit3_ops._qkv_bwd_torch))
+    monkeypatch.setattr(vit3_ops, "_f", lambda: fake)
     heads, h, w, d = 2, 2, 3, 4
     c = heads * d
     x, weight, bias = (torch.randn(*s, requires_grad=True) for s in ((2, h * w, c), (3 * c + 3 * d, c), (3 * c + 3 * d,)))
@@ -278,7 +277,7 @@ def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
         out = vit3_ops.qkv_ttt_op(x, weight, bias, w1, w2, w3, (h, w), heads, 0.5, True, triton=triton)
         grads[triton] = torch.autograd.grad(out.sum(), (x, weight, bias))
         outs[triton] = out.detach()
-        assert sorted(calls) == (["dwconv_bwd", "dwconv_fwd", "swiglu_bwd", "swiglu_fwd"] if triton else []), calls
+        assert calls == (["fused_fwd", "fused_bwd"] if triton else []), calls
     torch.testing.assert_close(outs[True], outs[False])
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b)

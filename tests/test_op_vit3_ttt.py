@@ -5,12 +5,16 @@ kernels (under TRITON_INTERPRET=1 without a GPU) against the reference, forward 
 tight in float32, looser in float16 (bf16 is not tested: the interpreter's bf16 arithmetic is wrong), with small
 tiles patched in so that tiny shapes span several programs, partial tiles and multi-tile chunks (N % BLOCK != 0,
 H != W, head dims 32/64/72, batch 1/3); the backend decision, torch.compile, the meta device, an empty batch and the
-ttt_zoo::vit3_* custom ops (gradcheck, opcheck).
+ttt_zoo::vit3_* custom ops (gradcheck, opcheck); the fused mixer-core op (``fused.py``) against float64 at N in the
+thousands (fp32, fp16) and its launch count (3 Triton kernels each way, no aten kernel).
 """
+import importlib
+import math
+
 import pytest
 import torch
 
-from _ops import BACKENDS, DEV, META_BACKENDS, compare_kernel, triton_kernels, triton_test
+from _ops import BACKENDS, DEV, META_BACKENDS, TRITON_OK, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
 from ttt_zoo.kernels.vit3_ttt import ops
 from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, qkv_ttt_naive, swiglu_ttt_reference
@@ -20,6 +24,7 @@ from ttt_zoo.layers import ViT3TTT
 from ttt_zoo.layers.rope import rope_2d_tables
 
 T = triton_kernels("vit3_ttt")
+FUSED = importlib.import_module("ttt_zoo.kernels.vit3_ttt.fused") if T is not None else None
 
 
 def _leaves(*shapes, dtype=torch.float64, scale=1.0):
@@ -274,15 +279,140 @@ def test_dwconv_kernels_strided_views():
 
 @triton_test
 def test_qkv_triton_path_with_rope():
-    # projection + RoPE + both branches with the Triton inner kernels, vs. the naive composition
+    # projection + RoPE + both branches through the fused op (qkv_ttt_op, triton=True), vs. the naive composition
     b, heads, d, h, w = 1, 2, 32, 3, 5
     c = heads * d
     cos, sin = [t.to(DEV) for t in rope_2d_tables((h, w), c)]
     inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
               torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
               torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
-    _compare(lambda *a: T.qkv_ttt_triton(*a, (h, w), heads, 1 / 3, True, cos, sin),
+    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, cos, sin, triton=True),
              lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True, cos, sin), inputs, torch.float32)
+
+
+# ------------------------------------------------ the fused mixer-core op (fused.py) at real N, vs. float64
+def _fused_tol(dtype: torch.dtype, n: int) -> float:
+    """Max error allowed relative to the reference's largest magnitude: each dot operand rounded to the input dtype
+    a few times along the chain (4 eps of the dtype) plus fp32 accumulation over the longest reduction (N terms:
+    the random-rounding bound sqrt(N) eps_fp32, twice)."""
+    return 4 * torch.finfo(dtype).eps + 2 * math.sqrt(n) * torch.finfo(torch.float32).eps
+
+
+def _six_views(qkv, heads, d, h, w):
+    return ops._qkv_views(qkv, heads, d, h, w)
+
+
+FUSED_CASES = [  # (B, heads, d, H, W, per-batch weights, normalize_grad, dtype)
+    (1, 2, 32, 48, 48, False, True, torch.float32),
+    (1, 2, 32, 48, 48, False, True, torch.float16),
+    (2, 1, 24, 40, 30, True, True, torch.float32),    # a head dim that is not a power of two, per-batch weights
+    (2, 1, 24, 40, 30, False, False, torch.float16),  # shared weights summed over the batch, no normalisation
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "B{}h{}d{}_{}x{}{}{}_{}".format(
+    *c[:5], "_perbatch" if c[5] else "", "" if c[6] else "_nonorm", str(c[7])[6:]))
+@triton_test
+def test_fused_qkv_op_matches_float64(case, monkeypatch):
+    """out, dqkv, dw1, dw2, dw3 of ``vit3_qkv_fwd`` (the fused kernels, through its autograd) against the float64
+    reference on the same rounded inputs, at N in the thousands; activations in ``dtype``, weights fp32 (as in a
+    model under autocast)."""
+    if DEV == "cpu":  # the interpreter: fewer, larger conv programs
+        monkeypatch.setattr(FUSED, "BLOCK_P", 1024)
+        monkeypatch.setattr(FUSED, "TILES", 2)
+    b, heads, d, h, w, per_batch, normalize, dtype = case
+    torch.manual_seed(0)
+    c, wb = heads * d, b if per_batch else 1
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV).to(dtype).requires_grad_()
+    ws = [(torch.randn(wb, heads, d, d, device=DEV) * 0.05).requires_grad_() for _ in range(2)]
+    ws.append((torch.randn(d, 1, 3, 3, device=DEV) * 0.05).requires_grad_())
+    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, 1 / 3, normalize, True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [qkv] + ws, dout)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in [qkv] + ws]
+    q1, k1, v1, q2, k2, v2 = _six_views(ref_leaves[0], heads, d, h, w)
+    r1 = swiglu_ttt_reference(q1, k1, v1, *ref_leaves[1:3], 1 / 3, normalize)
+    r2 = dwconv_ttt_reference(q2, k2, v2, ref_leaves[3], 1 / 3, normalize)
+    ref = torch.cat([r1.transpose(1, 2).flatten(2), r2.flatten(2).transpose(1, 2)], -1)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    tol = _fused_tol(dtype, h * w)
+    for name, got, want in [("out", out, ref)] + list(zip(["dqkv", "dw1", "dw2", "dw3"], grads, ref_grads)):
+        assert got.dtype == (dtype if name in ("out", "dqkv") else torch.float32) and got.shape == want.shape, name
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        print(f"{name}: max error / max |ref| = {err:.2e} (tolerance {tol:.2e})")
+        assert err <= tol, (name, err, tol)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_fused_qkv_ops_fakes_match(triton):
+    # the fakes of ttt_zoo::vit3_qkv_fwd / _bwd give the real outputs' shapes, dtypes and strides, on both paths
+    if triton and not TRITON_OK:
+        pytest.skip("the Triton kernels cannot run here")
+    b, heads, d, h, w = 2, 2, 16, 3, 4
+    c = heads * d
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV)
+    ws = [torch.randn(b, heads, d, d, device=DEV) * 0.05 for _ in range(2)] + [torch.randn(d, 1, 3, 3, device=DEV)]
+    args = [*_six_views(qkv, heads, d, h, w), *ws, 0.5, True, triton]
+    torch.library.opcheck(torch.ops.ttt_zoo.vit3_qkv_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    out, *small = torch.ops.ttt_zoo.vit3_qkv_fwd(*args)
+    torch.library.opcheck(torch.ops.ttt_zoo.vit3_qkv_bwd.default, [torch.randn_like(out)] + args[:9] + small + args[9:],
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _count_triton_launches(monkeypatch):
+    """Count every Triton kernel launch (compiled or interpreted) by wrapping the JIT functions' ``run``; the
+    interpreter's own aten ops inside a launch are hidden from dispatch modes (a GPU runs none)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime import interpreter, jit
+    calls = []
+
+    def wrap(run):
+        def counted(self, *a, **k):
+            calls.append(self.fn.__name__)
+            with _disable_current_modes():
+                return run(self, *a, **k)
+        return counted
+
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        monkeypatch.setattr(cls, "run", wrap(cls.run))
+    return calls
+
+
+class _AtenLaunches(torch.utils._python_dispatch.TorchDispatchMode):
+    """aten ops that would launch a kernel: every op but views and allocations without a fill."""
+    FREE = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "_unsafe_view")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, ret = func.overloadpacket.__name__, func._schema.returns
+        view = bool(ret) and ret[0].alias_info is not None and not ret[0].alias_info.is_write
+        if name not in self.FREE and not view:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@triton_test
+def test_fused_qkv_op_launches_three_kernels_each_way(monkeypatch):
+    """The fused op's forward and backward launch at most 3 Triton kernels each and no aten kernel (only
+    torch.empty buffers and views of them)."""
+    b, heads, d, h, w = 2, 2, 32, 5, 7
+    c = heads * d
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV)
+    ws = [torch.randn(1, heads, d, d, device=DEV) * 0.05 for _ in range(2)] + [torch.randn(d, 1, 3, 3, device=DEV)]
+    views = _six_views(qkv, heads, d, h, w)
+    launches = _count_triton_launches(monkeypatch)
+    with _AtenLaunches() as aten:
+        out, *small = FUSED.qkv_fused_fwd(*views, *ws, 1 / 3, True)
+    assert launches == ["_fwd_update", "_fwd_finalize", "_fwd_apply"] and aten.ops == [], (launches, aten.ops)
+    launches.clear()
+    dout = torch.randn_like(out)
+    with _AtenLaunches() as aten:
+        FUSED.qkv_fused_bwd(dout, *views, *ws, *small, 1 / 3, True)
+    assert launches == ["_bwd_apply", "_bwd_finalize", "_bwd_update"] and aten.ops == [], (launches, aten.ops)
 
 
 @triton_test

@@ -10,16 +10,31 @@ backward is the matching ``*_bwd`` op, with the forward's ``triton``).
     dq, dk, dv, dw1, dw2 = torch.ops.ttt_zoo.vit3_swiglu_bwd(do, q, k, v, w1, w2, g, scale, normalize_grad, triton)
     out, g = torch.ops.ttt_zoo.vit3_dwconv_fwd(q, k, v, w3, scale, normalize_grad, triton)
     dq, dk, dv, dw3 = torch.ops.ttt_zoo.vit3_dwconv_bwd(do, q, k, v, w3, g, scale, normalize_grad, triton)
+
+The mixer core's two inner steps together (``fused.py``: 3 Triton launches forward, 3 backward), on the projection's
+six views q1, k1, v1 (B, heads, N, d) and q2, k2, v2 (B, d, H, W):
+
+    out, g, wn, g3, wn3 = torch.ops.ttt_zoo.vit3_qkv_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale,
+                                                        normalize_grad, triton)
+    dqkv, dw1, dw2, dw3 = torch.ops.ttt_zoo.vit3_qkv_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3,
+                                                        scale, normalize_grad, triton)
+
+out is (B, N, heads d + d) (heads merged, conv channels last), dqkv (B, N, 3 heads d + 3 d) (the projection's
+cotangent); G, W' are (B, heads, d, 2d), G3 (B, d, 3, 3), W3' (B, d, 16) (taps 0..8), all in the compute dtype.
 """
 from __future__ import annotations
 
+import importlib
 from typing import List, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ..utils import compute_dtype, count_flops_as, kernel_choice, launches_kernel, triton_module
+from ..utils import autocast_state, compute_dtype, count_flops_as, kernel_choice, launches_kernel, no_autocast, \
+    triton_module
 from . import torch as R
+from .common import qkv_split, rope_2d
 from .torch import make_qkv_function
 
 __all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
@@ -28,6 +43,10 @@ __all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
 def _t():
     return triton_module(__package__)
 
+
+def _f():
+    """The fused kernels of the mixer core (``fused.py``), imported on first use."""
+    return importlib.import_module(".fused", __package__)
 
 
 # --------------------------------------------------------------------------------------------------- SwiGLU
@@ -143,21 +162,146 @@ def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True, triton
     return dwconv_fwd_op(q, k, v, w3, float(scale), bool(normalize_grad), triton)[0]
 
 
+# ------------------------------------------------------------------------- the mixer core's inner steps, fused
+def _qkv_fwd_torch(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad):
+    """The PyTorch path of ``vit3_qkv_fwd`` (same outputs as ``fused.qkv_fused_fwd``)."""
+    b, heads, n, d = q1.shape
+    dt = compute_dtype(q1.dtype)
+    x1, g = R.swiglu_fwd(q1, k1, v1, w1, w2, scale, normalize_grad)
+    x2, g3 = R.dwconv_fwd(q2, k2, v2, w3, scale, normalize_grad)
+    g, g3 = g.to(dt), g3.to(dt)
+    wn = torch.cat([w1, w2], -1).to(dt) - (R.normalize_columns(g) if normalize_grad else g)
+    wn3 = w3.to(dt).reshape(1, d, 3, 3) - (R.normalize_columns(g3, (-2, -1)) if normalize_grad else g3)
+    out = torch.cat([x1.transpose(1, 2).flatten(2), x2.flatten(2).transpose(1, 2)], -1)
+    return out, g, wn.expand(b, -1, -1, -1).contiguous(), g3, F.pad(wn3.flatten(2), (0, 7))
+
+
+def _qkv_bwd_torch(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad):
+    """The PyTorch path of ``vit3_qkv_bwd`` (same outputs as ``fused.qkv_fused_bwd``)."""
+    b, heads, n, d = q1.shape
+    c, hh, ww = heads * d, q2.shape[2], q2.shape[3]
+    do1 = dout[..., :c].unflatten(-1, (heads, d)).transpose(1, 2)
+    do2 = dout[..., c:].transpose(1, 2).unflatten(-1, (hh, ww))
+    dq1, dk1, dv1, dw1, dw2 = R.swiglu_bwd(do1, q1, k1, v1, w1, w2, g, scale, normalize_grad)
+    dq2, dk2, dv2, dw3 = R.dwconv_bwd(do2, q2, k2, v2, w3, g3, scale, normalize_grad)
+    dqkv = torch.cat([t.transpose(1, 2).flatten(2) for t in (dq1, dk1, dv1)]
+                     + [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)], -1).to(q1.dtype)
+    dt = compute_dtype(w1.dtype)
+    return dqkv, dw1.to(dt).contiguous(), dw2.to(dt).contiguous(), dw3.to(dt).contiguous()
+
+
+@torch.library.custom_op("ttt_zoo::vit3_qkv_fwd", mutates_args=())
+def qkv_fwd_op(q1: Tensor, k1: Tensor, v1: Tensor, q2: Tensor, k2: Tensor, v2: Tensor, w1: Tensor, w2: Tensor,
+               w3: Tensor, scale: float, normalize_grad: bool, triton: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    impl = _f().qkv_fused_fwd if launches_kernel(triton, q1) else _qkv_fwd_torch
+    return impl(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad)
+
+
+@qkv_fwd_op.register_fake
+def _(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton):
+    b, heads, n, d = q1.shape
+    dt = compute_dtype(q1.dtype)
+    return (q1.new_empty(b, n, heads * d + d), q1.new_empty(b, heads, d, 2 * d, dtype=dt),
+            q1.new_empty(b, heads, d, 2 * d, dtype=dt), q1.new_empty(b, d, 3, 3, dtype=dt),
+            q1.new_empty(b, d, 16, dtype=dt))
+
+
+@torch.library.custom_op("ttt_zoo::vit3_qkv_bwd", mutates_args=())
+def qkv_bwd_op(dout: Tensor, q1: Tensor, k1: Tensor, v1: Tensor, q2: Tensor, k2: Tensor, v2: Tensor, w1: Tensor,
+               w2: Tensor, w3: Tensor, g: Tensor, wn: Tensor, g3: Tensor, wn3: Tensor, scale: float,
+               normalize_grad: bool, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    impl = _f().qkv_fused_bwd if launches_kernel(triton, q1) else _qkv_bwd_torch
+    return impl(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad)
+
+
+@qkv_bwd_op.register_fake
+def _(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad, triton):
+    b, heads, n, d = q1.shape
+    dt = compute_dtype(w1.dtype)
+    return (q1.new_empty(b, n, 3 * heads * d + 3 * d), w1.new_empty(w1.shape, dtype=dt),
+            w1.new_empty(w1.shape, dtype=dt), w3.new_empty(w3.shape, dtype=dt))
+
+
+def _qkv_setup(ctx, inputs, output):
+    *qkv, w1, w2, w3, scale, normalize_grad, triton = inputs
+    ctx.save_for_backward(*qkv, w1, w2, w3, *output[1:])
+    ctx.consts = scale, normalize_grad, triton
+
+
+def _qkv_views(dqkv, heads, d, hh, ww):
+    """The projection cotangent's six views, shaped as the op's q1, k1, v1, q2, k2, v2."""
+    c = heads * d
+    return ([dqkv[..., i * c:(i + 1) * c].unflatten(-1, (heads, d)).transpose(1, 2) for i in range(3)]
+            + [dqkv[..., 3 * c + i * d:3 * c + (i + 1) * d].transpose(1, 2).unflatten(-1, (hh, ww)) for i in range(3)])
+
+
+def _qkv_backward(ctx, dout, *_):
+    *qkv, w1, w2, w3, g, wn, g3, wn3 = ctx.saved_tensors
+    dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, *qkv, w1, w2, w3, g, wn, g3, wn3, *ctx.consts)
+    b, heads, n, d = qkv[0].shape
+    return (*_qkv_views(dqkv, heads, d, *qkv[3].shape[2:]), dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype),
+            None, None, None)
+
+
+qkv_fwd_op.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+count_flops_as(qkv_fwd_op, _qkv_fwd_torch)
+count_flops_as(qkv_bwd_op, _qkv_bwd_torch)
+
+
+class QKVFused(torch.autograd.Function):
+    """The mixer core (projection + both inner steps) over ``vit3_qkv_fwd`` / ``vit3_qkv_bwd``: stores x and the small
+    per-(batch, head) tensors; the backward recomputes the projection (one GEMM) and, for H-ViT3, turns the q1 / k1
+    cotangents back through the RoPE (torch glue on the (B, N, 2C) slice; ViT3 has none)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, triton):
+        (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)  # the caller's autocast
+        with no_autocast(x.device):
+            out, *small = qkv_fwd_op(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton)
+        ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small)
+        ctx.args = feat_size, heads, scale, normalize_grad, triton
+        ctx.amp = autocast_state(x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, w1, w2, w3, cos, sin, *small = ctx.saved_tensors
+        feat_size, heads, scale, normalize_grad, triton = ctx.args
+        b, n, c = x.shape
+        with torch.no_grad(), no_autocast(x.device, *ctx.amp):
+            (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        with torch.no_grad(), no_autocast(x.device):
+            dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
+                                             normalize_grad, triton)
+            del q1, k1, v1, q2, k2, v2
+            if cos is not None and sin is not None:  # RoPE is a rotation: its transpose turns by -angle
+                qk = dqkv[..., :2 * c].unflatten(-1, (2, c)).transpose(1, 2).reshape(b * 2, *feat_size, c)
+                dqkv[..., :2 * c] = rope_2d(qk, cos, -sin).reshape(b, 2, n, c).transpose(1, 2).flatten(2)
+        with torch.no_grad(), no_autocast(x.device, *ctx.amp):  # projection backward in the forward's precision
+            dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+            dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
+            dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
+        return (dx, dweight, dbias, dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype), None, None, None, None,
+                None, None, None)
+
+
 def _qkv_function(name: str, triton: bool):
-    """The mixer core's autograd.Function over the custom ops, with the backend choice bound."""
+    """The mixer core's autograd.Function over the per-branch custom ops, with the backend choice bound."""
     return make_qkv_function(name, lambda *a: swiglu_fwd_op(*a, triton), lambda *a: swiglu_bwd_op(*a, triton),
                              lambda *a: dwconv_fwd_op(*a, triton), lambda *a: dwconv_bwd_op(*a, triton))
 
 
-QKVTTTOps = {True: _qkv_function("QKVTTTOps", True), False: _qkv_function("QKVTorchOps", False)}
+QKVTorchOps = _qkv_function("QKVTorchOps", False)
 
 
 def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                cos=None, sin=None, triton=None) -> Tensor:
-    """ViT3 mixer core (projection + both inner steps) whose inner steps are the custom ops (``triton=False``:
-    their PyTorch path, the opaque nodes torch.compile sees for the ``torch`` backend; None: as ``swiglu_ttt_op``)."""
+    """ViT3 mixer core (projection + both inner steps): ``triton``: the fused op (``vit3_qkv_fwd`` / ``_bwd``, 3
+    launches each way); False: the per-branch custom ops on their PyTorch path (the opaque nodes torch.compile sees
+    for the ``torch`` backend); None: as ``swiglu_ttt_op``."""
     triton = kernel_choice(triton, x, "vit3_qkv_ttt", x.shape[-1] // heads)
     # feat_size stays symbolic under torch.compile(dynamic=True) (int() would fix it to the traced size)
-    return QKVTTTOps[triton].apply(x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]),
-                                         int(heads), float(scale), bool(normalize_grad))
-
+    args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
+            bool(normalize_grad))
+    return QKVFused.apply(*args, True) if triton else QKVTorchOps.apply(*args)

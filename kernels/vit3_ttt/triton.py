@@ -1,4 +1,6 @@
-"""Triton kernels of the ViT3 inner step (SwiGLU branch and 3x3 depthwise-conv branch), forward and backward.
+"""Triton kernels of the ViT3 inner step per branch (SwiGLU and 3x3 depthwise conv), forward and backward: the
+``vit3_swiglu_ttt`` / ``vit3_dwconv_ttt`` ops and ``vit3_variant``'s full SwiGLU and conv branch.  The mixer core
+(``vit3_qkv_ttt``) runs both branches together in ``fused.py``.
 
 Same math and the same ``*_fwd`` / ``*_bwd`` contract as ``torch.py`` (which documents the formulas); the
 d x d / 3 x 3 algebra between kernels (summing per-chunk partials, column normalisation and its backward, W - G^)
@@ -36,14 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import torch as R
-from .torch import make_function, make_qkv_function, normalize_columns, normalize_columns_bwd
+from .torch import make_function, normalize_columns, normalize_columns_bwd
 from ..utils import compute_dtype
 from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
     store_tile, tile_rows, wstrides as _wstrides
 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
-           "dwconv_ttt_triton", "qkv_ttt_triton"]
+           "dwconv_ttt_triton"]
 
 BLOCK_N = 64      # tokens per tile
 TILES = 4         # tiles reduced per program in the reduction kernels
@@ -352,8 +353,6 @@ def dwconv_bwd_triton(do, q, k, v, w3, g, scale: float, normalize_grad: bool = T
 # ---------------------------------------------------------------- differentiable entry points (no custom op)
 SwiGLUTTTTriton = make_function("SwiGLUTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, 2)
 DWConvTTTTriton = make_function("DWConvTTTTriton", dwconv_fwd_triton, dwconv_bwd_triton, 1)
-QKVTTTTriton = make_qkv_function("QKVTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, dwconv_fwd_triton,
-                                 dwconv_bwd_triton)
 
 
 def swiglu_ttt_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
@@ -363,8 +362,3 @@ def swiglu_ttt_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
 def dwconv_ttt_triton(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
     return DWConvTTTTriton.apply(q, k, v, w3, float(scale), bool(normalize_grad))
 
-
-def qkv_ttt_triton(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-                   cos=None, sin=None) -> torch.Tensor:
-    return QKVTTTTriton.apply(x, weight, bias, w1, w2, w3, cos, sin, (int(feat_size[0]), int(feat_size[1])),
-                              int(heads), float(scale), bool(normalize_grad))
