@@ -184,3 +184,28 @@ def test_gpu_check_dry_run(tmp_path):
     assert [r["op"] for r in records] == ["key_instance_norm"]
     assert records[0]["sha256"] == B.kernel_source_hash("key_instance_norm") and "pytest" in records[0]["command"]
     assert (B.KERNELS_DIR / "gpu_verified.json").read_bytes() == repo_records  # the repository's file untouched
+
+
+def test_a_record_needs_every_collected_cuda_case_run_and_passed(monkeypatch):
+    """``passed_ops`` against the ids a file collected (``tools/pytest_collected.py``): a ``cuda`` file cut off by
+    its time limit (a case collected, never reached) or with a failed or skipped case gives no record."""
+    monkeypatch.delitem(sys.modules, "gpu_check", raising=False)
+    gc = _gpu_check()
+    op = "key_instance_norm"
+    ids = [f"test_kernel_matches_pytorch[{op}-3x77x16-fp32]",
+           f"test_kernel_on_non_contiguous_inputs[{op}-3x77x16-bf16]"]
+    other = "test_kernel_matches_pytorch[linear_attention-1x2x999x16x16-fp32]"  # another op's case: not counted
+
+    def results(cases, rc=0, collected=ids + [other], folder_rc=0):
+        return {"test_op_key_norm.py": (folder_rc, {"test_key_norm_kernels[fp32-B3N20C16]": "passed"}, "op", ["x"]),
+                gc.CUDA_TESTS.name: (rc, cases, "cuda", collected)}
+
+    every = {i: "passed" for i in ids}
+    assert gc.passed_ops(results(every), dry_run=False) == {op: "op; cuda"}
+    assert gc.passed_ops(results({**every, other: "failed"}, rc=1), dry_run=False) == {op: "op; cuda"}
+    assert gc.passed_ops(results({ids[0]: "passed"}, rc=124), dry_run=False) == {}  # cut off before the second
+    assert gc.passed_ops(results({ids[0]: "passed", ids[1]: "failed"}, rc=1), dry_run=False) == {}
+    assert gc.passed_ops(results({ids[0]: "passed", ids[1]: "skipped"}), dry_run=False) == {}
+    assert gc.passed_ops(results({ids[0]: "passed", ids[1]: "skipped"}), dry_run=True) == {op: "op; cuda"}
+    assert gc.passed_ops(results(every, collected=[]), dry_run=False) == {}  # nothing known to have been collected
+    assert gc.passed_ops(results(every, folder_rc=124), dry_run=False) == {}  # the op's own file cut off

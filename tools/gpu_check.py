@@ -13,7 +13,8 @@ Steps, each writing into its own folder of ``--output`` (``summary.md`` lists th
    training, bf16 autocast;
 3. ``profile``: ``ttt-zoo bench --profile`` of ViT3-T training at 224 and 2048 (DeiT-T alongside);
 4. ``records``: a GPU verification record (``kernels/gpu_verified.json``, see ``kernels/backend.py``) for every op
-   whose folder's test file and whose ``cuda`` tests all passed.
+   whose folder's test file ran to the end and passed and every collected ``cuda`` case of which ran and passed
+   (``tools/pytest_collected.py`` lists what each file collected before it runs).
 
 ``--dry-run``: the CPU, Triton in the interpreter, a tiny subset (one op's tests, one model and peer at 32 px), and
 records written into the output folder, never the repository's file.  Also imported by ``ttt-zoo bench --import
@@ -135,49 +136,57 @@ def _test_env(dry_run: bool):
 
 def step_tests(args, out: Path, files, log):
     """Each file in its own pytest process (``--parallel`` files at once, ``--xdist`` workers each); {file name:
-    (rc, junit results, command shown in the records)}."""
+    (rc, junit results, command shown in the records, ids collected)}.  The collected ids are written by
+    ``tools/pytest_collected.py`` before the first test runs: a file cut off by its time limit still names the cases
+    it did not reach."""
     from concurrent.futures import ThreadPoolExecutor
     env = _test_env(args.dry_run)
-    prefix = " ".join(f"{k}={v}" for k, v in env.items() if k == "TRITON_INTERPRET")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")]))
+    if args.first:
+        env["PYTEST_FIRST_N"] = str(args.first)
+    prefix = " ".join(f"{k}={v}" for k, v in env.items() if k in ("TRITON_INTERPRET", "PYTEST_FIRST_N"))
 
     def one(f):
-        xml = out / f"{f.stem}.xml"
+        xml, collected = out / f"{f.stem}.xml", out / f"{f.stem}.collected"
         sel = []
         if f == CUDA_TESTS and args.subset:  # test ids start with the op
             sel = ["-k", " or ".join(args.only_ops)]
         elif args.dry_run:  # the interpreter is slow: one quick case of the op's own file
             sel = ["-k", DRY_RUN_TESTS]
-        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f.relative_to(ROOT), *sel]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_collected",
+               f.relative_to(ROOT), *sel]
         # a hung or minutes-long case costs itself, not the file: each test's own limit, and every test named
         # with its duration in the log (what the 2026-11-26 lease lacked)
         limits = ["--durations=0", f"--timeout={args.test_timeout}", "-o", "timeout_method=signal"]
         n = args.xdist if f == CUDA_TESTS else args.xdist_op
         workers = ["-n", str(n)] if n > 1 else []
-        rc, secs = _run(cmd + limits + workers + [f"--junitxml={xml}"], out, f"{f.stem}.log", env, args.timeout())
+        rc, secs = _run(cmd + limits + workers + [f"--junitxml={xml}"], out, f"{f.stem}.log",
+                        {**env, "PYTEST_COLLECTED_FILE": str(collected)}, args.timeout())
         log(f"tests {f.name}: rc {rc}, {secs:.0f} s")
         shown = " ".join([prefix, "python"] + [repr(c) if " " in str(c) else str(c) for c in cmd[1:]])
-        return f.name, (rc, _junit(xml, out / f"{f.stem}.log"), shown)
+        ids = collected.read_text().split() if collected.is_file() else []
+        return f.name, (rc, _junit(xml, out / f"{f.stem}.log"), shown, ids)
 
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         return dict(pool.map(one, files))
 
 
 def passed_ops(results, dry_run: bool):
-    """{op: commands that passed}: its folder's test file(s) had no failure and some passes, and every ``cuda``
-    test of the op passed (skips allowed only in the dry run, where the folder file runs a subset)."""
+    """{op: commands that passed}: its folder's test file(s) ran to the end with no failure and some passes, and
+    every collected ``cuda`` case of the op ran and passed (skips allowed only in the dry run, where the folder file
+    runs a subset).  A case collected but not reached (the file cut off by its time limit) means no record."""
     from ttt_zoo.kernels import available_ops
     from ttt_zoo.kernels.backend import TRITON_BACKEND, kernel_folder
-    cuda_rc, cuda_cases, cuda_cmd = results.get(CUDA_TESTS.name, (1, {}, ""))
+    _, cuda_cases, cuda_cmd, cuda_ids = results.get(CUDA_TESTS.name, (1, {}, "", []))
     ok = {}
     for op, impls in available_ops().items():
         folder = kernel_folder(op)
         if not impls[TRITON_BACKEND] or folder is None:
             continue
         files = [name for name in results if name.startswith(f"test_op_{folder}")]
-        cases = {k: v for k, v in cuda_cases.items() if f"[{op}-" in k}
+        cases = {k: cuda_cases.get(k, "not run") for k in cuda_ids if f"[{op}-" in k}
         folder_ok = files and all(results[n][0] == 0 and "passed" in results[n][1].values() for n in files)
-        cuda_ok = (cases and "failed" not in cases.values()
-                   and (dry_run or all(v == "passed" for v in cases.values())))
+        cuda_ok = cases and all(v == "passed" or (dry_run and v == "skipped") for v in cases.values())
         if folder_ok and cuda_ok:
             ok[op] = "; ".join([results[n][2] for n in files] + [cuda_cmd])
     return ok
@@ -234,7 +243,7 @@ def _bench_cmds(args, out: Path):
                     + how + ["--output", out / "profile"], env)]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--output", default="gpu_check_out", help="folder for every step's results")
     p.add_argument("--dry-run", action="store_true", help="the CPU and the interpreter, tiny, records in --output")
@@ -251,8 +260,15 @@ def main(argv=None) -> int:
     p.add_argument("--xdist", type=int, default=1, help="pytest-xdist workers for the cuda file (the others: one process each)")
     p.add_argument("--xdist-op", type=int, default=1, help="pytest-xdist workers for each other file")
     p.add_argument("--test-timeout", type=int, default=120, help="seconds for one test (pytest-timeout)")
+    p.add_argument("--first", type=int, default=None, metavar="N",
+                   help="run only the first N selected tests of each file (the lease script's CPU dry run)")
     p.add_argument("--test-files", nargs="+", default=None,
                    help="test file names to run (default: every file that names Triton, and the cuda file)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     start = time.time()
 
@@ -299,7 +315,7 @@ def main(argv=None) -> int:
             files = [f for f in files if f.name in args.test_files]
         t0 = time.time()
         results = step_tests(args, out / "tests", files, log)
-        bad = [n for n, (rc, _, _) in results.items() if rc != 0]
+        bad = [n for n, (rc, *_) in results.items() if rc != 0]
         failed |= bool(bad)
         lines.append(f"| tests | {'failed: ' + ', '.join(bad) if bad else 'passed'} | {time.time() - t0:.0f} | "
                      f"tests/ |")
