@@ -6,12 +6,25 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..backend import exporting
+from ..utils import compute_dtype
+
 __all__ = ["rope_2d", "qkv_split"]
 
 
 def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it."""
-    dt = torch.promote_types(x.dtype, torch.float32)
+    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it.
+
+    In eager, for channel pairs that can be viewed as complex numbers, one complex multiply (two launches with the
+    table instead of nine); the real form under TorchScript, torch.compile and export."""
+    dt = compute_dtype(x.dtype)
+    if not torch.jit.is_scripting():
+        if not torch.compiler.is_compiling() and not exporting():
+            xd = x.to(dt)
+            if xd.stride(-1) == 1 and xd.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xd.stride()[:-1]):
+                turn = torch.complex(cos.to(dt), sin.to(dt))
+                return torch.view_as_real(torch.view_as_complex(xd.unflatten(-1, (-1, 2))) * turn).flatten(-2).to(
+                    x.dtype)
     xr = x.to(dt).unflatten(-1, (-1, 2))
     re, im = xr[..., 0], xr[..., 1]
     cos, sin = cos.to(dt), sin.to(dt)
