@@ -290,6 +290,18 @@ def test_qkv_triton_path_with_rope():
              lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True, cos, sin), inputs, torch.float32)
 
 
+@triton_test
+def test_qkv_triton_path_above_the_fused_head_dims():
+    # d = 72 (DiT3-XL): the fused kernels stop at 64 (shared memory, spills); the per-branch kernels run instead
+    b, heads, d, h, w = 1, 1, 72, 3, 4
+    c = heads * d
+    inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
+              torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
+              torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
+    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, triton=True),
+             lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True), inputs, torch.float32)
+
+
 # ------------------------------------------------ the fused mixer-core op (fused.py) at real N, vs. float64
 def _fused_tol(dtype: torch.dtype, n: int) -> float:
     """Max error allowed relative to the reference's largest magnitude: each dot operand rounded to the input dtype

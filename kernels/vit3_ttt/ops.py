@@ -293,15 +293,21 @@ def _qkv_function(name: str, triton: bool):
 
 
 QKVTorchOps = _qkv_function("QKVTorchOps", False)
+QKVTritonOps = _qkv_function("QKVTritonOps", True)  # head dims above fused.MAX_HEAD_DIM (DiT3-XL's 72)
 
 
 def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                cos=None, sin=None, triton=None) -> Tensor:
     """ViT3 mixer core (projection + both inner steps): ``triton``: the fused op (``vit3_qkv_fwd`` / ``_bwd``, 3
-    launches each way); False: the per-branch custom ops on their PyTorch path (the opaque nodes torch.compile sees
-    for the ``torch`` backend); None: as ``swiglu_ttt_op``."""
+    launches each way; head dims above ``fused.MAX_HEAD_DIM``: the per-branch ops' kernels); False: the per-branch
+    custom ops on their PyTorch path (the opaque nodes torch.compile sees for the ``torch`` backend); None: as
+    ``swiglu_ttt_op``."""
     triton = kernel_choice(triton, x, "vit3_qkv_ttt", x.shape[-1] // heads)
     # feat_size stays symbolic under torch.compile(dynamic=True) (int() would fix it to the traced size)
     args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
             bool(normalize_grad))
-    return QKVFused.apply(*args, True) if triton else QKVTorchOps.apply(*args)
+    if not triton:
+        return QKVTorchOps.apply(*args)
+    if x.shape[-1] // heads > _f().MAX_HEAD_DIM:
+        return QKVTritonOps.apply(*args)
+    return QKVFused.apply(*args, True)
