@@ -21,9 +21,10 @@ from triton.compiler import ASTSource  # noqa: E402
 from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
 from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import triton as LT  # noqa: E402
+from ttt_zoo.kernels.vit3_ttt import fused as VF  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
 
-_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww")
+_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC")
 _IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
 _FLOAT = ("c", "eps", "alpha")
 
@@ -55,22 +56,24 @@ def _compile(fn, consts, arch, num_warps, io=_IO):
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return secs, regs.group(1) if regs else "?", spill.group(1) if spill else "?"
+    return secs, regs.group(1) if regs else "?", spill.group(1) if spill else "?", k.metadata.shared
 
 
 def _header(title, arch, note):
     return [f"# {title} Triton kernels compiled for sm_{arch} (no GPU; ptxas -v)", "",
             f"triton {triton.__version__}; {note}  Compile seconds on a shared 2-core CPU (noisy).", "",
-            "| kernel | variant | BLOCK_D | tile | warps | compile s | registers/thread | spill stores (bytes) |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| kernel | variant | BLOCK_D | tile | warps | compile s | registers/thread | spill stores (bytes) "
+            "| shared memory (bytes) |",
+            "|---|---|---|---|---|---|---|---|---|"]
 
 
 def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO):
     try:
-        secs, regs, spill = _compile(fn, consts, arch, warps, io)
-        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | {secs:.0f} | {regs} | {spill} |"
+        secs, regs, spill, shared = _compile(fn, consts, arch, warps, io)
+        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | {secs:.0f} | {regs} | {spill} | {shared} |"
     except Exception as e:  # report, do not hide
-        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | - | FAILED {type(e).__name__}: {str(e)[:80]} | |"
+        row = (f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | - | FAILED {type(e).__name__}: "
+               f"{str(e)[:80]} | | |")
     print(row, flush=True)
     return row
 
@@ -92,6 +95,22 @@ def vit3_rows(block_ds, arch):
         consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
         consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
         lines.append(_row(fn, "3x3 conv branch", "-", VT.BLOCK_P, 4, consts, arch, io=("X", "E", "O")))
+    return lines + vit3_fused_rows(block_ds, arch)
+
+
+_FUSED_IO = tuple(f"{p}{i}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") for i in (1, 2))
+
+
+def vit3_fused_rows(block_ds, arch):
+    """The mixer core's fused kernels (fused.py: both branches per launch), the launcher's tile and warps."""
+    lines = []
+    for bd in [bd for bd in block_ds if bd <= VF.MAX_HEAD_DIM]:  # above, the launcher runs the per-branch kernels
+        bn, warps = VF.launch_cfg(bd)
+        for fn in (VF._fwd_update, VF._fwd_finalize, VF._fwd_apply, VF._bwd_apply, VF._bwd_finalize, VF._bwd_update):
+            consts = {a: v for a, v in dict(TILES=VF.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VF.BLOCK_P, PREC="ieee",
+                                            NORM=True).items() if a in fn.arg_names}
+            lines.append(_row(fn, "fused (SwiGLU + conv)", bd, f"{bn} tokens / {VF.BLOCK_P} px", warps, consts, arch,
+                              io=_FUSED_IO))
     return lines
 
 
@@ -129,7 +148,9 @@ def inner_mlp_rows(block_ds, arch):
 
 
 FAMILIES = {
-    "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes."),
+    "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes.  The "
+             "fused kernels (fused.py) run head dims up to fused.MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
+             "10,304 bytes and _bwd_update needed 311,296 bytes of shared memory); above, the per-branch kernels."),
     "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "bf16 q/k/v, fp32 state; shipped launch config."),
     "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,
            "bf16 activations, fp32 weights/partials; BLOCK_N and num_warps as the launchers choose them."),
