@@ -119,7 +119,7 @@ def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad
     """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
     same kernels: Triton where chosen, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
     mini-batches into a graph fixed to the traced token count: the chosen backend then, else None.  (torch.export
-    takes the loop op instead, see ``ttt_linear.torch._scan_loop``.)"""
+    takes the loop op instead, see ``ttt_linear.export``.)"""
     if return_grad_norm or not _compiling():
         return None
     chosen = resolve_backend(backend, q.device, q.dtype, q.shape[-1], name)
@@ -151,7 +151,7 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
 
     torch: both directions batched, recomputing backward; triton: both directions in one kernel launch;
     torch_naive: the plain per-mini-batch scan under autograd.  ``return_grad_norm=True`` runs a PyTorch scan.
-    TorchScript compiles the chunked scan (``ttt_linear.torch.ttt_linear_bidir_chunked``).
+    TorchScript compiles the chunked scan (``ttt_linear.chunked.ttt_linear_bidir_chunked``).
     """
     if torch.jit.is_scripting():
         return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,

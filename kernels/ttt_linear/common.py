@@ -23,14 +23,15 @@ def inner_rope(x: torch.Tensor, mini_batch: int, theta: float = 10000.0) -> torc
     """Rotary embedding of the position inside the mini-batch (``t mod b``) on ``x: (B, heads, N, d)``.
 
     Rotate-half layout: channel p pairs with channel p + d/2.  The angle table has only ``b x d/2`` entries (built
-    in float64, then cast); it is gathered to the N positions.
+    in float64, then cast); it is gathered to the N positions.  Its size does not depend on N, so a traced graph
+    (TorchScript's exporter) holds at every token count.
     """
     n, d = x.shape[-2], x.shape[-1]
     if d % 2:
         raise ValueError(f"inner RoPE needs an even head dim, got {d}")
     half = d // 2
     freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
-    ang = torch.arange(min(n, mini_batch), device=x.device, dtype=torch.float64)[:, None] * freq[None, :]
+    ang = torch.arange(mini_batch, device=x.device, dtype=torch.float64)[:, None] * freq[None, :]
     pos = torch.arange(n, device=x.device) % mini_batch
     cos, sin = ang.cos().to(x.dtype)[pos], ang.sin().to(x.dtype)[pos]
     x1, x2 = x[..., :half], x[..., half:]

@@ -9,7 +9,7 @@ factorised as ``eta_ij = tau_i * lr_j`` (tau by position in the mini-batch, lr p
 ``(B, heads, d, d)`` per mini-batch exists at a time; nothing of size B x N x d x d is formed.
 
 The fast PyTorch form of the same scan (batched over mini-batches, TorchScript / export friendly) is
-``torch.ttt_linear_chunked``; the helpers both use live in ``common.py``.
+``chunked.ttt_linear_chunked``; the helpers both use live in ``common.py``.
 """
 
 from typing import List, Optional, Tuple

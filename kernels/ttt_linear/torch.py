@@ -1,12 +1,20 @@
-"""Lean PyTorch path of the TTT-Linear scan: analytic backward that recomputes instead of storing.
+"""The ``torch`` backend of the TTT-Linear scan: the recomputing scan (training), and the one switch between the
+three PyTorch algorithms, each in its own file with the same contract (the signatures of ``naive.py``):
+
+- training (a gradient needed, eager): this file's recomputing scan, an autograd.Function with an analytic
+  backward (below);
+- inference and the grad-norm map: ``chunked.py`` (batched over mini-batches, a Python loop, no autograd machinery);
+- export (``backend.exporting()``: torch.export, torch.jit.trace or timm's ``exportable`` flag): ``export.py``, a
+  loop op whose trip count follows the token count (both ONNX exporters), no autograd.Function, autograd on or off.
+
+The recomputing scan: analytic backward that recomputes instead of storing.
 
 Same math as ``naive.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
 ``ceil(sqrt(N / mini_batch))``-th mini-batch, fp32 or float64).  The backward walks the checkpoint segments in
 reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G and the
 dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion one mini-batch at a
 time.  Peak memory per (batch, head): ~2 sqrt(N / mini_batch) states of (d + 1) x d plus O(N d) activations of
-one segment; nothing of size N x d x d.  Inference (no gradient needed) and the grad-norm map run the chunked
-forward (:func:`ttt_linear_chunked`: batched over mini-batches, TorchScript- and export-friendly).
+one segment; nothing of size N x d x d.
 
 One mini-batch (c tokens, incoming state W, b; eta = tril(tau_i lr_j); e_j = tau_{c-1} lr_j):
     Z = K W + b,  G = lnl2(Z, T) (T = V - K, or G = Z - V without the LayerNorm)
@@ -30,14 +38,14 @@ directions; direction 1 scans the sequence reversed):
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ..backend import exporting
 from ..utils import compute_dtype as _cd
 from ..utils import needs_grad as _needs_grad
 from ..utils import no_autocast as _no_autocast  # the scan chooses its own precision (fp32 state)
-from .common import bidir_inputs as _flipped_inputs
-from .common import bidir_outputs, scan_setup
+from .chunked import _ln_grad, ttt_linear_bidir_chunked, ttt_linear_chunked
+from .export import ttt_linear_bidir_export, ttt_linear_export
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "TTTLinearRopeScan", "ttt_linear_torch", "ttt_linear_bidir_torch",
            "rope_at", "bidir_inputs", "single_inputs", "ckpt_every", "ttt_linear_chunked", "ttt_linear_bidir_chunked"]
@@ -466,198 +474,15 @@ def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor,
     return q[None], k[None], w0[None], b0[None]
 
 
-# ------------------------------------------------------- the chunked forward (inference, grad-norm map, export)
-def _ln_grad(z: torch.Tensor, c: torch.Tensor, lnw2: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`ln_l2_grad` with ``c = (ln_b - target) * ln_w`` and ``lnw2 = ln_w^2`` precomputed, in three ops: the
-    gradient is LayerNorm's own backward applied to ``gx = c + lnw2 * x_hat``, so ATen's fused LayerNorm forward and
-    backward kernels form it (the scan runs this once per mini-batch, where the op count sets the time).  The
-    kernels centre ``z`` themselves: a rounding-level row mean left in would be fed back, with the same sign, into
-    every later state and grow geometrically over the mini-batches.  Autograd through it is exact: the double
-    backward of ``native_layer_norm_backward`` differentiates through the statistics (given detached)."""
-    shape = [z.shape[-1]]
-    x_hat, mean, rstd = torch.native_layer_norm(z, shape, None, None, eps)
-    gx = torch.addcmul(c, x_hat, lnw2)
-    return torch.ops.aten.native_layer_norm_backward(gx, z, shape, mean.detach(), rstd.detach(), None, None,
-                                                     [True, False, False])[0]
-
-
-def _minibatch_step(state: torch.Tensor, kq: torch.Tensor, tgt: torch.Tensor, kel: torch.Tensor,
-                    lnw2: Optional[torch.Tensor], eps: float, c: int, shared: bool, update: bool = True,
-                    inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One mini-batch of the dual form (shared by the chunked scan and the export loop): z = k S and q S from one
-    bmm of [k; q] (or of k alone when q = k), the inner gradient g, and the next state S + kel g (``update``).
-    ``inplace`` (no autograd; ``state`` is the scan's own buffer): the update accumulates into ``state``."""
-    z = torch.bmm(kq, state)
-    o = z
-    if not shared:
-        z, o = z[:, :c], z[:, c:]
-    g = _ln_grad(z, tgt, lnw2, eps) if lnw2 is not None else z - tgt
-    if not update:
-        return o, g, state
-    # out=state, not baddbmm_: FlopCounterMode (timm's and our GMAC counts) does not count the in-place overloads
-    return o, g, (torch.baddbmm(state, kel, g, out=state) if inplace else torch.baddbmm(state, kel, g))
-
-
-def _scan_output(q: torch.Tensor, z_bar: torch.Tensor, lnw: torch.Tensor, lnb: torch.Tensor, eps: float,
-                 ln_residual: bool) -> torch.Tensor:
-    """The scan's output from z_bar: q + LN(z_bar) (the residual inner model) or z_bar itself."""
-    if not ln_residual:
-        return z_bar
-    return torch.addcmul(q + lnb, F.layer_norm(z_bar, [z_bar.shape[-1]], eps=eps), lnw)
-
-
-def _scan_chunks(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-                 state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, keep_grads: bool, carry: bool,
-                 shared: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """Mini-batches of one length ``c = tau.shape[0]``.
-
-    qa, ka: (BH, nc * c, d + 1) with a trailing 1; tgt: (BH, nc * c, d) the target (or, with ``lnw2``, the
-    LayerNorm-gradient constant); lr: (BH, nc * c);
-    state: (BH, d + 1, d) = [W; b].
-    ``shared``: q = k (Vittt's default), then one bmm gives both z = k S and the output's q S.
-    Returns z_bar (BH, nc * c, d), the inner gradients g (if ``keep_grads``) and the outgoing state (if ``carry``).
-    """
-    bh, m, da = qa.shape
-    d = da - 1
-    c = tau.shape[0]
-    nc = m // c
-    qc = qa.reshape(bh, nc, c, da)
-    kc = ka.reshape(bh, nc, c, da)
-    lrc = lr.reshape(bh, nc, 1, c)
-    # state-independent parts, all mini-batches at once: -eta * (q k^T + 1) (causal), -k_j eta_{c,j}, [k; q]
-    attn = torch.matmul(qc, kc.transpose(-1, -2)) * torch.tril(-tau[:, None] * lrc)
-    kel = (kc * (-tau[c - 1] * lrc).transpose(-1, -2)).transpose(-1, -2).unbind(1)  # (BH, d+1, c) each
-    kq = kc.unbind(1) if shared else torch.cat([kc, qc], dim=2).unbind(1)
-    tgt_l = tgt.reshape(bh, nc, c, d).unbind(1)
-    # without autograd the state and the output are the scan's own buffers: update them in place (an out-of-place
-    # baddbmm first copies its input into a new tensor, once per mini-batch)
-    inplace = not (torch.is_grad_enabled() and (qa.requires_grad or ka.requires_grad or tgt.requires_grad
-                                                or lr.requires_grad or tau.requires_grad or state.requires_grad))
-    if inplace:
-        state = state.clone()  # the caller's state (the initial one, or the carried one) is left as it was
-    outs: List[torch.Tensor] = []
-    grads: List[torch.Tensor] = []
-    for i in range(nc):
-        o, g, state = _minibatch_step(state, kq[i], tgt_l[i], kel[i], lnw2, eps, c, shared, carry or i < nc - 1,
-                                      inplace)
-        outs.append(o)
-        grads.append(g)
-    # the in-mini-batch part of every output at once: z_bar_i = q_i S - (eta * (q k^T + 1)) g
-    gs = torch.stack(grads, 1)
-    qs = torch.stack(outs, 1).reshape(bh * nc, c, d)
-    a2, g2 = attn.reshape(bh * nc, c, c), gs.reshape(bh * nc, c, d)
-    z_bar = torch.baddbmm(qs, a2, g2, out=qs) if inplace else torch.baddbmm(qs, a2, g2)
-    return z_bar.reshape(bh, m, d), (gs.reshape(bh, m, d) if keep_grads else None), state
-
-
-def _scan_loop(qa: torch.Tensor, ka: torch.Tensor, tgt: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-               state: torch.Tensor, lnw2: Optional[torch.Tensor], eps: float, shared: bool) -> torch.Tensor:
-    """:func:`_scan_chunks` over every mini-batch as one ``scan`` higher-order op (a loop op: ONNX ``Scan``), so an
-    exported graph keeps the token count symbolic instead of unrolling a Python loop fixed to the traced size.
-
-    The sequence is padded at its end to whole mini-batches with zero learning rate: a padded token comes after
-    every real token of its mini-batch (the mask is causal) and its step is scaled by lr = 0, so no real output
-    changes; the padded outputs are dropped.  Returns z_bar (BH, N, d).
-    """
-    from torch._higher_order_ops.scan import scan
-    bh, n, da = qa.shape[0], qa.shape[1], qa.shape[2]
-    d = da - 1
-    c = tau.shape[0]
-    pad = (c - n % c) % c
-    nc = (n + pad) // c
-
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # (BH, N, ...) -> (n_mb, BH, c, ...)
-        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 3 else F.pad(t, (0, pad))
-        return t.reshape(bh, nc, c, *t.shape[2:]).transpose(0, 1)
-
-    causal = torch.tril(torch.ones(c, c, dtype=qa.dtype, device=qa.device)) * -tau[:, None]
-
-    def step(st: torch.Tensor, x: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        kc, tc, lrc = x[0], x[1], x[2]
-        qc = kc if shared else x[3]
-        kel = (kc * (-tau[c - 1] * lrc)[:, :, None]).transpose(1, 2)
-        o, g, st = _minibatch_step(st, kc if shared else torch.cat([kc, qc], 1), tc, kel, lnw2, eps, c, shared)
-        attn = torch.bmm(qc, kc.transpose(1, 2)) * (causal * lrc[:, None, :])
-        return st, torch.baddbmm(o, attn, g)
-
-    xs = [chunks(ka), chunks(tgt), chunks(lr)] + ([] if shared else [chunks(qa)])
-    _, z_bar = scan(step, state, xs)
-    return z_bar.transpose(0, 1).reshape(bh, nc * c, d)[:, :n]
-
-
-def ttt_linear_chunked(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
-                       ln_b: Tensor, mini_batch: int = 16, ln_residual: bool = True, eps: float = 1e-6,
-                       return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal TTT-Linear scan in the mini-batch dual form, arguments and result as ``naive.ttt_linear_naive``:
-    the bias folded into the state as one extra row (``[k, 1] @ [W; b]``), batch and heads one ``bmm`` batch,
-    everything that does not depend on the state (targets, the causal ``eta * (q k^T + 1)`` block,
-    ``k * eta_last``) formed for all mini-batches at once; the loop per mini-batch is 2 ``bmm``s and the
-    closed-form LayerNorm gradient (ATen's fused LayerNorm kernels).  The outputs are formed inside the loop, so no
-    per-mini-batch state is kept in inference.  Under torch.export the loop is one ``scan`` op (:func:`_scan_loop`).
-    """
-    out_dtype = q.dtype
-    cd, lnw, lnb, w, b = scan_setup(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch)
-    bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
-    bh = bsz * heads
-    shared = q is k
-    q, lr, tau = q.to(cd), lr.to(cd).reshape(bh, n), tau.to(cd)
-    k = q if shared else k.to(cd)
-    one = torch.ones(bsz, heads, n, 1, device=q.device, dtype=cd)
-    ka = torch.cat([k, one], -1).reshape(bh, n, d + 1)
-    qa = ka if shared else torch.cat([q, one], -1).reshape(bh, n, d + 1)
-    state = torch.cat([w, b], 2).reshape(bh, d + 1, d)
-    lnw2: Optional[torch.Tensor] = None
-    if ln_residual:
-        tgt = ((lnb - (v.to(cd) - k)) * lnw).reshape(bh, n, d)
-        lnw2 = (lnw * lnw).expand(bsz, heads, 1, d).reshape(bh, 1, d)
-    else:
-        tgt = v.to(cd).reshape(bh, n, d)
-    if not torch.jit.is_scripting():  # (TorchScript skips this block)
-        if torch.compiler.is_exporting() and not return_grad_norm:  # one loop op, the token count stays symbolic
-            z_bar = _scan_loop(qa, ka, tgt, lr, tau, state, lnw2, eps, shared).reshape(bsz, heads, n, d)
-            return _scan_output(q, z_bar, lnw, lnb, eps, ln_residual).to(out_dtype), None
-    full = n // mini_batch * mini_batch
-    parts: List[torch.Tensor] = []
-    grads: List[torch.Tensor] = []
-    if full > 0:
-        zb, g, state = _scan_chunks(qa[:, :full], ka[:, :full], tgt[:, :full], lr[:, :full], tau, state, lnw2, eps,
-                                    return_grad_norm, n > full, shared)
-        parts.append(zb)
-        if g is not None:
-            grads.append(g)
-    if n > full:
-        zb, g, state = _scan_chunks(qa[:, full:], ka[:, full:], tgt[:, full:], lr[:, full:], tau[:n - full], state,
-                                    lnw2, eps, return_grad_norm, False, shared)
-        parts.append(zb)
-        if g is not None:
-            grads.append(g)
-    z_bar = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).reshape(bsz, heads, n, d)
-    out = _scan_output(q, z_bar, lnw, lnb, eps, ln_residual)
-    gn: Optional[torch.Tensor] = None
-    if return_grad_norm:
-        gg = grads[0] if len(grads) == 1 else torch.cat(grads, 1)
-        gn = torch.linalg.vector_norm(k, dim=-1) * torch.linalg.vector_norm(gg.reshape(bsz, heads, n, d), dim=-1)
-    return out.to(out_dtype), gn
-
-
-def ttt_linear_bidir_chunked(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
-                             ln_w: Tensor, ln_b: Tensor, mini_batch: int = 16, ln_residual: bool = True,
-                             rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
-                             ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Both scan directions with :func:`ttt_linear_chunked`, summed (as ``naive.ttt_linear_bidir_naive``;
-    TorchScript-compilable)."""
-    q2, k2, v2, lr2, w0, b0 = _flipped_inputs(q, k, v, lr, w0, b0, mini_batch, rope_theta)
-    out, gn = ttt_linear_chunked(q2, k2, v2, lr2, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
-                                 return_grad_norm)
-    return bidir_outputs(out, gn, q.shape[0])
-
-
 def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                      eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Causal scan, same signature as ``naive.ttt_linear_naive``.
 
-    Inference (no gradient needed) and the grad-norm map run :func:`ttt_linear_chunked` (the faster forward).
+    Export runs :func:`~.export.ttt_linear_export`; inference (no gradient needed) and the grad-norm map
+    :func:`~.chunked.ttt_linear_chunked` (the faster forward); training the recomputing scan.
     """
+    if exporting() and not return_grad_norm:
+        return ttt_linear_export(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps)
     if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
         with _no_autocast(q.device):  # fp32 state: autocast would run the per-mini-batch GEMMs in half precision
             return ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
@@ -672,8 +497,10 @@ def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
                            ) -> Tuple[Tensor, Optional[Tensor]]:
     """Bidirectional scan (both directions in one batched pass), same signature as ``naive.ttt_linear_bidir_naive``.
 
-    Inference (no gradient needed) and the grad-norm map run :func:`ttt_linear_bidir_chunked` (the faster forward).
+    Export, inference and training as :func:`ttt_linear_torch`.
     """
+    if exporting() and not return_grad_norm:
+        return ttt_linear_bidir_export(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
     if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
         with _no_autocast(q.device):  # as in ttt_linear_torch
             return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,

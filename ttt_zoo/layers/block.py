@@ -23,17 +23,19 @@ def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
 
 
 def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, N, C)."""
-    return x.flatten(2).transpose(1, 2)
+    """(B, C, H, W) -> (B, N, C).  ``reshape``, not ``flatten(2)`` (the same op in eager): TorchScript's ONNX exporter
+    writes ``flatten`` with a start dim > 1 with the traced sizes, fixing the token count of the graph."""
+    return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
 
 
 def tokens_as_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
     """(B, N, C) -> (B, C, H, W) for a conv to read: in eager the channels-last view of the tokens (no copy; the
     conv's channels-last output is then already in token order for :func:`map_to_tokens`: 2.5x faster than the
     NCHW round trip for a 192-channel depthwise 3x3 at 64x64 on the CPU); under TorchScript and torch.compile the
-    contiguous :func:`tokens_to_map`."""
+    contiguous :func:`tokens_to_map` (and under torch.jit.trace: TorchScript's ONNX exporter writes ``unflatten``
+    with the traced sizes)."""
     if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not torch.jit.is_tracing():
             return x.unflatten(1, (feat_size[0], feat_size[1])).permute(0, 3, 1, 2)
     return tokens_to_map(x, feat_size)
 
