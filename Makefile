@@ -42,7 +42,8 @@ demo: venv
 #   every interpreted load and store is in bounds (tests/triton_bounds.py);
 # - compile: whole-model torch.compile (marker `compile`, inductor, minutes of CPU each);
 # - mm: the OpenMMLab tests train in-process through mmengine's Runner, which changes process-wide state;
-# - timm: timm's own tests/test_models.py on our models.
+# - timm: timm's own tests/test_models.py on our models, and timm's ONNX export with both exporters
+#   (tests/test_timm_onnx_export.py).
 STAGES = $(PY) tools/test_stages.py --jobs $(JOBS)
 test: venv $(TIMM_SUITE)
 	$(STAGES) -- $(PYTEST_ARGS)

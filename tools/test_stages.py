@@ -29,6 +29,7 @@ FORBIDDEN_SKIPS = re.compile(r"could not import|not installed|No module named|fi
 
 
 STAGE_NAMES = ("main", "kernels", "compile", "mm", "timm")
+TIMM_ONNX = "tests/test_timm_onnx_export.py"  # the timm stage's, not main's
 
 
 @dataclass
@@ -78,8 +79,8 @@ def stages(py: str, jobs: int, extra: Sequence[str], wanted: Sequence[str] = STA
     par = dict(base, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // max(jobs, 1))))
     return [
         Stage("main", "unit, parity and numerics tests (no Triton interpreter, no compile, no OpenMMLab)",
-              [pytest + xdist + ["tests", "--ignore=tests/test_mm_adapters.py", "-m", "not compile and not triton",
-                                 *extra]], dict(par, TRITON_INTERPRET="0")),
+              [pytest + xdist + ["tests", "--ignore=tests/test_mm_adapters.py", f"--ignore={TIMM_ONNX}",
+                                 "-m", "not compile and not triton", *extra]], dict(par, TRITON_INTERPRET="0")),
         # one pytest process per file: in xdist workers shared with other files the interpreter's custom-op calls
         # crashed (SIGSEGV, `vector::reserve` errors from the dispatcher)
         Stage("kernels", "Triton kernels in the interpreter (marker `triton`), one process per file",
@@ -90,8 +91,12 @@ def stages(py: str, jobs: int, extra: Sequence[str], wanted: Sequence[str] = STA
               dict(par, TRITON_INTERPRET="0", TORCHINDUCTOR_CACHE_DIR="{tmp}")),
         Stage("mm", "mmdet / mmseg adapters and smoke training (own process: mmengine's Runner)",
               [pytest + ["tests/test_mm_adapters.py", *extra]], base),
-        Stage("timm", "timm's own tests/test_models.py on our models",
-              [pytest + xdist + ["test_models.py", *extra]], par, cwd=os.path.join(ROOT, "tools", "timm_suite")),
+        # timm's export (onnx_export.py's two calls) on every classifier code path with both exporters: a dynamo
+        # export takes tens of seconds, so it runs beside timm's own tests rather than in main
+        Stage("timm", "timm's own tests/test_models.py on our models, and timm's ONNX export (both exporters)",
+              [pytest + xdist + ["test_models.py", *extra],
+               pytest + xdist + [os.path.join(ROOT, TIMM_ONNX), "--rootdir", ROOT, *extra]],
+              par, cwd=os.path.join(ROOT, "tools", "timm_suite")),
     ]
 
 
