@@ -22,6 +22,7 @@ from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
 from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import triton as LT  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import fused as VF  # noqa: E402
+from ttt_zoo.kernels.vit3_ttt import ops as VO  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
 
 _INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC")
@@ -104,7 +105,7 @@ _FUSED_IO = tuple(f"{p}{i}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"
 def vit3_fused_rows(block_ds, arch):
     """The mixer core's fused kernels (fused.py: both branches per launch), the launcher's tile and warps."""
     lines = []
-    for bd in [bd for bd in block_ds if bd <= VF.MAX_HEAD_DIM]:  # above, the launcher runs the per-branch kernels
+    for bd in [bd for bd in block_ds if bd <= VO.FUSED_MAX_HEAD_DIM]:  # above, the op runs the per-branch kernels
         bn, warps = VF.launch_cfg(bd)
         for fn in (VF._fwd_update, VF._fwd_finalize, VF._fwd_apply, VF._bwd_apply, VF._bwd_finalize, VF._bwd_update):
             consts = {a: v for a, v in dict(TILES=VF.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VF.BLOCK_P, PREC="ieee",
@@ -149,7 +150,7 @@ def inner_mlp_rows(block_ds, arch):
 
 FAMILIES = {
     "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes.  The "
-             "fused kernels (fused.py) run head dims up to fused.MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
+             "fused kernels (fused.py) run head dims up to ops.FUSED_MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
              "10,304 bytes and _bwd_update needed 311,296 bytes of shared memory); above, the per-branch kernels."),
     "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "bf16 q/k/v, fp32 state; shipped launch config."),
     "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,

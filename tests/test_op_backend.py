@@ -265,7 +265,7 @@ def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
         return lambda *a: calls.append(name) or impl(*a)
 
     fake = types.SimpleNamespace(qkv_fused_fwd=spy("fused_fwd", vit3_ops._qkv_fwd_torch),
-                                 qkv_fused_bwd=spy("fused_bwd", vit3_ops._qkv_bwd_torch), MAX_HEAD_DIM=64)
+                                 qkv_fused_bwd=spy("fused_bwd", vit3_ops._qkv_bwd_torch))
     monkeypatch.setattr(vit3_ops, "_f", lambda: fake)
     heads, h, w, d = 2, 2, 3, 4
     c = heads * d

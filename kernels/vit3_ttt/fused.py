@@ -19,6 +19,7 @@ Backward (dO = the output's cotangent, dqkv the (B, N, 3C + 3d) buffer of the pr
   3. ``_bwd_update``: dk, dv of both branches into dqkv; dW += k^T dz (fp32 atomic adds).
 Extra memory: fp32 partials (d x 2d per chunk of TILES * BLOCK_N tokens, 16 per conv chunk), G, W', dG (d x 2d per
 (batch, head)) and 16 floats per (batch, channel); nothing of size N x d beyond the outputs themselves.
+Every program holds whole d x d tiles: ``ops.FUSED_MAX_HEAD_DIM`` (64) is the largest head dim the op sends here.
 """
 from __future__ import annotations
 
@@ -28,15 +29,11 @@ import triton.language as tl
 
 from ..triton_utils import block_d as _block_d, dot_prec, wstrides as _wstrides
 
-__all__ = ["qkv_fused_fwd", "qkv_fused_bwd", "launch_cfg", "MAX_HEAD_DIM"]
+__all__ = ["qkv_fused_fwd", "qkv_fused_bwd", "launch_cfg"]
 
 BLOCK_N = 64      # tokens per SwiGLU tile
 TILES = 4         # tiles (SwiGLU) or pixel tiles (conv) reduced per program in the reducing launches
 BLOCK_P = 256     # pixels per conv tile
-
-
-MAX_HEAD_DIM = 64  # whole d x d tiles per program; above, sm_90 spills and _bwd_update needs > 232,448 bytes of
-# shared memory (experiments/results/vit3_triton_compile.md): ops.qkv_ttt_op runs the per-branch kernels there
 
 
 def launch_cfg(bd: int):
@@ -391,8 +388,6 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW1, DW2, K2, V2, DG3, DK2, DV2,
 # ------------------------------------------------------------------------------------------------ launchers
 def _check(q1, k1, v1, q2, k2, v2, w1, w2, w3):
     b, heads, n, d = q1.shape
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"the fused kernels take head dims up to {MAX_HEAD_DIM}, got {d}; run the per-branch ops")
     if k1.shape != q1.shape or v1.shape != q1.shape:
         raise ValueError(f"q1, k1, v1 must share a (B, heads, N, d) shape, got {tuple(q1.shape)}, "
                          f"{tuple(k1.shape)}, {tuple(v1.shape)}")

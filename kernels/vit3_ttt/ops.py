@@ -293,13 +293,16 @@ def _qkv_function(name: str, triton: bool):
 
 
 QKVTorchOps = _qkv_function("QKVTorchOps", False)
-QKVTritonOps = _qkv_function("QKVTritonOps", True)  # head dims above fused.MAX_HEAD_DIM (DiT3-XL's 72)
+QKVTritonOps = _qkv_function("QKVTritonOps", True)  # head dims above FUSED_MAX_HEAD_DIM (DiT3-XL's 72)
+#: the largest head dim the fused kernels run (whole d x d tiles per program): at 128 the sm_90 compile spills and
+#: _bwd_update needs 311,296 bytes of shared memory (> 232,448; experiments/results/vit3_triton_compile.md)
+FUSED_MAX_HEAD_DIM = 64
 
 
 def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                cos=None, sin=None, triton=None) -> Tensor:
     """ViT3 mixer core (projection + both inner steps): ``triton``: the fused op (``vit3_qkv_fwd`` / ``_bwd``, 3
-    launches each way; head dims above ``fused.MAX_HEAD_DIM``: the per-branch ops' kernels); False: the per-branch
+    launches each way; head dims above ``FUSED_MAX_HEAD_DIM``: the per-branch ops' kernels); False: the per-branch
     custom ops on their PyTorch path (the opaque nodes torch.compile sees for the ``torch`` backend); None: as
     ``swiglu_ttt_op``."""
     triton = kernel_choice(triton, x, "vit3_qkv_ttt", x.shape[-1] // heads)
@@ -308,6 +311,6 @@ def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float,
             bool(normalize_grad))
     if not triton:
         return QKVTorchOps.apply(*args)
-    if x.shape[-1] // heads > _f().MAX_HEAD_DIM:
+    if x.shape[-1] // heads > FUSED_MAX_HEAD_DIM:
         return QKVTritonOps.apply(*args)
     return QKVFused.apply(*args, True)
