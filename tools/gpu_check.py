@@ -43,6 +43,9 @@ SIZES = [224, 512, 1024, 2048]
 LATENTS = [28, 64, 128, 256]  # 224..2048 px images through the 8x VAE: the same tokens at patch 2 as at patch 16
 WRAPPED = "gpucheck_"  # prefix of the image-only DiT models this module registers
 DRY_RUN_TESTS = "kernels and fp32"  # the dry run: the fp32 kernel cases of the op's test file
+# --first N: the first N of the op file's interpreter cases, torch.compile and meta-device ones left out (every op
+# file has such cases; the test names differ from file to file)
+DRY_RUN_FIRST = ["-m", "triton", "-k", "not compile and not meta_device"]
 
 
 # ------------------------------------------------------------------------ image-only DiT models for ttt-zoo bench
@@ -152,7 +155,7 @@ def step_tests(args, out: Path, files, log):
         if f == CUDA_TESTS and args.subset:  # test ids start with the op
             sel = ["-k", " or ".join(args.only_ops)]
         elif args.dry_run:  # the interpreter is slow: one quick case of the op's own file
-            sel = ["-k", DRY_RUN_TESTS]
+            sel = DRY_RUN_FIRST if args.first else ["-k", DRY_RUN_TESTS]
         cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_collected",
                f.relative_to(ROOT), *sel]
         # a hung or minutes-long case costs itself, not the file: each test's own limit, and every test named
@@ -261,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xdist-op", type=int, default=1, help="pytest-xdist workers for each other file")
     p.add_argument("--test-timeout", type=int, default=120, help="seconds for one test (pytest-timeout)")
     p.add_argument("--first", type=int, default=None, metavar="N",
-                   help="run only the first N selected tests of each file (the lease script's CPU dry run)")
+                   help="run only the first N selected tests of each file (the lease script's CPU dry run; an "
+                        "op file's from its interpreter cases, DRY_RUN_FIRST)")
     p.add_argument("--test-files", nargs="+", default=None,
                    help="test file names to run (default: every file that names Triton, and the cuda file)")
     return p
