@@ -48,6 +48,9 @@ def main() -> None:
     authors_rev = subprocess.run(["git", "-C", str(args.authors), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip() or "(not a git checkout)"
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    rev = _git("rev-parse", "--short", "HEAD")  # the code measured (taken before the run: HEAD may move meanwhile)
+    dirty = _git("status", "--porcelain", "--", "kernels/vit3_ttt", "ttt_zoo/layers", "ttt_zoo/models")
+    dirty = f" + uncommitted changes in {', '.join(ln[3:] for ln in dirty.splitlines())}" if dirty else ""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "authors_vittt.py").write_text(SHIM.format(folder=str(folder)))
         results = Path(tmp) / "results.csv"
@@ -65,9 +68,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     import timm
     import torch
-    dirty = _git("status", "--porcelain", "--", "kernels/vit3_ttt", "ttt_zoo/layers", "ttt_zoo/models")
-    dirty = f" + uncommitted changes in {', '.join(ln[3:] for ln in dirty.splitlines())}" if dirty else ""
-    text = f"""<!-- written by experiments/cpu_vs_authors.py at commit {_git('rev-parse', '--short', 'HEAD')} \
+    text = f"""<!-- written by experiments/cpu_vs_authors.py at commit {rev} \
 ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC) -->
 # ViT3-T training on the CPU against the authors' block (issue 39 item 4)
 
@@ -77,7 +78,7 @@ def main() -> None:
 
 Machine: {cpu}, {os.cpu_count()} cores, {args.threads} torch thread(s); torch {torch.__version__}, timm \
 {timm.__version__}; shared with other jobs: load average before {load}, after {load_after}.
-Ours: the zoo at {_git('rev-parse', '--short', 'HEAD')}{dirty}, backend torch.
+Ours: the zoo at {rev}{dirty}, backend torch.
 Theirs: LeapLabTHU/ViTTT at {authors_rev} (`vittt/models/vittt.py` + `ttt_block.py`, unchanged, built directly).
 fp32, batch {args.batch_size}, 224 px, forward + cross-entropy + backward (no optimizer step); every (model, repeat)
 a fresh subprocess, {args.repeats} interleaved repeats, each 1 warm-up + {args.num_bench_iter} timed steps; the
