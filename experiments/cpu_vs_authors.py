@@ -44,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     folder = args.authors.resolve() / "vittt"
     if not (folder / "models" / "ttt_block.py").is_file():
-        sys.exit(f"error: {folder}/models/ttt_block.py not found; pass a checkout of LeapLabTHU/ViTTT")
+        print(f"error: {folder}/models/ttt_block.py not found; pass a checkout of LeapLabTHU/ViTTT", file=sys.stderr)
+        sys.exit(2)
     authors_rev = subprocess.run(["git", "-C", str(args.authors), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip() or "(not a git checkout)"
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
