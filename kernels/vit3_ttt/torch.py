@@ -56,7 +56,9 @@ def _step(w: torch.Tensor, r: torch.Tensor, c: float, normalize: bool, dim) -> t
     c r / (|c| ||r|| + 1) = sign(c) r / (||r|| + 1/|c|) (norm, add, addcdiv: three launches)."""
     if not normalize or c == 0.0:
         return torch.add(w, r, alpha=-c)
-    n = torch.linalg.vector_norm(r, dim=dim, keepdim=True).add_(1.0 / abs(c))
+    n = torch.linalg.vector_norm(r, dim=dim, keepdim=True) + 1.0 / abs(c)
+    if exporting():  # TorchScript's ONNX exporter has no addcdiv
+        return w - r / n if c > 0 else w + r / n
     return torch.addcdiv(w, r, n, value=-1.0 if c > 0 else 1.0)
 
 
