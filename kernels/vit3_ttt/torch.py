@@ -100,6 +100,16 @@ def _foldable(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) else t.contiguous()
 
 
+def _packed_maps(q2: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor):
+    """The conv branch's q, k, v (B, d, H, W) as one contiguous (3, B, d, H, W) copy when B > 1 in eager: a
+    depthwise conv over B x d groups needs each map contiguous, and strided views of the projection cost one copy
+    each (three in the forward, more in the backward) where one stack serves them all."""
+    if q2.shape[0] == 1 or not _eager():
+        return q2, k2, v2
+    # into a contiguous buffer: stack would keep the views' channels-last-like strides
+    return tuple(torch.stack([q2, k2, v2], out=q2.new_empty((3,) + tuple(q2.shape))))
+
+
 def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
@@ -317,6 +327,7 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
     (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     b, n, c = x.shape
     d = c // heads
+    q2, k2, v2 = _packed_maps(q2, k2, v2)
     if exporting():  # a traced graph: the heads merged and concatenated, no buffer written through views
         with _autocast(x.device):
             x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
@@ -363,6 +374,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
         d = c // heads
         with torch.no_grad(), _autocast(x.device, *ctx.amp):
             (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+            q2, k2, v2 = _packed_maps(q2, k2, v2)
         with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             # assemble d(qkv) in place: the PyTorch SwiGLU step writes its gradients straight into it (those that

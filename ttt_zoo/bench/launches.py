@@ -22,7 +22,7 @@ import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LaunchCounts", "NO_LAUNCH", "count_launches", "count_triton_launches"]
+__all__ = ["LaunchCounts", "NO_LAUNCH", "block_launches", "code_paths", "count_launches", "count_triton_launches"]
 
 OPENED_NAMESPACE = "ttt_zoo"  # custom ops whose insides are counted
 # aten ops that launch no kernel (views are recognised from their schema)
@@ -170,7 +170,7 @@ def _first_block(model: torch.nn.Module, x: torch.Tensor):
     return blocks[0], seen["call"]
 
 
-def block_launches(model: torch.nn.Module, img_size: int = 64, batch: int = 2, seed: int = 0):
+def block_launches(model: torch.nn.Module, img_size: int = 96, batch: int = 2, seed: int = 0):
     """(inference, training) :class:`LaunchCounts` of the model's first block on its input at ``img_size``.
 
     Inference: eval mode under ``no_grad``.  Training: train mode, forward + ``.sum().backward()`` with the
@@ -203,3 +203,10 @@ def block_launches(model: torch.nn.Module, img_size: int = 64, batch: int = 2, s
     out_step = lambda: (lambda o: (o[0] if isinstance(o, tuple) else o).sum().backward())(run())  # noqa: E731
     train = count_launches(out_step)
     return infer, train
+
+
+def code_paths() -> List[str]:
+    """Every classifier code path at its smallest size: the registry's tiny models and their variants."""
+    from ..registry import is_variant_model, list_zoo_models
+    return [m for m in list_zoo_models(include_diffusion=False)
+            if m.split("_")[-1] == "tiny" or (is_variant_model(m) and "_tiny_" in m)]
