@@ -12,6 +12,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import traceback
 
@@ -38,30 +40,45 @@ COMMITTED = ("last.state.pt", "last_ema.safetensors", "last.safetensors", "best.
              "best.safetensors", "summary.csv")
 
 
-# ----- runs as forked children -----
+# ----- runs as child processes -----
+
+# A fresh interpreter, not os.fork(): a forked child cannot run autograd once the parent's autograd engine has
+# started its threads (an earlier test in the same pytest worker may have), so a fork made these tests depend on
+# test order ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+_CHILD = """
+import json, os, sys, time, traceback
+argv, pause, hold = json.loads(sys.argv[1])
+code = 1
+try:
+    import torch
+    torch.set_num_threads(1)
+    if pause:
+        import _commit_faults
+        _commit_faults.install(pause)
+    from ttt_zoo.train.trainer import main
+    code = main(argv)
+    if hold and code == 0:
+        time.sleep(600)
+except BaseException:
+    traceback.print_exc()
+finally:
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code)
+"""
+_children = []  # the Popen objects (their pids are waited for with os.waitpid)
+
 
 def _start(data, out, experiment=None, resume=None, pause=None, hold=False):
-    """Fork a child running ``ttt-zoo train`` (a fresh run, or ``--resume``); ``pause`` = "<epoch>:<stage>" for the
+    """Start a child running ``ttt-zoo train`` (a fresh run, or ``--resume``); ``pause`` = "<epoch>:<stage>" for the
     fault injection (tests/_commit_faults.py); ``hold``: after finishing, the child waits to be killed (so a kill
-    always lands on a live one). The child's exit status is the trainer's (143 after a SIGTERM)."""
+    always lands on a live one). Returns its pid; its exit status is the trainer's (143 after a SIGTERM)."""
     argv = ["--data-dir", data, "--output", str(out), *TINY]
     argv += ["--resume", str(resume)] if resume else ["--experiment", experiment]
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            torch.set_num_threads(1)
-            if pause:
-                _commit_faults.install(pause)
-            from ttt_zoo.train.trainer import main
-            code = main(argv)
-            if hold and code == 0:
-                time.sleep(600)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps([argv, pause, hold])], env=env)
+    _children.append(proc)
+    return proc.pid
 
 
 def _wait(pid):

@@ -25,7 +25,7 @@ def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
 def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, N, C).  ``reshape``, not ``flatten(2)`` (the same op in eager): TorchScript's ONNX exporter
     writes ``flatten`` with a start dim > 1 with the traced sizes, fixing the token count of the graph."""
-    return x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 2)
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3]).transpose(1, 2)  # no -1: B may be 0
 
 
 def tokens_as_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
