@@ -72,19 +72,18 @@ def test_counter_counts_triton_launches_once():
 
 
 @pytest.mark.triton
-def test_fused_vit3_op_launches_three_and_three(deit):
+def test_vit3_block_triton_path(deit):
+    """The ViT3-T block on the Triton path, counted once (the interpreter takes minutes per block): the fused op at
+    3 Triton launches forward and 3 backward with no aten glue inside, the block within 1.5x / 1.3x of timm's DeiT-T
+    block, and within its ceiling."""
     infer, train = _block("vit3_tiny", "triton")
     assert infer.by_op == {"vit3_qkv_fwd": 3}, infer.by_op
     assert train.by_op == {"vit3_qkv_fwd": 3, "vit3_qkv_bwd": 3}, train.by_op
     assert infer.triton_total == 3 and train.triton_total == 6  # Triton kernels only: no aten glue inside the op
-
-
-@pytest.mark.triton
-def test_vit3_block_triton_path_against_deit(deit):
-    infer, train = _block("vit3_tiny", "triton")
     peer_infer, peer_train = deit
     assert infer.total <= 1.5 * peer_infer.total, (infer.total, peer_infer.total, infer.aten)
     assert train.total <= 1.3 * peer_train.total, (train.total, peer_train.total, train.aten)
+    _assert_within_ceiling("vit3_tiny", "triton", infer, train)
 
 
 def test_vit3_block_torch_path_diet():
@@ -125,13 +124,16 @@ def test_every_code_path_has_a_ceiling():
     assert not missing, f"no launch ceiling for {missing}: run experiments/launch_counts.py and add its rows"
 
 
-@pytest.mark.parametrize("name,path", sorted(CEILINGS))
-def test_block_launches_within_ceiling(name, path):
+def _assert_within_ceiling(name, path, infer, train):
     ceiling = CEILINGS[name, path]
-    if ceiling is None:
+    assert infer.total <= ceiling[0] and train.total <= ceiling[1], \
+        f"{name} on the {path} path launches {infer.total} / {train.total} per block, above {ceiling}"
+
+
+@pytest.mark.parametrize("name,path", sorted(set(CEILINGS) - {("vit3_tiny", "triton")}))  # that one: above
+def test_block_launches_within_ceiling(name, path):
+    if CEILINGS[name, path] is None:
         with pytest.raises(BackendError):
             _block(name, path)
         return
-    infer, train = _block(name, path)
-    assert infer.total <= ceiling[0] and train.total <= ceiling[1], \
-        f"{name} on the {path} path launches {infer.total} / {train.total} per block, above {ceiling}"
+    _assert_within_ceiling(name, path, *_block(name, path))

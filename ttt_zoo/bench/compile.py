@@ -136,23 +136,28 @@ def block_counts(model: torch.nn.Module):
     return len(model.blocks)
 
 
-def full_depth_check(family: str, steps: int = 2, backend: str = "eager", batch: int = 2) -> Dict:
+def full_depth_check(family: str, steps: int = 2, backend: str = "eager", batch: int = 2,
+                     explain: bool = True) -> Dict:
     """The family's smallest registered model at its own depth, as ``--torchcompile --torchcompile-mode
     reduce-overhead`` traces it (static sizes first, at the model's own square size): ``torch._dynamo.explain`` of
     the training forward (``graphs``, ``breaks``, ``reasons``, ``ops``), then ``steps`` training steps (forward and
     backward) of one size through :func:`ttt_zoo.torchcompile.compile_model` with ``backend`` (the mode's code
     generation, inductor and CUDA graphs, sits behind dynamo: the graphs and guards are dynamo's), counting the
     graphs dynamo compiled after each step (``graphs_per_step``; a recompile raises the count) and timing each step
-    (``step_s``: the first holds the trace). ``explain_s``: wall time of explain."""
+    (``step_s``: the first holds the trace). ``explain_s``: wall time of explain.  ``explain=False`` skips explain
+    (a third of the time): ``graphs`` and ``breaks`` then come from dynamo's counters after the first step (a break
+    ends one graph and starts another, so one graph means no break), ``reasons`` from its graph-break counter."""
     name, model, sizes = small_model(family, full=True)
     hw = sizes[-1]
     args = model_inputs(name, model, hw, batch=batch)
     model.train()
     torch._dynamo.reset()
-    t0 = time.perf_counter()
-    e = torch._dynamo.explain(model)(*args)
-    explain_s = time.perf_counter() - t0
-    torch._dynamo.reset()
+    e, explain_s = None, None
+    if explain:
+        t0 = time.perf_counter()
+        e = torch._dynamo.explain(model)(*args)
+        explain_s = time.perf_counter() - t0
+        torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = compile_model(model, backend)
     graphs, step_s = [], []
@@ -164,7 +169,11 @@ def full_depth_check(family: str, steps: int = 2, backend: str = "eager", batch:
         out.float().square().mean().backward()
         step_s.append(time.perf_counter() - t0)
         graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+        if e is None and len(graphs) == 1:
+            reasons = sorted(torch._dynamo.utils.counters["graph_break"])
+    if e is not None:
+        found = dict(graphs=e.graph_count, breaks=e.graph_break_count, reasons=_reasons(e), ops=e.op_count)
+    else:
+        found = dict(graphs=graphs[0], breaks=max(graphs[0] - 1, len(reasons)), reasons=reasons, ops=None)
     return dict(family=family, model=name, depth=block_counts(model), size="x".join(map(str, hw)), batch=batch,
-                backend=backend,
-                graphs=e.graph_count, breaks=e.graph_break_count, reasons=_reasons(e), ops=e.op_count,
-                explain_s=explain_s, graphs_per_step=graphs, step_s=step_s)
+                backend=backend, **found, explain_s=explain_s, graphs_per_step=graphs, step_s=step_s)
