@@ -10,12 +10,13 @@ and ``0:setup``: the run folder and its args.yaml are written, no step was taken
 At the stage the process writes the marker file ``SAVE_PAUSED`` (holding the stage) into the run folder and
 waits until the test kills it, or deletes the marker to let it go on.
 
-In a forked child: ``install(pause)`` before calling the trainer.  As a command: :func:`command` gives the argv of
-``python tests/_commit_faults.py PAUSE train ...`` (``ttt-zoo`` with the pause installed).
+In a child process: :func:`train_child` (``install(pause)``, then the trainer).  As a command: :func:`command`
+gives the argv of ``python tests/_commit_faults.py PAUSE train ...`` (``ttt-zoo`` with the pause installed).
 """
 import os
 import sys
 import time
+import traceback
 
 MARKER = "SAVE_PAUSED"
 
@@ -77,6 +78,32 @@ def install(pause: str) -> None:
         finally:
             now["epoch"] = None
     run_state.commit_epoch = commit_epoch
+
+
+def train_child(argv: list, pause, hold: bool, log: str) -> None:
+    """A training run as a child process, forked from a forkserver that imported torch and the trainer once (a
+    fresh interpreter per run costs seconds; a fork of a process whose autograd engine has started its threads
+    cannot run autograd): one torch thread, ``install(pause)`` when given, ``ttt-zoo train ARGV``, its output
+    into ``log``; with ``hold``, a finished run waits to be killed.  Exits with the trainer's status."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 1
+    try:
+        import torch
+        torch.set_num_threads(1)
+        if pause:
+            install(pause)
+        from ttt_zoo.train.trainer import main
+        code = main(argv)
+        if hold and code == 0:
+            time.sleep(600)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def command(pause: str, *argv: str) -> list:

@@ -1,21 +1,19 @@
 """An epoch's checkpoint set (last.*, best.*, summary.csv) commits atomically through checkpoint.json.
 
 A real SIGKILL at every write point of the commit, and at 20 seeded random moments, then ``--resume`` to the end,
-gives the uninterrupted run's files bit for bit.  Runs are forked children of this process (one thread each, so
+gives the uninterrupted run's files bit for bit.  Runs are children forked from a forkserver (one thread each, so
 every run computes the same bits; no interpreter start per run), killed with SIGKILL while the fault injection of
 ``tests/_commit_faults.py`` holds them at a stage of a commit, or at a random moment while they train or wait at
 the end.
 """
 import csv
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
-import traceback
 
 import pytest
 
@@ -42,74 +40,61 @@ COMMITTED = ("last.state.pt", "last_ema.safetensors", "last.safetensors", "best.
 
 # ----- runs as child processes -----
 
-# A fresh interpreter, not os.fork(): a forked child cannot run autograd once the parent's autograd engine has
-# started its threads (an earlier test in the same pytest worker may have), so a fork made these tests depend on
-# test order ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
-_CHILD = """
-import json, os, sys, time, traceback
-argv, pause, hold = json.loads(sys.argv[1])
-code = 1
-try:
-    import torch
-    torch.set_num_threads(1)
-    if pause:
-        import _commit_faults
-        _commit_faults.install(pause)
-    from ttt_zoo.train.trainer import main
-    code = main(argv)
-    if hold and code == 0:
-        time.sleep(600)
-except BaseException:
-    traceback.print_exc()
-finally:
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(code)
-"""
-_children = []  # the Popen objects (their pids are waited for with os.waitpid)
+# Forked from a forkserver that imported torch and the trainer once (``_commit_faults.train_child``): a fresh
+# interpreter per run cost seconds each (dozens of runs), and a fork of this process cannot run autograd once its
+# autograd engine has started its threads (an earlier test in the same pytest worker may have: "Unable to handle
+# autograd's threading in combination with fork-based multiprocessing"); the forkserver never runs autograd.
+_CTX = multiprocessing.get_context("forkserver")
+_CTX.set_forkserver_preload(["_commit_faults", "torch", "ttt_zoo.train.trainer"])
 
 
 def _start(data, out, experiment=None, resume=None, pause=None, hold=False):
     """Start a child running ``ttt-zoo train`` (a fresh run, or ``--resume``); ``pause`` = "<epoch>:<stage>" for the
     fault injection (tests/_commit_faults.py); ``hold``: after finishing, the child waits to be killed (so a kill
-    always lands on a live one). Returns its pid; its exit status is the trainer's (143 after a SIGTERM)."""
+    always lands on a live one). Returns the process; its exit code is the trainer's (143 after a SIGTERM); its
+    output goes to a ``child-*.log`` file in OUT, beside the run folder."""
     argv = ["--data-dir", data, "--output", str(out), *TINY]
     argv += ["--resume", str(resume)] if resume else ["--experiment", experiment]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps([argv, pause, hold])], env=env)
-    _children.append(proc)
-    return proc.pid
+    os.makedirs(out, exist_ok=True)
+    log = os.path.join(str(out), f"child-{time.monotonic_ns()}.log")
+    proc = _CTX.Process(target=_commit_faults.train_child, args=(argv, pause, hold, log))
+    proc.start()
+    proc.log = log
+    return proc
 
 
-def _wait(pid):
-    _, status = os.waitpid(pid, 0)
-    return status
+def _log_tail(proc, n=3000):
+    try:
+        with open(proc.log, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError as e:
+        return f"(no log: {e})"
 
 
-def _finish(pid):
-    assert os.waitstatus_to_exitcode(_wait(pid)) == 0, "the training child failed (see captured stderr)"
+def _finish(proc):
+    proc.join()
+    assert proc.exitcode == 0, f"the training child failed (exit {proc.exitcode}):\n{_log_tail(proc)}"
 
 
-def _kill(pid):
-    os.kill(pid, signal.SIGKILL)
-    status = _wait(pid)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL  # a real kill of a live process
+def _kill(proc):
+    proc.kill()  # SIGKILL
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL  # a real kill of a live process
 
 
-def _start_and_sleep(pid, seconds):
-    """``pid`` after ``seconds``: the random moment of a kill (it only decides where the kill lands)."""
+def _start_and_sleep(proc, seconds):
+    """``proc`` after ``seconds``: the random moment of a kill (it only decides where the kill lands)."""
     time.sleep(seconds)
-    return pid
+    return proc
 
 
-def _kill_when_paused(pid, folder, stage):
+def _kill_when_paused(proc, folder, stage):
     """SIGKILL the child once the hook holds it at ``stage`` (it then only sleeps)."""
     marker = folder / _commit_faults.MARKER
     while not (marker.exists() and marker.read_text() == stage):  # a hang is caught by pytest-timeout
-        done, status = os.waitpid(pid, os.WNOHANG)
-        assert done == 0, f"the child ended (status {status}) before reaching {stage!r}"
+        assert proc.is_alive(), f"the child ended (exit {proc.exitcode}) before reaching {stage!r}:\n{_log_tail(proc)}"
         time.sleep(0.02)
-    _kill(pid)
+    _kill(proc)
     os.remove(marker)
 
 
@@ -271,17 +256,18 @@ def test_stopped_before_the_first_commit_then_same_command_or_resume_equals_refe
     sig, pause = how.split(":", 1)
     stage = pause.split(":", 1)[1]
     folder = tmp_path / "k"
-    pid = _start(ref["data"], tmp_path, "k", pause=pause)
+    proc = _start(ref["data"], tmp_path, "k", pause=pause)
     if sig == "SIGKILL":
-        _kill_when_paused(pid, folder, stage)
+        _kill_when_paused(proc, folder, stage)
     else:
         marker = folder / _commit_faults.MARKER
         while not (marker.exists() and marker.read_text() == stage):
-            assert os.waitpid(pid, os.WNOHANG)[0] == 0, "the child ended before its setup was done"
+            assert proc.is_alive(), f"the child ended before its setup was done:\n{_log_tail(proc)}"
             time.sleep(0.02)
-        os.kill(pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
         os.remove(marker)  # let it go on: it stops at its first step
-        assert os.waitstatus_to_exitcode(_wait(pid)) == 143
+        proc.join()
+        assert proc.exitcode == 143, _log_tail(proc)
     names = set(os.listdir(folder))
     assert ckpt.read_manifest(str(folder)) is None and {"args.yaml", "log.txt"} <= names
     assert not names & set(COMMITTED)
