@@ -83,18 +83,21 @@ def key_instance_norm(k: torch.Tensor, eps: float = 1.0, backend: Optional[str] 
 def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
                  w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
                  normalize_grad: bool = True, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 backend: Optional[str] = None, recompute: bool = True) -> torch.Tensor:
     """ViT3 mixer core: qkv projection (+ optional RoPE on the SwiGLU q, k), both inner steps, concat.
 
-    (B, N, C) -> (B, N, C + d).  The default paths store only ``x`` for the backward and recompute the projection.
+    (B, N, C) -> (B, N, C + d).  The lean paths (``torch``, ``triton``) store ``x`` and small per-(batch, head)
+    tensors for the backward and recompute the projection (``recompute=False``: they keep its output instead, one
+    GEMM fewer per training step for 3.5 C more floats per token); ``torch_naive`` stores everything.
     """
     if torch.jit.is_scripting():
         return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
     op = _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)
     if op is qkv_ttt_torch and _compiling():
         # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
-        return qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, triton=False)
-    return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
+        return qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, triton=False,
+                          recompute=recompute)
+    return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, recompute=recompute)
 
 
 def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,

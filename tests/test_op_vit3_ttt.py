@@ -76,11 +76,13 @@ def _qkv_leaves(h, w, rope, b=2, heads=2, d=4):
     return (x, weight, bias, w1, w2, w3), cos, sin
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("rope", [False, True])
-def test_qkv_gradcheck(rope):
+def test_qkv_gradcheck(rope, recompute):
+    """Both backward sources of the inner steps' inputs: the projection recomputed, or its output kept."""
     heads, h, w = 2, 3, 4
-    args, cos, sin = _qkv_leaves(h, w, rope, heads=heads)
-    f = lambda *a: qkv_ttt_torch(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
+    args, cos, sin = _qkv_leaves(h, w, rope, heads=heads, b=2)
+    f = lambda *a: qkv_ttt_torch(*a, (h, w), heads, 0.7, True, cos, sin, recompute=recompute)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, fast_mode=True)
     torch.testing.assert_close(f(*args), qkv_ttt_naive(*args, (h, w), heads, 0.7, True, cos, sin))
 
@@ -278,15 +280,17 @@ def test_dwconv_kernels_strided_views():
 
 
 @triton_test
-def test_qkv_triton_path_with_rope():
-    # projection + RoPE + both branches through the fused op (qkv_ttt_op, triton=True), vs. the naive composition
+@pytest.mark.parametrize("recompute", [True, False])
+def test_qkv_triton_path_with_rope(recompute):
+    # projection + RoPE + both branches through the fused op (qkv_ttt_op, triton=True), vs. the naive composition;
+    # the backward recomputes the projection or takes its kept output
     b, heads, d, h, w = 1, 2, 32, 3, 5
     c = heads * d
     cos, sin = [t.to(DEV) for t in rope_2d_tables((h, w), c)]
     inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
               torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
               torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
-    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, cos, sin, triton=True),
+    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, cos, sin, triton=True, recompute=recompute),
              lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True, cos, sin), inputs, torch.float32)
 
 

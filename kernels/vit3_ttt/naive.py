@@ -96,9 +96,9 @@ def dwconv_ttt_reference(
 def qkv_ttt_naive(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
                   w2: torch.Tensor, w3: torch.Tensor, feat_size: Tuple[int, int], heads: int, scale: float,
                   normalize_grad: bool = True, cos: Optional[torch.Tensor] = None,
-                  sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Reference composition (plain autograd; also the TorchScript path): projection, split, RoPE, both reference
-    inner steps, concat."""
+                  sin: Optional[torch.Tensor] = None, recompute: bool = True) -> torch.Tensor:
+    """Reference composition (plain autograd, which stores every intermediate: ``recompute`` is ignored; also the
+    TorchScript path): projection, split, RoPE, both reference inner steps, concat."""
     b, n, c = x.shape[0], x.shape[1], x.shape[2]
     t1, t2 = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     x1 = swiglu_ttt_reference(t1[0], t1[1], t1[2], w1, w2, scale, normalize_grad)

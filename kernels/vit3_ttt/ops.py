@@ -255,11 +255,13 @@ class QKVFused(torch.autograd.Function):
     cotangents back through the RoPE (torch glue on the (B, N, 2C) slice; ViT3 has none)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, triton):
+    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, triton,
+                recompute=True):
         (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)  # the caller's autocast
         with no_autocast(x.device):
             out, *small = qkv_fwd_op(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton)
-        ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small)
+        kept = () if recompute else (q1, k1, v1, q2, k2, v2)  # recompute=False: no projection GEMM in the backward
+        ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small, *kept)
         ctx.args = feat_size, heads, scale, normalize_grad, triton
         ctx.amp = autocast_state(x.device)
         return out
@@ -267,10 +269,15 @@ class QKVFused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, w1, w2, w3, cos, sin, *small = ctx.saved_tensors
+        small, kept = small[:4], small[4:]
         feat_size, heads, scale, normalize_grad, triton = ctx.args
         b, n, c = x.shape
-        with torch.no_grad(), no_autocast(x.device, *ctx.amp):
-            (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        if kept:
+            q1, k1, v1, q2, k2, v2 = kept
+            del kept
+        else:
+            with torch.no_grad(), no_autocast(x.device, *ctx.amp):
+                (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
         with torch.no_grad(), no_autocast(x.device):
             dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
                                              normalize_grad, triton)
@@ -283,7 +290,7 @@ class QKVFused(torch.autograd.Function):
             dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
             dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype), None, None, None, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def _qkv_function(name: str, triton: bool):
@@ -300,7 +307,7 @@ FUSED_MAX_HEAD_DIM = 64
 
 
 def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-               cos=None, sin=None, triton=None) -> Tensor:
+               cos=None, sin=None, triton=None, recompute: bool = True) -> Tensor:
     """ViT3 mixer core (projection + both inner steps): ``triton``: the fused op (``vit3_qkv_fwd`` / ``_bwd``, 3
     launches each way; head dims above ``FUSED_MAX_HEAD_DIM``: the per-branch ops' kernels); False: the per-branch
     custom ops on their PyTorch path (the opaque nodes torch.compile sees for the ``torch`` backend); None: as
@@ -310,7 +317,7 @@ def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float,
     args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
             bool(normalize_grad))
     if not triton:
-        return QKVTorchOps.apply(*args)
+        return QKVTorchOps.apply(*args, bool(recompute))
     if x.shape[-1] // heads > FUSED_MAX_HEAD_DIM:
-        return QKVTritonOps.apply(*args)
-    return QKVFused.apply(*args, True)
+        return QKVTritonOps.apply(*args, bool(recompute))
+    return QKVFused.apply(*args, True, bool(recompute))

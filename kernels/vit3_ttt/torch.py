@@ -315,9 +315,10 @@ def dwconv_ttt_torch(q, k, v, w3, scale: float, normalize_grad: bool = True) -> 
 
 # ------------------------------------------------------------------------------- qkv projection + both branches
 def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
-                swiglu_f=None, dwconv_f=None, keep_g: bool = True):
+                swiglu_f=None, dwconv_f=None, keep_g: bool = True, keep_inputs: bool = False):
     """Projection + both inner steps, no autograd: (out (B, N, C + d), G_swiglu, G_conv); the PyTorch steps
-    return no G with ``keep_g=False`` (inference: the scale folds into the normalisation).
+    return no G with ``keep_g=False`` (inference: the scale folds into the normalisation).  ``keep_inputs``: a
+    fourth item, the inner steps' inputs (q1, k1, v1, q2, k2, v2) as the backward takes them.
 
     The PyTorch SwiGLU step writes straight into the heads-merged output buffer (no head-merge copy, no concat);
     other implementations (Triton, custom ops) return their own tensor, copied in.
@@ -332,7 +333,8 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
         with _autocast(x.device):
             x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
             x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
-        return torch.cat([x1.transpose(1, 2).flatten(2), x2.flatten(2).transpose(1, 2)], -1), g1, g3
+        out = torch.cat([x1.transpose(1, 2).flatten(2), x2.flatten(2).transpose(1, 2)], -1)
+        return (out, g1, g3, (q1, k1, v1, q2, k2, v2)) if keep_inputs else (out, g1, g3)
     out = q1.new_empty(b, n, c + d)
     out1 = out[..., :c].unflatten(-1, (heads, d)).transpose(1, 2)
     with _autocast(x.device):
@@ -346,35 +348,40 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
         else:
             x2, g3 = dwconv_f(q2, k2, v2, w3, scale, normalize_grad)
         out[..., c:].copy_(x2.flatten(2).transpose(1, 2))
-    return out, g1, g3
+    return (out, g1, g3, (q1, k1, v1, q2, k2, v2)) if keep_inputs else (out, g1, g3)
 
 
 def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
     """autograd.Function for ``[swiglu_ttt | dwconv_ttt](split(x W^T + b))`` that stores only x and small tensors.
 
     Saved per block: the projection input x (B, N, C) (which the projection would store anyway), the weights, and the
-    raw inner gradients (B, heads, d, 2d) and (B, d, 3, 3).  The backward recomputes the projection (one GEMM), the
-    RoPE and the inner steps, so the (B, N, 3C + 3d) projection output and every inner intermediate never outlive
-    the block's forward.
+    raw inner gradients (B, heads, d, 2d) and (B, d, 3, 3).  With ``recompute`` (the default) the backward
+    recomputes the projection (one GEMM), the RoPE and the inner steps' inputs, so the (B, N, 3C + 3d) projection
+    output never outlives the block's forward; ``recompute=False`` keeps those inputs instead (one GEMM fewer per
+    training step, 3.5 C more floats per token stored).  Every inner intermediate is recomputed either way.
     """
 
-    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad):
-        out, g1, g3 = qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
-                                  swiglu_f, dwconv_f)
-        ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin)
+    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, recompute=True):
+        out, g1, g3, inputs = qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale,
+                                          normalize_grad, swiglu_f, dwconv_f, keep_inputs=True)
+        ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin, *(() if recompute else inputs))
         ctx.args = (feat_size, heads, scale, normalize_grad)
         ctx.amp = _autocast_state(x.device)
         return out
 
     def backward(ctx, dout):
-        x, weight, bias, w1, w2, w3, g1, g3, cos, sin = ctx.saved_tensors
+        x, weight, bias, w1, w2, w3, g1, g3, cos, sin, *inputs = ctx.saved_tensors
         feat_size, heads, scale, normalize_grad = ctx.args
         b, n, c = x.shape
         h, w = feat_size
         d = c // heads
-        with torch.no_grad(), _autocast(x.device, *ctx.amp):
-            (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
-            q2, k2, v2 = _packed_maps(q2, k2, v2)
+        if inputs:
+            q1, k1, v1, q2, k2, v2 = inputs
+            del inputs
+        else:
+            with torch.no_grad(), _autocast(x.device, *ctx.amp):
+                (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+                q2, k2, v2 = _packed_maps(q2, k2, v2)
         with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             # assemble d(qkv) in place: the PyTorch SwiGLU step writes its gradients straight into it (those that
@@ -406,7 +413,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
             dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
             dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
             dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
-        return dx, dweight, dbias, dw1, dw2, dw3, None, None, None, None, None, None
+        return dx, dweight, dbias, dw1, dw2, dw3, None, None, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
@@ -415,11 +422,12 @@ QKVTTT = make_qkv_function("QKVTTT", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_
 
 
 def qkv_ttt_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-                  cos=None, sin=None) -> torch.Tensor:
-    """Projection + both inner steps with the recomputing backward; (B, N, C) -> (B, N, C + d)."""
+                  cos=None, sin=None, recompute: bool = True) -> torch.Tensor:
+    """Projection + both inner steps with the lean backward (``recompute``: of the projection too, see
+    :func:`make_qkv_function`); (B, N, C) -> (B, N, C + d)."""
     # feat_size stays symbolic under torch.compile(dynamic=True) / export (int() would fix it to the traced size)
     args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
             bool(normalize_grad))
     if exporting() or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
         return qkv_forward(*args, keep_g=False)[0]  # inference or export: no autograd.Function
-    return QKVTTT.apply(*args)
+    return QKVTTT.apply(*args, bool(recompute))
