@@ -92,3 +92,32 @@ def test_meta_device():
         mixer = ViT3TTT(64, 4, rope=True)
         out = mixer(torch.empty(2, 35, 64), (5, 7))
     assert out.shape == (2, 35, 64) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_recompute_switch_same_grads_and_what_it_keeps(rope):
+    """``recompute`` (default) keeps the mixer's input only and recomputes the qkv projection in the backward;
+    ``False`` keeps the projection's output instead: the same output and gradients, and the bytes autograd keeps
+    are those (B, N, 3C + 3d) floats (plus the conv branch's packed maps) more."""
+    from test_op_inner_mlp import _saved_bytes
+    torch.manual_seed(0)
+    c, heads, fs = 64, 2, (12, 10)
+    d = c // heads
+    m = ViT3TTT(c, num_heads=heads, rope=rope, backend="torch")
+    assert m.recompute  # the default
+    x = torch.randn(2, fs[0] * fs[1], c, requires_grad=True)
+    res = {}
+    for recompute in (True, False):
+        m.recompute = recompute
+        out, saved = _saved_bytes(lambda: m(x, fs), m)
+        grads = torch.autograd.grad(out.square().sum(), [x, m.w1, m.w2, m.w3, m.qkv.weight, m.qkv.bias])
+        res[recompute] = (out, grads, saved)
+    torch.testing.assert_close(res[True][0], res[False][0], rtol=0, atol=0)
+    for a, b in zip(res[True][1], res[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    n_c = x.numel() * 4  # bytes of one (B, N, C) fp32 activation
+    kept = (3 * c + 3 * d) / c  # the projection output, in (B, N, C) units
+    b, n = x.shape[:2]
+    small = 4 * (b * heads * d * 2 * d + b * d * 9 + (2 * n * c if rope else 0))  # the inner gradients, RoPE tables
+    assert res[True][2] <= (2 + d / c) * n_c + small, res[True][2] / n_c  # x, the proj input (C + d), small ones
+    assert res[False][2] >= res[True][2] + kept * n_c, (res[False][2] / n_c, res[True][2] / n_c)
