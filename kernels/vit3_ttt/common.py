@@ -1,15 +1,15 @@
 """Helpers shared by the ViT3 reference (``naive.py``) and the PyTorch / Triton paths: H-ViT3's 2-D RoPE and the
 qkv projection split into both branches' q, k, v (TorchScript-compilable)."""
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..backend import exporting
-from ..utils import compute_dtype
+from ..utils import compute_dtype, no_autocast
 
-__all__ = ["rope_2d", "qkv_split"]
+__all__ = ["rope_2d", "qkv_split", "backward_inputs"]
 
 
 def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,3 +45,18 @@ def qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     t1 = [t.reshape(b, n, heads, d).transpose(1, 2) for t in (q1, k1, v1)]
     t2 = [t.transpose(1, 2).reshape(b, d, h, w) for t in (q2, k2, v2)]
     return t1, t2
+
+
+def backward_inputs(kept: Sequence[torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    feat_size: Tuple[int, int], heads: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                    amp, pack: Optional[Callable] = None) -> Tuple[torch.Tensor, ...]:
+    """The inner steps' inputs (q1, k1, v1, q2, k2, v2) for a mixer-core backward: those the forward ``kept``
+    (``recompute=False``), else recomputed from ``x`` (the projection, RoPE and ``pack`` of the conv maps) under the
+    forward's autocast state ``amp``, without autograd."""
+    if kept:
+        return tuple(kept)
+    with torch.no_grad(), no_autocast(x.device, *amp):
+        (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        if pack is not None:
+            q2, k2, v2 = pack(q2, k2, v2)
+    return q1, k1, v1, q2, k2, v2

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..utils import autocast_state, compute_dtype, count_flops_as, kernel_choice, launches_kernel, no_autocast, \
     triton_module
 from . import torch as R
-from .common import qkv_split, rope_2d
+from .common import backward_inputs, qkv_split, rope_2d
 from .torch import make_qkv_function
 
 __all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
@@ -272,12 +272,8 @@ class QKVFused(torch.autograd.Function):
         small, kept = small[:4], small[4:]
         feat_size, heads, scale, normalize_grad, triton = ctx.args
         b, n, c = x.shape
-        if kept:
-            q1, k1, v1, q2, k2, v2 = kept
-            del kept
-        else:
-            with torch.no_grad(), no_autocast(x.device, *ctx.amp):
-                (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
+        q1, k1, v1, q2, k2, v2 = backward_inputs(kept, x, weight, bias, feat_size, heads, cos, sin, ctx.amp)
+        del kept
         with torch.no_grad(), no_autocast(x.device):
             dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
                                              normalize_grad, triton)

@@ -25,7 +25,7 @@ from ..backend import exporting
 from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
-from .common import qkv_split, rope_2d
+from .common import backward_inputs, qkv_split, rope_2d
 
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",
@@ -375,13 +375,9 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
         b, n, c = x.shape
         h, w = feat_size
         d = c // heads
-        if inputs:
-            q1, k1, v1, q2, k2, v2 = inputs
-            del inputs
-        else:
-            with torch.no_grad(), _autocast(x.device, *ctx.amp):
-                (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
-                q2, k2, v2 = _packed_maps(q2, k2, v2)
+        q1, k1, v1, q2, k2, v2 = backward_inputs(inputs, x, weight, bias, feat_size, heads, cos, sin, ctx.amp,
+                                                 _packed_maps)
+        del inputs
         with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             # assemble d(qkv) in place: the PyTorch SwiGLU step writes its gradients straight into it (those that
