@@ -32,9 +32,11 @@ __all__ = ["ARGS", "SUMMARY", "MANIFEST", "LOG", "PLOT", "TAGS", "TMP", "MANIFES
            "committed_file",
            "is_run_folder", "recorded_args", "find_weights", "ResolvedCheckpoint", "resolve_checkpoint",
            "apply_run_defaults", "run_model_kwargs", "RUN_DEFAULTS", "STATE_SUFFIX",
-           "EMA_WEIGHTS_SUFFIX", "ema_weights_of", "state_name", "weights_name", "tag_of", "state_file_of"]
+           "EMA_WEIGHTS_SUFFIX", "ema_weights_of", "state_name", "weights_name", "tag_of", "state_file_of",
+           "RECORD", "read_record", "enclosing_run", "refuse_run_output"]
 
 ARGS = "args.yaml"
+RECORD = "run.json"  # the run record: the model as built, its classes, its data (see read_record)
 _RESUME_ARGS = "args.resume-epoch{}.yaml"
 _RESUME_ARGS_RE = re.compile(r"args\.resume-epoch(\d+)\.yaml")
 SUMMARY = "summary.csv"
@@ -239,8 +241,52 @@ def committed_file(path: str) -> str:
 # ----- the recorded arguments -----
 
 def is_run_folder(folder: str) -> bool:
-    """``folder`` was written by ``ttt-zoo train`` (it has its args.yaml or its commit manifest)."""
-    return os.path.isfile(os.path.join(folder, ARGS)) or os.path.isfile(manifest_path(folder))
+    """``folder`` was written by ``ttt-zoo train`` (it has its args.yaml, its record or its commit manifest)."""
+    return any(os.path.isfile(os.path.join(folder, n)) for n in (ARGS, RECORD, MANIFEST))
+
+
+def enclosing_run(path: str) -> Optional[str]:
+    """The run folder that ``path`` is, or lies inside, by real path (symlinks followed, ``..`` resolved); None
+    when it is in no run. The path itself need not exist."""
+    here = os.path.realpath(path)
+    while True:
+        if os.path.isdir(here) and is_run_folder(here):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def refuse_run_output(path: str, flag: str) -> None:
+    """Only ``ttt-zoo train`` writes into a run folder: an output ``path`` that is a run folder or lies inside one
+    is refused in one line, whatever ``--force`` says."""
+    from ttt_zoo.errors import UsageError
+    run = enclosing_run(path)
+    if run is not None:
+        where = "is the run folder" if os.path.realpath(path) == run else "lies inside the run folder"
+        raise UsageError(f"{flag} {path} {where} {run}; only `ttt-zoo train` writes there (--force does not "
+                         f"change that): choose a path outside it")
+
+
+def read_record(folder: str) -> Dict[str, Any]:
+    """The run record ``run.json`` (written by ``ttt-zoo train`` with each commit): ``model`` and
+    ``model_kwargs`` (the model as it was built: with ``--linearize-from``, the T5 model it became),
+    ``num_classes``, ``img_size``, ``class_names`` (None for a task without classes), ``data_dir`` (an absolute
+    real path), ``crop_pct``, ``task``. A run from before records: what its args.yaml says."""
+    path = os.path.join(folder, RECORD)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: unreadable run record ({e}); restore the file.") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path} is not a ttt-zoo run record; restore the file.")
+        return data
+    args = recorded_args(folder)
+    return {k: args.get(k) for k in ("model", "model_kwargs", "num_classes", "img_size", "crop_pct", "data_dir",
+                                     "task")} | {"class_names": None}
 
 
 def recorded_args(folder: str) -> Dict[str, Any]:
