@@ -333,21 +333,28 @@ RUN_DEFAULTS = {"model": "model", "model_kwargs": "model_kwargs", "img_size": "i
 @dataclass
 class ResolvedCheckpoint:
     """What ``--checkpoint PATH`` names: ``weights`` (the file to load, checked against its run's manifest; None for
-    a folder that is not a run, e.g. a Hub folder), the run ``folder`` and its recorded arguments ``run`` (empty
-    outside a run)."""
+    a folder that is not a run, e.g. a Hub folder), the run ``folder``, its recorded arguments ``run`` and its
+    :func:`read_record` ``record`` (both empty outside a run)."""
     path: str
     weights: Optional[str]
     folder: Optional[str] = None
     run: Dict[str, Any] = field(default_factory=dict)
+    record: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def model(self) -> Optional[str]:
-        return self.run.get("model") or self.run.get("linearize_from") or None
+        """The registered model the run built (with ``--linearize-from``: the T5 model it became)."""
+        return self.record.get("model") or self.run.get("model") or None
+
+    @property
+    def class_names(self) -> Optional[List[str]]:
+        """The run's class names, in the order of its classifier's outputs (None: not recorded)."""
+        names = self.record.get("class_names")
+        return list(names) if names else None
 
     def same_model(self, model: Optional[str]) -> bool:
         """The run's own model (or none named): its recorded arguments apply; another model shares only weights."""
         return not model or model == self.model
-
 
 def resolve_checkpoint(path: Optional[str], flag: str = "--checkpoint", ema: Optional[bool] = None,
                        other_folders: bool = False) -> ResolvedCheckpoint:
@@ -370,9 +377,10 @@ def resolve_checkpoint(path: Optional[str], flag: str = "--checkpoint", ema: Opt
             raise CheckpointError(f"{flag} {path} is a folder, not a weights file or a `ttt-zoo train` run folder "
                                   f"(it has no {ARGS} or {MANIFEST}); give a weights file (.safetensors, .pth, .pt) "
                                   f"or a run folder")
-        return ResolvedCheckpoint(path, find_weights(path, ema), path, recorded_args(path))
-    run = recorded_args(folder) if is_run_folder(folder) else {}
-    return ResolvedCheckpoint(path, committed_file(path), folder if run else None, run)
+        return ResolvedCheckpoint(path, find_weights(path, ema), path, recorded_args(path), read_record(path))
+    if not is_run_folder(folder):
+        return ResolvedCheckpoint(path, committed_file(path))
+    return ResolvedCheckpoint(path, committed_file(path), folder, recorded_args(folder), read_record(folder))
 
 
 def apply_run_defaults(args: Any, resolved: ResolvedCheckpoint, flags, always=()) -> None:
@@ -381,19 +389,24 @@ def apply_run_defaults(args: Any, resolved: ResolvedCheckpoint, flags, always=()
     same = resolved.same_model(getattr(args, "model", None))
     for flag in flags:
         key = RUN_DEFAULTS[flag]
-        if (same or flag in always) and getattr(args, flag, None) in (None, {}, "") \
-                and resolved.run.get(key) not in (None, {}, ""):
-            setattr(args, flag, resolved.run[key])
+        value = resolved.record.get(key)
+        if value in (None, {}, ""):
+            value = resolved.run.get(key)
+        if (same or flag in always) and getattr(args, flag, None) in (None, {}, "") and value not in (None, {}, ""):
+            setattr(args, flag, value)
 
 
 def run_model_kwargs(resolved: ResolvedCheckpoint, model: Optional[str], given: Dict[str, Any],
                      with_img_size: bool = True) -> Dict[str, Any]:
     """The constructor arguments of the run's model (its --model-kwargs, and its --img-size as ``img_size``),
     updated by ``given``; only ``given`` for another model."""
-    if not resolved.run or not resolved.same_model(model):
+    if not resolved.folder or not resolved.same_model(model):
         return dict(given)
-    out = dict(resolved.run.get("model_kwargs") or {})
-    if with_img_size and resolved.run.get("img_size") and "img_size" not in out:
-        out["img_size"] = resolved.run["img_size"]
+    rec = resolved.record
+    out = dict(rec.get("model_kwargs") or {})
+    if rec.get("num_classes") is not None and "num_classes" not in out:
+        out["num_classes"] = rec["num_classes"]
+    if with_img_size and rec.get("img_size") and "img_size" not in out:
+        out["img_size"] = rec["img_size"]
     out.update(given)
     return out
