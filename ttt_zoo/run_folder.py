@@ -37,6 +37,7 @@ __all__ = ["ARGS", "SUMMARY", "MANIFEST", "LOG", "PLOT", "TAGS", "TMP", "MANIFES
 
 ARGS = "args.yaml"
 RECORD = "run.json"  # the run record: the model as built, its classes, its data (see read_record)
+RECORD_FORMAT = "ttt_zoo.run/1"
 _RESUME_ARGS = "args.resume-epoch{}.yaml"
 _RESUME_ARGS_RE = re.compile(r"args\.resume-epoch(\d+)\.yaml")
 SUMMARY = "summary.csv"
@@ -81,7 +82,8 @@ def resume_args_name(epoch: int) -> str:
 
 def commit_names() -> List[str]:
     """Every public name a commit may write, in the order it writes them (their ``.tmp`` siblings are ours)."""
-    return [n for t in TAGS for n in (state_name(t), weights_name(t, True), weights_name(t))] + [SUMMARY, MANIFEST]
+    return [n for t in TAGS for n in (state_name(t), weights_name(t, True), weights_name(t))] + [RECORD, SUMMARY,
+                                                                                                  MANIFEST]
 
 
 def family(name: str) -> str:
@@ -116,6 +118,11 @@ def read_manifest(folder: str) -> Optional[Dict[str, Any]]:
     committed yet)."""
     path = manifest_path(folder)
     if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(folder, RECORD)):  # a run of this format commits both together
+            raise CheckpointError(f"{path} is missing, but {os.path.join(folder, RECORD)} shows that epochs were "
+                                  f"committed in this run folder: without it no file of the run can be checked. "
+                                  f"Restore {MANIFEST} (e.g. from a backup), or start a new run with "
+                                  f"--initial-checkpoint.")
         return None
     try:
         with open(path) as f:
@@ -207,8 +214,14 @@ def committed_file(path: str) -> str:
     manifests).  When only the pending ``.tmp`` matches (a run killed while publishing), the folder's lock is taken
     without waiting and :func:`recover` publishes it.  Raises :class:`CheckpointError` while a live run is
     publishing (retry), and for a file that matches neither (corrupted or changed)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    public = os.path.join(folder, name)
+    for where in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):  # as given, and a link's target
+        _check_committed(where, path)
+    return path
+
+
+def _check_committed(public: str, path: str) -> None:
+    """:func:`committed_file` at one location ``public`` (absolute); ``path`` is what the user gave."""
+    folder, name = os.path.split(public)
     for _ in range(2):  # a live run may commit the next epoch while we look: then look once more
         manifest = read_manifest(folder) if os.path.isdir(folder) else None
         digest = (manifest or {}).get("files", {}).get(name)
@@ -216,9 +229,9 @@ def committed_file(path: str) -> str:
             if manifest is not None and tag_of(name):
                 raise CheckpointError(f"{path} is not committed by {manifest_path(folder)}; it is not a checkpoint "
                                       f"of this run: give {weights_name('last')} or {weights_name('best')}.")
-            return path
+            return
         if os.path.isfile(public) and sha256_file(public) == digest:
-            return path
+            return
         if os.path.isfile(public + TMP) and sha256_file(public + TMP) == digest:  # committed, not yet published
             try:
                 with folder_lock(folder, "ttt-zoo reader"):
@@ -230,7 +243,7 @@ def committed_file(path: str) -> str:
                 raise CheckpointError(f"{public}: epoch {manifest.get('epoch')} was committed but not yet put in "
                                       f"place, and the folder cannot be locked to finish it ({e.strerror or e}); run "
                                       f"`ttt-zoo train --resume {folder}` from an account that can write it.") from None
-            return path
+            return
         if read_manifest(folder) == manifest:
             break
     raise CheckpointError(f"{public} is missing or differs from what {manifest_path(folder)} committed (epoch "

@@ -72,7 +72,15 @@ def run(args) -> int:
     import torch
     from ttt_zoo.registry import create_model, resolve_model_name
     from ttt_zoo.analysis import image_attention_maps
-    from ._common import model_kwargs
+    from ._common import UsageError, model_kwargs
+    resolved = None
+    if args.checkpoint:  # a run folder or a file in one: its committed, checked weights and the run's record
+        from ttt_zoo.run_folder import resolve_checkpoint
+        resolved = resolve_checkpoint(args.checkpoint)
+        args.model = args.model or resolved.model
+    if not args.model:
+        raise UsageError("no model given; give --model NAME, or --checkpoint with a `ttt-zoo train` run folder "
+                         "(its run.json names the model)")
     resolve_model_name(args.model, "image", "--model")
     try:
         import matplotlib  # noqa: F401
@@ -88,23 +96,22 @@ def run(args) -> int:
         raise SystemExit(f"error: --query-pixel {y0} {x0} (row col) is outside the {orig[0]} x {orig[1]} image")
     from ._common import check_out
     check_out(args.out, args.force)
-    if args.checkpoint:
-        from ttt_zoo.checkpoint import CheckpointError
+    run_size = None
+    if resolved is not None:
         from ttt_zoo.hub import build_from_checkpoint
-        from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
-        try:  # a run folder or a file in one: its committed, checked weights and the run's model arguments
-            resolved = resolve_checkpoint(args.checkpoint)
-            kwargs = run_model_kwargs(resolved, args.model, model_kwargs(args))
-            model, _ = build_from_checkpoint(args.model, resolved.weights, kwargs)
-        except CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
+        from ttt_zoo.run_folder import run_model_kwargs
+        kwargs = run_model_kwargs(resolved, args.model, model_kwargs(args))
+        model, _ = build_from_checkpoint(args.model, resolved.weights, kwargs)
         note = f"weights: {os.path.basename(resolved.weights)}"
+        if resolved.same_model(args.model) and resolved.record.get("img_size"):
+            run_size = resolved.record["img_size"]  # the size the run trained at
+            run_size = tuple(run_size) if isinstance(run_size, (list, tuple)) else (run_size, run_size)
     else:
         model = create_model(args.model, pretrained=False, **model_kwargs(args))
         note = "random init (no checkpoint given)"
     model = model.eval()  # the maps are taken in float64 on copies of the chosen mixers
     cfg = timm.data.resolve_data_config({}, model=model)
-    size = args.img_size or tuple(cfg["input_size"][1:])
+    size = args.img_size or run_size or tuple(cfg["input_size"][1:])
     x, rgb, _ = load_image(args.image, size, cfg["mean"], cfg["std"])
     qp = (y0 * size[0] / orig[0], x0 * size[1] / orig[1])  # in the resized image
     maps = image_attention_maps(model, x, qp, args.layer, args.map, args.via, reduce=args.reduce)
@@ -121,7 +128,8 @@ def add_parser(sub) -> None:
     from .demo import ASSET_IMAGE
     p = sub.add_parser("attention-map", help="implicit attention map dO_i/dV_j of one query pixel (PNG overlay)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="an image model (see `ttt-zoo list`)")
+    p.add_argument("--model", default=None,
+                   help="an image model (see `ttt-zoo list`; default: the run's, with a run folder as --checkpoint)")
     p.add_argument("--image", default=ASSET_IMAGE, help="image file (default: the bundled photo)")
     p.add_argument("--query-pixel", type=Range(int, ge=0, le=65535), nargs=2, required=True, metavar=("Y", "X"),
                    help="query pixel, row and column in the image's own pixels")
@@ -131,7 +139,7 @@ def add_parser(sub) -> None:
                    help="weights file (.pth / .safetensors, official or ours) or a `ttt-zoo train` run folder")
     add_model_kwargs(p)
     p.add_argument("--img-size", type=SizeRange(), default=None,
-                   help="model input size, 224 or HxW (default: the model's)")
+                   help="model input size, 224 or HxW (default: the run's, else the model's)")
     p.add_argument("--map", choices=("implicit", "explicit"), default="implicit",
                    help="implicit dO_i/dV_j (any mixer) or the explicit linear-attention map q_hat_i . k_hat_j")
     p.add_argument("--via", choices=("mixer", "form"), default="mixer",

@@ -31,12 +31,12 @@ def linearize_dit(model: DiT, kernel_size: int = 5, dilation: int = 1) -> Tuple[
         raise TypeError("linearize_dit expects a DiT without CPE (DiT5 blocks have none).")
     blk = model.blocks[0]
     ref = model.pos_embed
-    new = DiT(input_size=model.grid_size[0] * model.patch_size, patch_size=model.patch_size, in_chans=model.in_chans,
-              hidden_size=model.hidden_size, depth=len(model.blocks), num_heads=blk.attn.num_heads,
-              mlp_ratio=blk.mlp.fc1.out_features / model.hidden_size,
-              class_dropout_prob=model.y_embedder.dropout_prob, num_classes=model.num_classes,
-              learn_sigma=model.learn_sigma, mixer="dit5_mixed",
-              mixer_kwargs=dict(kernel_size=kernel_size, dilation=dilation))
+    kwargs = dict(input_size=model.grid_size[0] * model.patch_size, patch_size=model.patch_size,
+                  in_chans=model.in_chans, hidden_size=model.hidden_size, depth=len(model.blocks),
+                  num_heads=blk.attn.num_heads, mlp_ratio=blk.mlp.fc1.out_features / model.hidden_size,
+                  class_dropout_prob=model.y_embedder.dropout_prob, num_classes=model.num_classes,
+                  learn_sigma=model.learn_sigma, mixer_kwargs=dict(kernel_size=kernel_size, dilation=dilation))
+    new = DiT(mixer="dit5_mixed", **kwargs)
     if model.grid_size[0] != model.grid_size[1]:
         raise ValueError(f"linearize_dit supports models built for square latents, got grid {model.grid_size}.")
     new = new.to(device=ref.device, dtype=ref.dtype)
@@ -47,4 +47,6 @@ def linearize_dit(model: DiT, kernel_size: int = 5, dilation: int = 1) -> Tuple[
     new.train(model.training)
     arch = str((getattr(model, "pretrained_cfg", None) or {}).get("architecture", "dit"))
     new.pretrained_cfg = dict(dit5_cfg_for(arch))
+    # how to build it again by name (a run records it: its readers rebuild the model without the source)
+    new.build_spec = {"model": "dit5_s_2", "model_kwargs": kwargs}  # every size argument given
     return new, sorted(missing)

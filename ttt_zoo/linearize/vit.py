@@ -83,10 +83,13 @@ def linearize_vit(model: nn.Module, na_kernel: int = 0,
     size = tuple(pe.img_size) if img_size is None else ((img_size, img_size) if isinstance(img_size, int)
                                                          else tuple(img_size))
     ref = model.pos_embed
-    target = T5(img_size=size, patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
-                num_classes=model.num_classes, embed_dim=embed_dim, depth=len(model.blocks),
-                num_heads=blk0.attn.num_heads, mlp_ratio=blk0.mlp.fc1.out_features / embed_dim,
-                qkv_bias=blk0.attn.qkv.bias is not None, na_kernel=na_kernel).to(device=ref.device, dtype=ref.dtype)
+    kwargs = dict(img_size=list(size), patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels,
+                  num_classes=model.num_classes, embed_dim=embed_dim, depth=len(model.blocks),
+                  num_heads=blk0.attn.num_heads, mlp_ratio=blk0.mlp.fc1.out_features / embed_dim,
+                  qkv_bias=blk0.attn.qkv.bias is not None, na_kernel=na_kernel)
+    target = T5(**kwargs).to(device=ref.device, dtype=ref.dtype)
+    # how to build it again by name (a run records it: its readers rebuild the model without the source)
+    target.build_spec = {"model": "t5_plus_tiny" if na_kernel else "t5_tiny", "model_kwargs": kwargs}
 
     # source tensors under T5 names
     src = dict(model.state_dict())

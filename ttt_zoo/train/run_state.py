@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
-from ttt_zoo.fileio import fsync_file, replace_file, sha256_file, write_file
+from ttt_zoo.fileio import _NORMAL_MODE as NORMAL_MODE, fsync_file, replace_file, sha256_file, write_file
 from ttt_zoo.run_folder import (  # noqa: F401  (the names the tests and older callers use, re-exported)
-    MANIFEST, MANIFEST_FORMAT, SUMMARY, TAGS, TMP, commit_names, committed_epoch, committed_weights, family,
+    MANIFEST, MANIFEST_FORMAT, RECORD, SUMMARY, TAGS, TMP, commit_names, committed_epoch, committed_weights, family,
     manifest_path, publish, read_manifest, recover, state_file_of, state_name, state_path, weights_name, weights_path)
 
 __all__ = ["FORMAT", "commit_epoch", "load_state", "resolve_resume", "rng_state", "set_rng_state",
@@ -53,9 +53,11 @@ def _weights_to_save(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.Tensor],
                  ema_sd: Optional[Dict[str, torch.Tensor]] = None, metadata: Optional[Dict[str, str]] = None,
-                 best: bool = False, summary_csv: Optional[str] = None) -> None:
+                 best: bool = False, summary_csv: Optional[str] = None,
+                 record: Optional[Dict[str, Any]] = None) -> None:
     """Commit one epoch as a set: ``last.state.pt`` (``state`` + the weights), ``last[_ema].safetensors``, their
-    ``best.*`` copies when ``best``, and ``summary.csv`` (its whole text) -- all or nothing (see the module doc)."""
+    ``best.*`` copies when ``best``, the run record ``run.json`` (``record``) and ``summary.csv`` (its whole text)
+    -- all or nothing (see the module doc)."""
     from safetensors.torch import save_file
     epoch = int(state["epoch"])
     model_sd = _weights_to_save(model_sd)
@@ -70,6 +72,8 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
     if best:  # byte copies of last.*: best always holds exactly the weights of the epoch the state calls best
         writers += [("best" + n[len("last"):], lambda p, n=n: shutil.copyfile(os.path.join(folder, n + TMP), p))
                     for n, _ in list(writers)]
+    if record is not None:
+        writers.append((RECORD, lambda p: write_file(p, json.dumps(record, indent=1) + "\n")))
     if summary_csv is not None:
         writers.append((SUMMARY, lambda p: write_file(p, summary_csv)))
 
@@ -84,6 +88,7 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, torch.T
             raise OSError(e.errno, f"{e.strerror or e} while committing epoch {epoch}; " + (
                 f"epoch {kept_epoch} stays committed: continue with `ttt-zoo train --resume {folder}`"
                 if kept_epoch is not None else "no epoch was committed yet"), os.path.join(folder, name)) from e
+        os.chmod(tmp, NORMAL_MODE)  # safetensors' save_file creates its file private (0600)
         fsync_file(tmp)
         written[name] = sha256_file(tmp)
     rewritten = {family(n) for n in written}

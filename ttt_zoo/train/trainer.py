@@ -70,6 +70,8 @@ def _check_flags(a: argparse.Namespace) -> None:
 # flags that fix the model's shape or the optimizer's state: a resumed run must keep them
 _SAME_ON_RESUME = ("task", "model", "linearize_from", "model_kwargs", "num_classes", "img_size", "opt",
                    "layer_decay", "sched", "sched_on_epochs", "grad_accum_steps")
+# flags whose values the resumed optimizer state restores: changing them on --resume would not be applied
+_RESTORED_ON_RESUME = ("weight_decay", "momentum", "opt_eps", "opt_betas")
 # args.yaml keys that belong to one invocation and are not inherited by --resume
 _NOT_INHERITED = ("config", "world_size", "sched_on_updates", "resume", "stop_after", "experiment", "output",
                   "initial_checkpoint", "pretrained")
@@ -106,15 +108,29 @@ def _parse_with_run_args(argv: Sequence[str], prog: str):
         argv = ["--task", str(recorded["task"])] + argv
     args, task_cls = parse_args(argv, prog)
     given = _explicit(argv, task_cls, prog)
-    for k in _SAME_ON_RESUME:
-        if k in given and k in recorded and getattr(args, k, None) != recorded[k] and not (
-                k == "model_kwargs" and dict(args.model_kwargs or {}) == dict(recorded[k] or {})):
+    record = run_folder.read_record(folder)
+    for k in _SAME_ON_RESUME + _RESTORED_ON_RESUME:
+        if k not in given or k not in recorded:
+            continue
+        theirs = recorded[k]
+        if k == "num_classes" and theirs is None:  # the run took its classes from its data
+            theirs = record.get("num_classes")
+        if getattr(args, k, None) != theirs and theirs is not None and not (
+                k == "model_kwargs" and dict(args.model_kwargs or {}) == dict(theirs or {})):
+            why = ("the optimizer state the run resumes holds its own" if k in _RESTORED_ON_RESUME
+                   else "it fixes the model's shape or the optimizer")
             raise _usage(f"--resume {first.resume}: {_flag(k)} {getattr(args, k)!r} differs from the run's "
-                         f"{recorded[k]!r}; leave out {_flag(k)} (the run's own is used), or start a new run "
+                         f"{theirs!r} ({why}); leave out {_flag(k)} (the run's own is used), or start a new run "
                          f"with --initial-checkpoint")
+    done = run_folder.committed_epoch(folder)
+    if "epochs" in given and done and args.epochs <= done:
+        raise _usage(f"--resume {first.resume}: --epochs {args.epochs}, but the run has already committed {done} "
+                     f"epochs; give --epochs {done + 1} or more to train further")
     for k, v in recorded.items():
         if k not in given and k not in _NOT_INHERITED and hasattr(args, k):
             setattr(args, k, v)
+    if "data_dir" not in given and record.get("data_dir"):  # the run's own data, as an absolute real path
+        args.data_dir = record["data_dir"]
     return args, task_cls
 
 
@@ -253,6 +269,8 @@ class Trainer:
         _resolve_lr(a, d.world_size)
         if not math.isfinite(a.lr):
             raise _usage(f"--lr {a.lr}: not a finite number; give a finite --lr, e.g. --lr 0.001")
+        if getattr(a, "data_dir", None) and not getattr(a, "dataset", ""):  # recorded as an absolute real path
+            a.data_dir = os.path.realpath(a.data_dir)
         if getattr(a, "initial_checkpoint", None):  # checked against its run's manifest (a run folder: its weights)
             a.initial_checkpoint = run_folder.resolve_checkpoint(a.initial_checkpoint, "--initial-checkpoint").weights
         self.resume_file = None
@@ -264,6 +282,7 @@ class Trainer:
         self.eval_metric = a.eval_metric or task.eval_metric
 
         model = task.build_model().to(d.device)
+        self.record = self._record(model)
         if a.grad_checkpointing:
             model.set_grad_checkpointing(True)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -326,6 +345,38 @@ class Trainer:
                       f"(lr_scale {sorted({g.get('lr_scale', 1.0) for g in self.optimizer.param_groups})}); "
                       f"output {self.folder}")
 
+    def _record(self, model: nn.Module) -> Dict[str, Any]:
+        """The run record (``run.json``, committed with every epoch): the model as built, so that every command
+        rebuilds it from the run folder alone, its classes and its data. On resume, other data must have the
+        run's classes."""
+        a = self.args
+        spec = getattr(model, "build_spec", None) or {"model": a.model, "model_kwargs": dict(a.model_kwargs or {})}
+        kwargs = dict(spec["model_kwargs"])
+        if "num_classes" in kwargs and hasattr(model, "num_classes"):  # (a head reset after linearizing)
+            kwargs["num_classes"] = model.num_classes
+        names = getattr(self.task, "class_names", None)
+        record = {"format": run_folder.RECORD_FORMAT, "task": a.task, "model": spec["model"], "model_kwargs": kwargs,
+                  "linearize_from": getattr(a, "linearize_from", "") or None,
+                  "num_classes": getattr(model, "num_classes", None), "img_size": a.img_size,
+                  "crop_pct": getattr(a, "crop_pct", None), "data_dir": a.data_dir,
+                  "class_names": list(names) if names is not None else None, "epochs": a.epochs, "lr": a.lr}
+        if a.resume:
+            self._check_resumed_data(run_folder.read_record(self.folder), record)
+        return record
+
+    def _check_resumed_data(self, old: Dict[str, Any], new: Dict[str, Any]) -> None:
+        if not old.get("data_dir") or old["data_dir"] == new["data_dir"]:
+            return
+        if old.get("class_names") is not None and old["class_names"] != new["class_names"]:
+            theirs, ours = old["class_names"], new["class_names"] or []
+            diff = sorted(set(theirs) ^ set(ours)) or ["the same names in another order"]
+            raise _usage(f"--resume {self.folder} --data-dir {new['data_dir']}: its classes differ from the run's "
+                         f"(data {old['data_dir']}; differing: {', '.join(map(str, diff[:8]))}); resume on the run's "
+                         f"own data (leave out --data-dir), or start a new run with --initial-checkpoint")
+        if self.dist.is_primary:
+            print(f"--data-dir {new['data_dir']}: the same {len(new['class_names'] or [])} classes as the run's data "
+                  f"{old['data_dir']}; training continues on it (recorded in {run_folder.RECORD})", file=sys.stderr)
+
     def _write_args(self, name: str) -> None:
         import yaml
         atomic_write(os.path.join(self.folder, name),
@@ -360,11 +411,16 @@ class Trainer:
         if old_keys and old_keys != new_keys:
             raise _usage(f"--resume {path}: the run's optimizer differs from --opt {a.opt} (its settings "
                          f"{sorted(old_keys ^ new_keys)} differ); resume with the run's own --opt")
-        self.scheduler.load_state_dict(s["scheduler"])
+        from timm.scheduler import PlateauLRScheduler
+        if isinstance(self.scheduler, PlateauLRScheduler):  # the only timm schedule with state of its own
+            self.scheduler.load_state_dict(s["scheduler"])
+        # the others are functions of the update count: built from these flags, they follow a changed --epochs or
+        # --lr (recorded in args.resume-epoch<N>.yaml and run.json), and equal the saved one when nothing changed
         if self.scaler is not None and s.get("scaler"):
             self.scaler.load_state_dict(s["scaler"])
         self.task.load_state_dict(s.get("task", {}))
         self.start_epoch, self.num_updates = int(s["epoch"]), int(s["num_updates"])
+        self._say_changes(saved)
         self.best_metric, self.best_epoch = s.get("best_metric"), s.get("best_epoch")
         rng = s.get("rng") or []
         if len(rng) == d.world_size:
@@ -374,6 +430,13 @@ class Trainer:
         if d.is_primary:
             self.summary.load(self.start_epoch)
         self.log.info(f"resumed {path} at epoch {self.start_epoch} ({self.num_updates} updates)")
+
+    def _say_changes(self, saved: Dict[str, Any]) -> None:
+        a = self.args
+        for k in ("epochs", "lr", "data_dir"):
+            if k in saved and saved[k] != getattr(a, k, None):
+                self.log.info(f"resume: {_flag(k)} {saved[k]} -> {getattr(a, k)} from epoch {self.start_epoch} "
+                              f"(recorded in {run_folder.resume_args_name(self.start_epoch)})")
 
     # ----- loop -----
     def _autocast(self):
@@ -524,7 +587,7 @@ class Trainer:
                 "task": self.task.name}
         run_state.commit_epoch(self.folder, state, self.model.state_dict(),
                                self.ema.module.state_dict() if self.ema is not None else None, meta, best=better,
-                               summary_csv=summary_csv)
+                               summary_csv=summary_csv, record=self.record)
 
     def _remove_failed_start(self) -> None:
         """A run that failed before saving anything removes the folder it created (so the same command works)."""
