@@ -35,7 +35,7 @@ TINY = ["--model", "vit3_tiny", "--model-kwargs", "depth=1", "embed_dim=16", "nu
         "--model-ema", "--model-ema-decay", "0.5"]
 TIMING_COLUMNS = ("train_img_per_sec", "epoch_time")  # wall-clock measurements: present, never compared
 COMMITTED = ("last.state.pt", "last_ema.safetensors", "last.safetensors", "best.state.pt", "best_ema.safetensors",
-             "best.safetensors", "summary.csv")
+             "best.safetensors", "run.json", "summary.csv")
 
 
 # ----- runs as child processes -----

@@ -123,9 +123,19 @@ def test_neither_public_nor_pending_file_matches(killed, run):
     assert (run / "best.safetensors.tmp").exists()  # nothing was published
 
 
+def test_deleted_manifest_is_an_error_naming_it(killed, run, capsys):
+    ckpt.recover(str(run))
+    os.remove(run / ckpt.MANIFEST)  # run.json is there: epochs were committed, so the checks cannot be turned off
+    with pytest.raises(CheckpointError, match=r"checkpoint.json is missing, but .*run.json shows"):
+        ckpt.committed_weights(str(run), "best")
+    rc, err = cli(capsys, "validate", "--checkpoint", run, "--workers", 0, "--device", "cpu")
+    assert rc == 2 and err.strip().splitlines() == [err.strip()] and "checkpoint.json is missing" in err, err
+
+
 def test_folder_without_manifest_loads_as_before(killed, run, capsys):
     ckpt.recover(str(run))
-    os.remove(run / ckpt.MANIFEST)
+    os.remove(run / ckpt.MANIFEST)  # a run from before manifests had neither file
+    os.remove(run / "run.json")
     assert ckpt.committed_weights(str(run), "best") == str(run / "best.safetensors")
     assert find_weights(str(run)) == str(run / "best_ema.safetensors")
     rc, err = cli(capsys, "validate", "--checkpoint", run, "--workers", 0, "--device", "cpu")

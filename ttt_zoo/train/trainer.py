@@ -123,7 +123,7 @@ def _parse_with_run_args(argv: Sequence[str], prog: str):
                          f"{theirs!r} ({why}); leave out {_flag(k)} (the run's own is used), or start a new run "
                          f"with --initial-checkpoint")
     done = run_folder.committed_epoch(folder)
-    if "epochs" in given and done and args.epochs <= done:
+    if "epochs" in given and done and args.epochs < done:
         raise _usage(f"--resume {first.resume}: --epochs {args.epochs}, but the run has already committed {done} "
                      f"epochs; give --epochs {done + 1} or more to train further")
     for k, v in recorded.items():
