@@ -12,16 +12,20 @@ import errno
 import fcntl
 import hashlib
 import os
-from typing import IO, Callable, Iterator, Optional, Set, Union
+import re
+from typing import IO, Callable, Iterator, List, Optional, Set, Union
 
 from ttt_zoo.errors import FolderInUseError, UsageError  # noqa: F401  (re-exported)
 
-__all__ = ["atomic_write", "atomic_path", "named_os_error", "write_file", "fsync_file", "replace_file", "fsync_dir", "sha256_file",
-           "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive"]
+__all__ = ["atomic_write", "atomic_path", "named_os_error", "write_file", "fsync_file", "replace_file", "fsync_dir",
+           "sha256_file", "folder_lock", "lock_file_path", "FolderInUseError", "LOCK_NAME", "pid_alive", "NORMAL_MODE",
+           "NORMAL_DIR_MODE", "remove_dead_temps", "is_lock_name", "live_locks", "published", "note_published"]
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 _NORMAL_MODE = 0o666 & ~_UMASK  # what open() gives a new file: 0644 under umask 022
+NORMAL_MODE = _NORMAL_MODE
+NORMAL_DIR_MODE = 0o777 & ~_UMASK  # what os.mkdir gives a new folder: 0755 under umask 022
 
 LOCK_NAME = ".ttt-zoo.lock"  # inside a locked folder; beside one: ".<folder name>.lock"
 
@@ -73,9 +77,42 @@ def write_file(path: str, data: Data, binary: bool = False) -> None:
 
 def _temp_sibling(path: str) -> str:
     """A fresh hidden name beside ``path`` (same folder, so the rename is atomic; same extension, for writers that
-    pick the format by it)."""
+    pick the format by it). The writer's PID is in the name: :func:`remove_dead_temps` finds it there."""
     base, ext = os.path.splitext(os.path.basename(path))
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-{base}-{os.getpid()}-{os.urandom(4).hex()}{ext}")
+
+
+def remove_dead_temps(path: str) -> List[str]:
+    """Remove the temp files that writers of ``path`` left beside it when they were killed (names from
+    :func:`_temp_sibling` whose PID is no longer alive); a live writer's temp is kept. Returns the removed paths."""
+    folder = os.path.dirname(os.path.abspath(path))
+    base, ext = os.path.splitext(os.path.basename(path))
+    pattern = re.compile(rf"\.tmp-{re.escape(base)}-(\d+)-[0-9a-f]{{8}}{re.escape(ext)}")
+    try:
+        names = os.listdir(folder)
+    except OSError:  # no folder yet, or not readable: nothing to clean
+        return []
+    removed = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(FileNotFoundError):  # another cleaner was first
+                os.unlink(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+    return removed
+
+
+_PUBLISHED: List[str] = []  # every path atomic_path (or a staged folder) published in this process, in order
+
+
+def note_published(path: str) -> None:
+    """Record that ``path`` is now complete (a Ctrl-C line says which outputs were kept)."""
+    _PUBLISHED.append(os.path.abspath(path))
+
+
+def published(start: int = 0) -> List[str]:
+    """The paths published in this process since the ``start``-th (``len(published())`` marks a start)."""
+    return _PUBLISHED[start:]
 
 
 def named_os_error(e: OSError, path: str) -> OSError:
@@ -93,14 +130,17 @@ def atomic_path(path: str, temp: Optional[str] = None) -> Iterator[str]:
     """Yield a temporary path beside ``path`` for a writer that needs a file name; when the body completes, the
     file is fsync'ed and renamed onto ``path`` (and the folder fsync'ed); when it raises, the temp file is removed
     and ``path`` is left as it was. ``temp`` names the temp file instead (a layout that fixes it, e.g. the HF
-    cache's ``<blob>.incomplete``); the folder of ``path`` is created."""
+    cache's ``<blob>.incomplete``); the folder of ``path`` is created. Temps beside ``path`` of writers that were
+    killed are removed first (:func:`remove_dead_temps`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remove_dead_temps(path)
     tmp = temp or _temp_sibling(path)
     try:
         yield tmp
         os.chmod(tmp, _NORMAL_MODE)  # some writers (safetensors' save_file) create their file private (0600)
         fsync_file(tmp)
         replace_file(tmp, path)
+        note_published(path)
     except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
@@ -126,6 +166,47 @@ def lock_file_path(folder: str, beside: bool = False) -> str:
         parent, name = os.path.split(folder)
         return os.path.join(parent, f".{name}.lock")
     return os.path.join(folder, LOCK_NAME)
+
+
+_LOCK_NAME_RE = re.compile(r"\..+\.lock")
+
+
+def is_lock_name(name: str) -> bool:
+    """A lock file's name: :data:`LOCK_NAME` inside a folder, ``.<name>.lock`` beside one."""
+    return name == LOCK_NAME or bool(_LOCK_NAME_RE.fullmatch(name))
+
+
+def _lock_is_held(path: str) -> bool:
+    """Whether a live process holds the flock of the file ``path``: read from /proc/locks (which changes nothing),
+    else probed with a shared lock taken and dropped at once (a holder in another PID namespace shows no PID)."""
+    try:
+        inode = os.stat(path).st_ino
+    except OSError:
+        return False
+    if _flock_holders(inode):
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this file system
+        return False
+    finally:
+        os.close(fd)
+
+
+def live_locks(folder: str) -> List[str]:
+    """The lock files directly inside ``folder`` that a live process holds (e.g. a running ``ttt-zoo train``)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if is_lock_name(n) and _lock_is_held(os.path.join(folder, n))]
 
 
 def sha256_file(path: str) -> str:

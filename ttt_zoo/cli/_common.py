@@ -15,7 +15,7 @@ from ttt_zoo.errors import USER_ERRORS, UsageError  # noqa: F401  (UsageError re
 from ttt_zoo.flags import model_kwargs_problem
 
 __all__ = ["add_model_kwargs", "model_kwargs", "cli_errors", "UsageError", "UserExit", "run_command",
-           "check_out", "check_out_folder", "error_line"]
+           "check_out", "check_out_folder", "error_line", "INTERRUPTED", "interrupted_line"]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ttt_zoo/
 
@@ -48,7 +48,13 @@ def model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(args.model_args or {}, **dict(args.model_kwargs or {}))
 
 
-# ----- outputs: never overwritten without --force, and checked before the work -----
+# ----- outputs: never into a run folder, never overwritten without --force, checked before the work -----
+
+def _refuse_run(path: str, flag: str) -> None:
+    """Only ``ttt-zoo train`` writes into a run folder (see :func:`ttt_zoo.run_folder.refuse_run_output`)."""
+    from ttt_zoo.run_folder import refuse_run_output
+    refuse_run_output(path, flag)
+
 
 def _probe_folder(folder: str, flag: str, path: str) -> None:
     try:
@@ -61,7 +67,9 @@ def _probe_folder(folder: str, flag: str, path: str) -> None:
 
 
 def check_out(path: str, force: bool, flag: str = "--out") -> None:
-    """Refuse an existing ``path`` without ``--force``, and a folder we cannot write to, before any work."""
+    """Refuse a ``path`` in a run folder (whatever ``force`` says), an existing ``path`` without ``--force``, and a
+    folder we cannot write to, before any work."""
+    _refuse_run(path, flag)
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
     if os.path.exists(path) and not force:
@@ -69,13 +77,17 @@ def check_out(path: str, force: bool, flag: str = "--out") -> None:
     _probe_folder(os.path.dirname(os.path.abspath(path)), flag, path)
 
 
-def check_out_folder(folder: str, names: Iterable[str], force: bool, flag: str = "--output") -> None:
-    """Like :func:`check_out` for a folder that will receive ``names``."""
+def check_out_folder(folder: str, names: Iterable[str], force: bool, flag: str = "--output",
+                     create: bool = True) -> None:
+    """Like :func:`check_out` for a folder that will receive ``names`` (created now; ``create=False``: only its
+    parent, for a writer that creates the folder itself)."""
+    _refuse_run(folder, flag)
     there = [n for n in names if os.path.exists(os.path.join(folder, n))]
     if there and not force:
         raise UsageError(f"{flag} {folder} already holds {', '.join(there)}; add --force to replace them, or "
                          f"choose another {flag}")
-    _probe_folder(os.path.abspath(folder), flag, folder)
+    where = os.path.abspath(folder)
+    _probe_folder(where if create else os.path.dirname(where), flag, folder)
 
 
 # ----- the boundary: one line per user error, a traceback only with --debug -----
@@ -135,14 +147,37 @@ class UserExit(SystemExit):
         return self.line
 
 
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as `ttt-zoo train` and shells use
+
+
+def interrupted_line(start: int = 0) -> str:
+    """The one line after Ctrl-C: what was kept. Every output is written whole or not at all (a temp file renamed
+    when complete), so the files published since ``start`` are complete and nothing else was written."""
+    from ttt_zoo.fileio import published
+    done = list(dict.fromkeys(published(start)))
+    if not done:
+        return "error: interrupted (Ctrl-C); nothing was written"
+    shown = ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
+    return (f"error: interrupted (Ctrl-C); written in full before it and kept: {shown}; nothing else was written "
+            f"(run the command again for the rest)")
+
+
 def run_command(fn, *args, debug: bool = False) -> int:
     """Call ``fn(*args)``; a user error prints one ``error:`` line on stderr (``debug``: the traceback first) and
-    raises :class:`UserExit` (exit status 2, no traceback). Crashes (bugs) keep their traceback."""
+    raises :class:`UserExit` (exit status 2, no traceback). Crashes (bugs) keep their traceback. Ctrl-C prints one
+    line saying what was kept and returns :data:`INTERRUPTED` (130)."""
+    from ttt_zoo.fileio import published
+    start = len(published())
     try:
         with _one_line_parser_errors():
             return fn(*args)
     except UserExit:
         raise
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(interrupted_line(start), file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:  # the reader stopped early (`ttt-zoo list | head`): quiet, as shell tools are
         try:  # the interpreter's final flush must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

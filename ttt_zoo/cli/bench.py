@@ -106,6 +106,7 @@ def run(args) -> int:
     from ttt_zoo.bench.measure import describe_machine, machine_info
     import torch
     p = args._parser
+    _check_outputs(args)  # first: an output in a run folder is refused whatever else is wrong
     if args.device.startswith("cuda") and not args.dry_run and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here; use --device cpu (or --ops ... --dry-run)")
     if args.results_file and os.path.splitext(args.results_file)[1].lower() not in (".csv", ".json"):
@@ -113,7 +114,6 @@ def run(args) -> int:
     cmd = "ttt-zoo bench " + " ".join(shlex.quote(a) for a in args._argv)
     machine = machine_info("cpu" if args.dry_run else args.device, args.threads)
     results_file = args.results_file or (os.path.join(args.output, "results.csv") if args.output else None)
-    _check_outputs(args)
 
     if args.ops is not None:
         from ttt_zoo.bench.ops import OPS

@@ -8,6 +8,8 @@ __all__ = ["add_parser"]
 
 def _run_digits(args) -> int:
     from ttt_zoo.train.digits import make_digits_folder
+    from ._common import check_out_folder
+    check_out_folder(args.out, [], True, "--out", create=False)  # not in a run folder; its parent writable
     try:
         root = make_digits_folder(args.out, img_size=args.img_size, val_fraction=args.val_fraction, seed=args.seed)
     except (FileExistsError, ValueError, ImportError) as e:

@@ -11,7 +11,8 @@ import tempfile
 from typing import Iterator
 
 from ttt_zoo.errors import HubFolderError
-from ttt_zoo.fileio import named_os_error, pid_alive
+from ttt_zoo.fileio import (NORMAL_DIR_MODE, NORMAL_MODE, is_lock_name, live_locks, named_os_error, note_published,
+                            pid_alive)
 
 __all__ = ["output_folder", "check_output", "staged_folder"]
 
@@ -22,11 +23,15 @@ def output_folder(out_dir: str) -> str:
     return os.path.realpath(out_dir) if os.path.islink(out_dir) else out_dir
 
 
-def check_output(out_dir: str, overwrite: bool = False) -> str:
-    """Refuse an output folder that cannot be written, before any work: a file, a non-empty folder without
-    ``overwrite``, a read-only folder, a parent that cannot be created.  Returns the folder that is written (a
-    symlink's target)."""
+def check_output(out_dir: str, overwrite: bool = False, flag: str = "--out") -> str:
+    """Refuse an output folder that cannot be written, before any work: a run folder or a folder inside one
+    (whatever ``overwrite`` says: only ``ttt-zoo train`` writes there), a folder a live process holds a lock in,
+    a file, a non-empty folder without ``overwrite``, a read-only folder, a parent that cannot be created.
+    Returns the folder that is written (a symlink's target)."""
+    from ttt_zoo.run_folder import refuse_run_output
+    refuse_run_output(out_dir, flag)
     out_dir = output_folder(out_dir)
+    _refuse_live_lock(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise HubFolderError(f"The output path {out_dir} is a file; give a folder path (it is created if needed).")
     if os.path.isdir(out_dir):
@@ -41,6 +46,25 @@ def check_output(out_dir: str, overwrite: bool = False) -> str:
         raise HubFolderError(f"Cannot write the output folder {out_dir}: {e.strerror} ({parent}). Choose an "
                              f"output folder you can write to.") from e
     return out_dir
+
+
+def _refuse_live_lock(out_dir: str) -> None:
+    """A folder some live process holds a lock in (a writer at work) is never replaced."""
+    held = live_locks(out_dir) if os.path.isdir(out_dir) else []
+    if held:
+        raise HubFolderError(f"{out_dir} is in use: a running process holds its lock {held[0]}; it is not replaced "
+                             f"while that runs. Wait for it to finish, or choose another output folder.")
+
+
+def _normal_modes(folder: str) -> None:
+    """Give every file and folder written into ``folder`` the process's normal mode (safetensors' ``save_file``
+    creates its file private, 0600)."""
+    for here, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(here, d), NORMAL_DIR_MODE)
+        for f in files:
+            if not os.path.islink(os.path.join(here, f)):
+                os.chmod(os.path.join(here, f), NORMAL_MODE)
 
 
 def _partial_dir(out_dir: str, overwrite: bool) -> str:
@@ -76,21 +100,26 @@ def _exchange(a: str, b: str) -> bool:
 def _swap_in(tmp: str, out_dir: str) -> None:
     """Replace ``out_dir`` by the complete folder ``tmp``: a kill at any point leaves a complete folder (old or new).
 
-    Files of the old folder that conversion does not write (e.g. a .gitattributes) are kept."""
+    Files of the old folder that conversion does not write (e.g. a .gitattributes) are kept; lock files never
+    (a lock is its holder's, not content), and a folder a live process holds a lock in is not replaced."""
+    _normal_modes(tmp)
     if not os.path.isdir(out_dir):
         os.rename(tmp, out_dir)
+        note_published(out_dir)
         return
+    _refuse_live_lock(out_dir)  # again: a writer may have started since check_output
     for f in os.listdir(out_dir):
-        if not os.path.exists(os.path.join(tmp, f)):
+        if not os.path.exists(os.path.join(tmp, f)) and not is_lock_name(f):
             src = os.path.join(out_dir, f)
             (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, f))
     if _exchange(tmp, out_dir):
         shutil.rmtree(tmp)  # tmp now holds the old folder
-        return
-    old = tmp + ".old"  # two renames: in between, out_dir is briefly absent but both folders are complete
-    os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old)
+    else:
+        old = tmp + ".old"  # two renames: in between, out_dir is briefly absent but both folders are complete
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old)
+    note_published(out_dir)
 
 
 @contextlib.contextmanager
