@@ -1,7 +1,7 @@
 """Fault injection for the kill tests: hold a training process inside the commit of one epoch, at one stage, so
 that the test can kill it exactly there.  Nothing of this is in the package: :func:`install` wraps, in the process
-under test, the file operations the commit calls (``run_state``'s ``fsync_file`` / ``write_file`` /
-``replace_file``, ``run_folder``'s ``replace_file``) and ``run_state.commit_epoch`` itself.
+under test, the file operations the commit calls (``ttt_zoo.run_folder.commit``'s ``fsync_file`` / ``write_file`` /
+``replace_file``) and its ``commit_epoch`` itself.
 
 Stages, in order (``pause`` is ``"<epoch>:<stage>"``): ``wrote:<name>`` (that temp file complete), ``written``
 (every temp and the manifest's temp complete, nothing renamed), ``committed`` (the manifest renamed: the commit),
@@ -23,6 +23,7 @@ MARKER = "SAVE_PAUSED"
 
 def install(pause: str) -> None:
     from ttt_zoo import run_folder
+    from ttt_zoo.run_folder import commit
     from ttt_zoo.train import run_state
     want_epoch, want_stage = pause.split(":", 1)
     now = {"epoch": None, "folder": None, "renamed": 0}
@@ -53,11 +54,10 @@ def install(pause: str) -> None:
         return (["renamed"] if now["renamed"] == 1 else []) + [f"renamed:{os.path.basename(path)}"]
 
     manifest_tmp = lambda: run_folder.manifest_path(now["folder"]) + run_folder.TMP  # noqa: E731
-    run_state.fsync_file = after(run_state.fsync_file, lambda p: [f"wrote:{name_of(p)}"])
-    run_state.write_file = after(run_state.write_file, lambda p, *a: ["written"] if p == manifest_tmp() else [])
-    run_state.replace_file = after(run_state.replace_file,
-                                   lambda t, p: ["committed"] if p == run_folder.manifest_path(now["folder"]) else [])
-    run_folder.replace_file = after(run_folder.replace_file, renamed)
+    commit.fsync_file = after(commit.fsync_file, lambda p: [f"wrote:{name_of(p)}"])
+    commit.write_file = after(commit.write_file, lambda p, *a: ["written"] if p == manifest_tmp() else [])
+    commit.replace_file = after(commit.replace_file, lambda t, p: ["committed"] if p == run_folder.manifest_path(
+        now["folder"]) else renamed(t, p))
     real_check = run_state.check_output_dir
 
     def check_output_dir(folder, *args, **kwargs):
@@ -68,7 +68,7 @@ def install(pause: str) -> None:
         finally:
             now["epoch"] = None
     run_state.check_output_dir = check_output_dir
-    real_commit = run_state.commit_epoch
+    real_commit = commit.commit_epoch
 
     def commit_epoch(folder, state, *args, **kwargs):
         now.update(epoch=int(state["epoch"]), folder=folder, renamed=0)
@@ -77,7 +77,7 @@ def install(pause: str) -> None:
             hold("published")
         finally:
             now["epoch"] = None
-    run_state.commit_epoch = commit_epoch
+    commit.commit_epoch = commit_epoch
 
 
 def train_child(argv: list, pause, hold: bool, log: str) -> None:

@@ -38,6 +38,8 @@ def _load_weights(model: nn.Module, path: str, sd: Optional[Dict[str, torch.Tens
         raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: {len(bad)} shape "
                          f"mismatch(es), e.g. {bad[0]} (checkpoint vs model); give the --model / --num-classes / "
                          f"--model-kwargs / --img-size the weights were trained with")
+    from ttt_zoo.checkpoint import check_dtypes
+    check_dtypes(sd, model, f"--initial-checkpoint {path}")  # NaN was refused on reading
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"--initial-checkpoint {path}: does not fit {type(model).__name__}: missing "
