@@ -198,8 +198,10 @@ class Building:
                         f"(data {old['data_dir']}; differing: {', '.join(map(str, diff[:8]))}); resume on the run's "
                         f"own data (leave out --data-dir), or start a new run with --initial-checkpoint")
         if self.dist.is_primary:
-            print(f"--data-dir {new['data_dir']}: the same {len(new['class_names'] or [])} classes as the run's data "
-                  f"{old['data_dir']}; training continues on it (recorded in {run_folder.RECORD})", file=sys.stderr)
+            same = (f"the same {len(new['class_names'])} classes as" if new["class_names"] is not None
+                    else "no class names to compare with")
+            print(f"--data-dir {new['data_dir']}: {same} the run's data {old['data_dir']}; training continues on it "
+                  f"(recorded in {run_folder.RECORD})", file=sys.stderr)
 
     # ----- resume -----
     def _resume(self, path: str) -> None:
