@@ -80,8 +80,8 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
     vae_dir = args.vae or run_args.get("vae")
     vae = load_vae(vae_dir) if vae_dir else None
     same_run = resolved.same_model(args.model)  # else only the folder's weights are used
-    model_kwargs = dict(run_args.get("model_kwargs") or {}) if same_run else {}
-    model_kwargs.update(args.model_kwargs)
+    from ttt_zoo.run_folder import run_model_kwargs
+    model_kwargs = run_model_kwargs(resolved, model_name, dict(args.model_kwargs), with_img_size=False)
     sd = None
     if weights:
         from ttt_zoo.checkpoint import unwrap_checkpoint
@@ -94,7 +94,8 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
         if args.image_size % f:
             raise ValueError(f"--image-size {args.image_size} is not divisible by the VAE factor {f}.")
         model_kwargs["input_size"] = args.image_size // f
-    linearize_from = run_args.get("linearize_from") if same_run else None
+    # a run records the model as built (a linearized DiT: the dit5_* it became); a run from before records did not
+    linearize_from = run_args.get("linearize_from") if same_run and not resolved.record.get("format") else None
     model, _ = build_dit(model_name, linearize_from=linearize_from, **model_kwargs)
     if sd is not None:
         model.load_state_dict(checkpoint_filter_fn(sd, model))
