@@ -207,3 +207,16 @@ def test_committed_files_get_the_normal_mode(env, capsys):
     for name in os.listdir(folder):
         if not name.startswith("."):
             assert stat.S_IMODE(os.stat(folder / name).st_mode) == 0o666 & ~umask, name
+
+
+@pytest.mark.parametrize("extra,says", [(["--pretrained"], "--pretrained"),
+                                        (["--experiment", "elsewhere"], "not in"),
+                                        (["--output", "/tmp"], "not in")])
+def test_resume_refuses_flags_it_would_not_use(env, capsys, extra, says):
+    folder = env["root"] / "runs" / "unused"
+    if not folder.exists():
+        _train(capsys, env, "unused", epochs=1)
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    rc, err = cli(capsys, "train", "--resume", folder, "--epochs", 2, *extra)
+    assert rc == 2 and err.count("\n") == 1 and says in err, err
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before

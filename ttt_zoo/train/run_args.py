@@ -99,6 +99,7 @@ def parse_with_run_args(argv: Sequence[str], prog: str):
             raise usage(f"--resume {first.resume}: {flag_name(k)} {getattr(args, k)!r} differs from the run's "
                          f"{theirs!r} ({why}); leave out {flag_name(k)} (the run's own is used), or start a new run "
                          f"with --initial-checkpoint")
+    _refuse_unused_on_resume(first.resume, folder, args, given)
     done = run_folder.committed_epoch(folder)
     if "epochs" in given and done and args.epochs < done:
         raise usage(f"--resume {first.resume}: --epochs {args.epochs}, but the run has already committed {done} "
@@ -109,3 +110,18 @@ def parse_with_run_args(argv: Sequence[str], prog: str):
     if "data_dir" not in given and record.get("data_dir"):  # the run's own data, as an absolute real path
         args.data_dir = record["data_dir"]
     return args, task_cls
+
+
+def _refuse_unused_on_resume(resume: str, folder: str, args: argparse.Namespace, given: set) -> None:
+    """Flags a resume would record but not use: refused in one line (nothing is recorded that is not used)."""
+    for k in ("initial_checkpoint", "pretrained"):
+        if k in given and getattr(args, k):
+            raise usage(f"--resume {resume} continues the run from its own state, which replaces the weights of "
+                        f"{flag_name(k)}; leave out {flag_name(k)}, or start a new run with it")
+    import os
+    where = os.path.join(args.output, args.experiment) if "experiment" in given else (
+        os.path.join(args.output, os.path.basename(folder)) if "output" in given else folder)
+    if os.path.realpath(where) != os.path.realpath(folder):
+        raise usage(f"--resume {resume} continues the run in {folder}, not in {os.path.abspath(where)}; leave out "
+                    f"--output / --experiment (a resume never moves a run)")
+
