@@ -27,11 +27,25 @@ from torch import nn
 
 from ttt_zoo.errors import CheckpointError  # noqa: F401  (re-exported)
 
-__all__ = ["CheckpointError", "safe_torch_load", "load_checkpoint_file", "unwrap_checkpoint", "mmengine_backbone",
-           "default_filter_fn", "validate_state_dict", "check_safetensors", "resolve_pretrained",
+__all__ = ["CheckpointError", "WeightsError", "safe_torch_load", "load_checkpoint_file", "unwrap_checkpoint", "mmengine_backbone",
+           "default_filter_fn", "validate_state_dict", "check_finite", "check_dtypes", "damaged_weights",
+           "check_safetensors",
+           "resolve_pretrained",
            "hub_unavailable_error", "is_offline", "SAFE_GLOBALS", "HUB_ORG", "with_hub_ids"]
 
 _logger = logging.getLogger(__name__)
+
+
+class WeightsError(CheckpointError):
+    """Weights that no model can use (NaN or an infinity, floats stored as integers): the file is damaged, so the
+    message names the file and the tensor, never another model.  ``detail``: the message without the file."""
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"{where}: {detail}")
+        self.where, self.detail = where, detail
+
+    def __reduce__(self):  # picklable (e.g. from a DataLoader worker)
+        return type(self), (self.where, self.detail)
 
 
 # ----- reading files -----
@@ -119,14 +133,82 @@ def load_checkpoint_file(path: str, safe_globals: Sequence[Any] = ()) -> Dict[st
         from safetensors.torch import load_file
         check_safetensors(path)
         try:
-            return load_file(path, device="cpu")
+            ckpt = load_file(path, device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
             raise CheckpointError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}). {_REDOWNLOAD}") from e
-    ckpt = safe_torch_load(path, safe_globals=safe_globals)
+    else:
+        ckpt = safe_torch_load(path, safe_globals=safe_globals)
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"Checkpoint {path!r} holds a {type(ckpt).__name__}, not a dict of tensors. Save "
                               f"model.state_dict() instead of the model.")
+    check_finite(ckpt, path)
     return ckpt
+
+
+# ----- values: weights are checked where they enter (files here, every model load in validate_state_dict) -----
+
+def _weights(checkpoint: Dict[str, Any]) -> Iterable[tuple]:
+    """(name, tensor) of the weights a checkpoint carries: its top-level tensors and those of the state dicts
+    :func:`unwrap_checkpoint` may pick (``model``, ``ema``, ...; an optimizer's state is not a weight)."""
+    for k, v in checkpoint.items():
+        if isinstance(v, torch.Tensor):
+            yield k, v
+        elif k in _NESTED_KEYS and isinstance(v, dict):
+            yield from ((f"{k}.{n}", t) for n, t in _weights(v))
+
+
+def check_finite(checkpoint: Dict[str, Any], where: str) -> None:
+    """Refuse weights that hold NaN or an infinity: one :class:`CheckpointError` line naming ``where`` (the file),
+    the first such tensor and how many there are."""
+    bad = [(k, v) for k, v in _weights(checkpoint) if (v.is_floating_point() or v.is_complex())
+           and v.device.type != "meta" and not bool(torch.isfinite(v).all())]
+    if not bad:
+        return
+    k, v = bad[0]
+    kind = "NaN" if bool(torch.isnan(v).any()) else "an infinity"
+    n = int((~torch.isfinite(v)).sum())
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    raise WeightsError(where, f"tensor {k!r} holds {kind} ({n} of {v.numel()} values){more}; these weights are "
+                              f"damaged or come from a diverged run: use an earlier checkpoint (a run's "
+                              f"best.safetensors) or the original file.")
+
+
+def check_dtypes(state_dict: Dict[str, torch.Tensor], model: nn.Module, where: str) -> None:
+    """Refuse a tensor stored with a non-float dtype for a floating-point tensor of ``model`` (loading would cast
+    it silently, e.g. int32 weights rounded to integers)."""
+    own = model.state_dict()
+    bad = [k for k, v in state_dict.items() if k in own and own[k].is_floating_point()
+           and isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())]
+    if bad:
+        k = bad[0]
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise WeightsError(where, f"tensor {k!r} is stored as {str(state_dict[k].dtype)[6:]}, but the model's is "
+                                  f"{str(own[k].dtype)[6:]}{more}; floating-point weights saved as integers have lost "
+                                  f"their values: save the original weights again without casting them.")
+
+
+def damaged_weights(e: Optional[BaseException], path: str) -> Optional[WeightsError]:
+    """The :class:`WeightsError` behind ``e`` (itself or a wrapper's cause), naming ``path`` where it could not
+    (a state dict handed over without its file), or None: for callers that reword "does not fit" errors."""
+    while e is not None and not isinstance(e, WeightsError):
+        e = e.__cause__
+    if e is None:
+        return None
+    return WeightsError(path, e.detail) if e.where == _UNNAMED else e
+
+
+_UNNAMED = "the checkpoint"
+
+
+def _source(model: nn.Module) -> str:
+    """The weights file a model's pretrained cfg names (for messages): a Hub folder's model.safetensors, the
+    ``file`` that :func:`resolve_pretrained` read, a Hub repo; else 'the checkpoint'."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if cfg.get("source") == "local-dir" and cfg.get("file"):
+        return os.path.join(cfg["file"], "model.safetensors")
+    if cfg.get("source") == "hf-hub" and cfg.get("hf_hub_id"):
+        return f"hf-hub:{cfg['hf_hub_id']}"
+    return cfg.get("file") or _UNNAMED
 
 
 # ----- layouts -----
@@ -154,8 +236,12 @@ def unwrap_checkpoint(checkpoint: Dict[str, Any], prefer_ema: bool = True) -> Di
 
 
 def default_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """``checkpoint_filter_fn`` of a model file that defines none: unwrap the layout, load as is."""
-    return unwrap_checkpoint(state_dict)
+    """``checkpoint_filter_fn`` of a model file that defines none: unwrap the layout, check the values, load as
+    is."""
+    sd = unwrap_checkpoint(state_dict)
+    check_finite(sd, _source(model))
+    check_dtypes(sd, model, _source(model))
+    return sd
 
 
 def mmengine_backbone(checkpoint: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
@@ -192,14 +278,35 @@ def _input_conv_shapes(model: nn.Module, own: Dict[str, torch.Tensor]) -> Dict[s
     return shapes
 
 
+_TRANSPOSED = "Its classifier"
+
+
+def _head_advice(theirs: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], cls_w: str) -> str:
+    """What a classifier weight of another shape means: another number of classes, a transposed copy, or another
+    width (a Linear's weight is (classes, features))."""
+    (rows, cols), (classes, features) = theirs[cls_w].shape, own[cls_w].shape
+    bias = theirs.get(cls_w[:-len("weight")] + "bias")
+    if (rows, cols) == (features, classes) and (bias is None or tuple(bias.shape) == (classes,)):
+        return (f"{_TRANSPOSED} {cls_w} is stored transposed: ({rows}, {cols}) where a Linear's weight is "
+                f"(classes, features) = ({classes}, {features}); save it as weight.t() and load it again.")
+    if cols == features:
+        return (f"The checkpoint's classifier has {rows} classes and the model {classes}: build the model with "
+                f"num_classes={rows} (or pass another num_classes to start a new classifier).")
+    return (f"The checkpoint's classifier takes {cols} features and the model's {features}: it is for another "
+            f"model size.")
+
+
 def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
-                        ignore_prefixes: Iterable[str] = ("head.",)) -> None:
-    """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped key.
+                        ignore_prefixes: Iterable[str] = ("head.",), where: Optional[str] = None) -> None:
+    """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped key, a non-finite value or a
+    float tensor stored as integers (``where``: the file, default the one the model's pretrained cfg names).
 
     Keys under ``ignore_prefixes`` (the classifier, which timm drops when ``num_classes`` differs from the
     pretrained cfg's) are only checked for shape when timm will load them.  The first conv (``first_conv`` of
     the cfg) of a model built with another ``in_chans`` is checked against the pretrained channels: timm adapts
     it after this check."""
+    where = where or _source(model)
+    check_finite(state_dict, where)
     ignore = tuple(ignore_prefixes)
     own, theirs = model.state_dict(), state_dict
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -214,6 +321,7 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
         allowed[k].add(shape)
     bad = [k for k in own if k in theirs and checked(k) and tuple(theirs[k].shape) not in allowed[k]]
     if not (missing or unexpected or bad):
+        check_dtypes({k: v for k, v in theirs.items() if checked(k)}, model, where)
         return
     name = cfg.get("architecture", type(model).__name__)
     lines = [f"Checkpoint does not fit model {name!r}."]
@@ -221,17 +329,18 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
         shapes = "; ".join(f"{k}: checkpoint {tuple(theirs[k].shape)} vs model {tuple(own[k].shape)}" for k in bad[:5])
         cls_w = f"{_classifier(model)}.weight"
         head_only = cls_w in bad and theirs[cls_w].dim() == 2 and all(k.startswith(_classifier(model)) for k in bad)
-        lines.append(f"{len(bad)} shape mismatches{'' if head_only else ' (is it for another model size?)'}: {shapes}.")
+        plural = "es" if len(bad) > 1 else ""
+        lines.append(f"{len(bad)} shape mismatch{plural}{'' if head_only else ' (is it for another model size?)'}: "
+                     f"{shapes}.")
         if head_only:
-            lines.append(f"The checkpoint's classifier has {theirs[cls_w].shape[0]} classes and the model "
-                         f"{own[cls_w].shape[0]}: build the model with num_classes={theirs[cls_w].shape[0]} (or pass "
-                         f"another num_classes to start a new classifier).")
+            lines.append(_head_advice(theirs, own, cls_w))
     if missing:
         lines.append(f"{len(missing)} missing keys: {missing[:5]}")
     if unexpected:
         lines.append(f"{len(unexpected)} unexpected keys: {unexpected[:5]}")
-    lines.append("Build the model that matches the checkpoint (see `ttt-zoo list`), or convert it with "
-                 "`ttt-zoo convert`.")
+    if not lines[-1].startswith(_TRANSPOSED):  # a transposed head: the model is right, the file is not
+        lines.append("Build the model that matches the checkpoint (see `ttt-zoo list`), or convert it with "
+                     "`ttt-zoo convert`.")
     raise CheckpointError(" ".join(lines))
 
 
@@ -367,7 +476,7 @@ def resolve_pretrained(variant: str, kwargs: Dict[str, Any]) -> None:
         if not os.path.exists(path):
             _download_official(pc, path)
     if path:
-        overlay.pop("file", None)
+        overlay["file"] = path  # timm loads the state dict; the file names it in messages
         overlay["state_dict"] = load_checkpoint_file(path)
         n, cls = kwargs.get("num_classes"), pc.classifier if isinstance(pc.classifier, str) else None
         if n is not None and n != pc.num_classes and cls:  # a fine-tune with the requested classes: keep its head

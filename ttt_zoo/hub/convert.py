@@ -12,6 +12,7 @@ from torch import nn
 
 from ttt_zoo._version import __version__
 from ttt_zoo import hub_format as fmt
+from ttt_zoo.checkpoint import CheckpointError, damaged_weights
 from ttt_zoo.errors import HubFolderError
 from ttt_zoo.fileio import atomic_path, sha256_file
 
@@ -102,7 +103,13 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
 
     The layout is that of the ``timm/`` organisation's repositories (timm's ``save_config_for_hf``); a tag timm does
     not know (e.g. 'vit3_tiny.digits') names a user's own weights."""
-    model, used_args = build_from_checkpoint(name, checkpoint, model_args)
+    try:
+        model, used_args = build_from_checkpoint(name, checkpoint, model_args)
+    except CheckpointError as e:  # damaged weights: name the file, not "another model" as the wrapper says
+        damaged = damaged_weights(e, checkpoint)
+        if damaged is None:
+            raise
+        raise damaged from None
     if "." not in name and (getattr(model, "pretrained_cfg", None) or {}).get("tag"):
         name = f"{name}.{model.pretrained_cfg['tag']}"  # 'vit3_tiny' -> its default tag 'vit3_tiny.in1k'
     arch, tag = _split(name)

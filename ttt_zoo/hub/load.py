@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ttt_zoo import hub_format as fmt
-from ttt_zoo.checkpoint import CheckpointError, check_safetensors, hub_unavailable_error
+from ttt_zoo.checkpoint import CheckpointError, check_safetensors, damaged_weights, hub_unavailable_error
 from ttt_zoo.errors import HubFolderError
 from ttt_zoo.fileio import sha256_file
 
@@ -70,6 +70,9 @@ def load_folder(path_or_id: str, cache_dir: Optional[str] = None, **kwargs) -> n
         import timm
         return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs).eval()
     except (CheckpointError, RuntimeError, TypeError) as e:  # another family, a head the weights lack, ...
+        damaged = damaged_weights(e, weights)  # NaN, floats stored as integers: the file, whatever config.json says
+        if damaged:
+            raise damaged from None
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         why = lines[-1] if isinstance(e, RuntimeError) and not isinstance(e, CheckpointError) else lines[0]
         keys = dict(architecture=arch, num_classes=fmt.num_classes(cfg), model_args=fmt.model_args(cfg))

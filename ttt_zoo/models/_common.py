@@ -19,8 +19,8 @@ from ttt_zoo.checkpoint import (HUB_ORG, SAFE_GLOBALS, CheckpointError, default_
 
 __all__ = ["check_image", "unwrap_checkpoint", "validate_state_dict", "build_ttt_model", "CheckpointError",
            "safe_torch_load", "drop_path_schedule", "load_checkpoint_file", "factory_device", "HUB_ORG",
-           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "TTTClassifier",
-           "run_blocks"]
+           "with_hub_ids", "image_cfg", "init_weights", "reset_inner_parameters", "check_global_pool", "check_sizes",
+           "TTTClassifier", "run_blocks"]
 
 
 @register_notrace_function
@@ -143,6 +143,43 @@ def reset_inner_parameters(model: nn.Module) -> None:
             m.reset_inner_parameters()
 
 
+#: the smallest value of each size argument the families take (a list of them: every stage's)
+_SIZE_MIN = dict(depth=1, depths=1, num_heads=1, embed_dim=1, hidden_size=1, head_dim=1, num_classes=0)
+_SIZE_WHAT = dict(depth="blocks", depths="blocks per stage", num_heads="attention heads", embed_dim="width",
+                  hidden_size="width", head_dim="width of a head", num_classes="classes; 0: no classifier")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_sizes(model_name: str, **sizes: Any) -> None:
+    """The one check of the families' size arguments (``depth``/``depths``, ``num_heads``, ``embed_dim``/
+    ``hidden_size``, ``head_dim``, ``num_classes``; a list: one per stage), run by every constructor before it
+    builds anything: a ValueError naming the argument, e.g. ``depth=-1`` or ``num_heads=0``, and a width that its
+    heads do not divide (per stage)."""
+    for name, v in sizes.items():
+        lo = _SIZE_MIN[name]
+        items = list(v) if isinstance(v, (list, tuple)) else [v]
+        if not items or not all(_is_int(x) and x >= lo for x in items):
+            kind = "a list of integers" if isinstance(v, (list, tuple)) else "an integer"
+            why = ("is empty" if not items else "is out of range" if all(_is_int(x) for x in items)
+                   else f"is not {kind}")
+            raise ValueError(f"{model_name}: {name}={v!r} {why}; give {kind} >= {lo} ({_SIZE_WHAT[name]})")
+    width = sizes.get("embed_dim", sizes.get("hidden_size"))
+    heads = sizes.get("num_heads")
+    if width is None or heads is None:
+        return
+    arg = "embed_dim" if "embed_dim" in sizes else "hidden_size"
+    pairs = zip(*(x if isinstance(x, (list, tuple)) else [x] for x in (width, heads)))
+    for w, h in pairs:
+        if w % h:
+            fits = sorted(sorted((d for d in range(1, w + 1) if w % d == 0), key=lambda d: abs(d - h))[:2])
+            raise ValueError(f"{model_name}: {arg} {w} is not divisible by num_heads {h} ({arg}={width!r}, "
+                             f"num_heads={heads!r}); give num_heads dividing it, e.g. "
+                             f"{' or '.join(map(str, fits))}")
+
+
 def check_global_pool(global_pool: str, model_name: str = "") -> None:
     if global_pool not in ("avg", ""):
         where = f" for {model_name}" if model_name else ""
@@ -166,6 +203,7 @@ class TTTClassifier(nn.Module):
     def __init__(self, num_classes: int, global_pool: str, in_chans: int, display_name: str = ""):
         super().__init__()
         self.model_name = type(self).__name__
+        check_sizes(display_name or self.model_name, num_classes=num_classes)
         check_global_pool(global_pool, display_name or self.model_name)
         self.num_classes = num_classes
         self.global_pool = global_pool
@@ -181,6 +219,7 @@ class TTTClassifier(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        check_sizes(self.model_name, num_classes=num_classes)
         self.num_classes = num_classes
         if global_pool is not None:
             check_global_pool(global_pool)

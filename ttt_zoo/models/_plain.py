@@ -13,7 +13,7 @@ from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function, resample_abs_pos_embed, trunc_normal_
 
 from ttt_zoo.layers import TTTBlock
-from ._common import (CheckpointError, TTTClassifier, check_image, drop_path_schedule, init_weights,
+from ._common import (CheckpointError, TTTClassifier, check_image, check_sizes, drop_path_schedule, init_weights,
                       reset_inner_parameters, run_blocks)
 
 __all__ = ["PlainTTTViT", "resample_pos_embed", "fit_checkpoint_pos_embed"]
@@ -160,6 +160,7 @@ class PlainTTTViT(TTTClassifier):
             min_size: int = 0,
     ):
         super().__init__(num_classes, global_pool, in_chans)
+        check_sizes(self.model_name, embed_dim=embed_dim, depth=depth, num_heads=num_heads)
         self.patch_size = patch_size
         self.min_size = max(min_size, patch_size)
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim

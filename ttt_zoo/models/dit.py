@@ -22,7 +22,8 @@ from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_as_map
-from ._common import build_ttt_model, check_image, run_blocks, unwrap_checkpoint, validate_state_dict, with_hub_ids
+from ._common import (build_ttt_model, check_image, check_sizes, run_blocks, unwrap_checkpoint, validate_state_dict,
+                      with_hub_ids)
 
 __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn", "DIT_SIZES",
            "ONE_BLOCK_KWARGS"]
@@ -206,6 +207,8 @@ class DiT(nn.Module):
             mixer_kwargs: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
+        check_sizes(type(self).__name__, hidden_size=hidden_size, depth=depth, num_heads=num_heads,
+                    num_classes=num_classes)
         self.in_chans = in_chans
         self.out_channels = in_chans * 2 if learn_sigma else in_chans
         self.learn_sigma = learn_sigma

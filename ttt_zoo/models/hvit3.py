@@ -13,7 +13,7 @@ from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs, map_to_tokens, tokens_to_map
 from ttt_zoo.layers.mixer import set_inner_steps
-from ._common import (build_ttt_model, check_image, drop_path_schedule, image_cfg, init_weights,
+from ._common import (build_ttt_model, check_image, check_sizes, drop_path_schedule, image_cfg, init_weights,
                       reset_inner_parameters, run_blocks, unwrap_checkpoint, validate_state_dict, with_hub_ids)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from .vit3 import TSINGHUA_URL, VARIANTS, VIT3_PAPER, variant_kwargs
@@ -130,9 +130,10 @@ class HViT3(HierarchicalTTT):
             **kwargs,
     ):
         """Per-stage ``embed_dim``, ``depths``, ``num_heads``; timm's usual arguments go to :class:`HierarchicalTTT`."""
-        super().__init__(embed_dim[-1], display_name="H-ViT3", **kwargs)
+        check_sizes("H-ViT3", embed_dim=embed_dim, depths=depths, num_heads=num_heads)
         if not (len(embed_dim) == len(depths) == len(num_heads)):
             raise ValueError("embed_dim, depths and num_heads need one entry per stage")
+        super().__init__(embed_dim[-1], display_name="H-ViT3", **kwargs)
         self.embed_dim = list(embed_dim)
         self.num_stages = len(depths)
         # forward_features is NCHW (timm's output_fmt, as ConvNeXt): the official stem, merges and final BatchNorm
@@ -245,6 +246,7 @@ class HViT3Backbone(nn.Module):
                  mixer: str = "vit3", mixer_kwargs: Optional[Dict[str, Any]] = None):
         super().__init__()
         num_heads = num_heads or [d // 32 for d in embed_dim]
+        check_sizes("H-ViT3 backbone", embed_dim=embed_dim, depths=depths, num_heads=num_heads)
         self.out_indices = tuple(out_indices)
         self.in_chans = in_chans
         self.embed_dim = list(embed_dim)

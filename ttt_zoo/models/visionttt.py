@@ -20,7 +20,8 @@ from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
 from ttt_zoo.layers.recompute import can_recompute, linear_of_recomputed
-from ._common import build_ttt_model, check_image, image_cfg, run_blocks, unwrap_checkpoint, validate_state_dict
+from ._common import (build_ttt_model, check_image, check_sizes, image_cfg, run_blocks, unwrap_checkpoint,
+                      validate_state_dict)
 from ._hierarchical import HierarchicalTTT, pad_to_multiple
 from ._plain import PlainTTTViT, fit_checkpoint_pos_embed
 
@@ -71,6 +72,12 @@ class SwiGluMlp(nn.Module):
         return self.drop(self.fc2(self._mid(h)))
 
 
+def _no_num_heads(name: str, num_heads: Any) -> None:
+    if num_heads is not None:  # accepted only to say so: the heads follow from head_dim
+        raise ValueError(f"{name}: num_heads={num_heads!r} is not an option; its heads are width / head_dim: give "
+                         f"head_dim instead")
+
+
 def _vittt_heads(dim: int, head_dim: int, mixer: str, mixer_kwargs: Optional[Dict[str, Any]]
                  ) -> Tuple[int, Dict[str, Any]]:
     """(num_heads, mixer kwargs) for width ``dim``; ``head_dim`` is also an option of the TTT-Linear mixer."""
@@ -96,8 +103,10 @@ class VisionTTT(PlainTTTViT):
 
     def __init__(self, embed_dim: int = 192, head_dim: int = 64, mlp_ratio: float = 8.0 / 3.0,
                  proj_drop_rate: float = 0.0, mixer: str = "ttt_linear", mixer_kwargs: Optional[Dict[str, Any]] = None,
-                 **kwargs):
+                 num_heads: Optional[int] = None, **kwargs):
         """Args: ``head_dim`` (heads = width / head_dim), others those of :class:`PlainTTTViT`."""
+        _no_num_heads("Vision-TTT", num_heads)
+        check_sizes("Vision-TTT", embed_dim=embed_dim, head_dim=head_dim)
         num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer, mixer_kwargs)
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, mixer=mixer, mixer_kwargs=mk, cpe=False,
@@ -178,9 +187,12 @@ class VisionTTTH(HierarchicalTTT):
             drop_path_rate: float = 0.1,
             mixer: str = "ttt_linear",
             mixer_kwargs: Optional[Dict[str, Any]] = None,
+            num_heads: Optional[Sequence[int]] = None,
             **kwargs,
     ):
         """Stem width ``embed_dim`` (doubling per stage); timm's usual arguments go to :class:`HierarchicalTTT`."""
+        _no_num_heads("Vision-TTT-H", num_heads)
+        check_sizes("Vision-TTT-H", embed_dim=embed_dim, depths=depths, head_dim=head_dim)
         super().__init__(embed_dim * 2 ** (len(depths) - 1), **kwargs)
         if len(head_dim) != len(depths):
             raise ValueError(f"head_dim needs one entry per stage ({len(depths)}), got {tuple(head_dim)}")
