@@ -16,7 +16,8 @@ from typing import Any, Dict, Mapping, Optional
 from .errors import UsageError
 
 __all__ = ["Range", "SizeRange", "check_ranges", "check_model_kwargs", "model_kwargs_problem", "ModelKwargs",
-           "MODEL_KWARG_RANGES", "MAX_IMG_SIDE", "MAX_SEED", "range_of"]
+           "MODEL_KWARG_RANGES", "NOT_MODEL_KWARGS", "MAX_IMG_SIDE", "MAX_SEED", "MEAN", "STD", "CROP_PCT", "range_of",
+           "out_of_memory"]
 
 MAX_IMG_SIDE = 8192  # the largest image side a command accepts
 MAX_SEED = 2 ** 32 - 1  # numpy's seeds
@@ -103,6 +104,14 @@ class SizeRange(Range):
         return next((p for p in (super(SizeRange, self).problem(s, name) for s in sides) if p), None)
 
 
+# ----- preprocessing numbers: one range for the flags (--mean, --std, --crop-pct) and a Hub config.json -----
+
+MEAN = Range(float, ge=0, le=1)  # of pixels in [0, 1]
+STD = Range(float, ge=1e-3, le=10, hint=" (a smaller std scales pixels past 1000x)")
+CROP_PCT = Range(float, ge=0.5, le=1, hint=" (the resize before the crop is side / crop_pct; timm's models use "
+                                           "0.875 to 1)")
+
+
 def range_of(action: argparse.Action) -> Optional[Range]:
     """The declared range of a parsed flag, or None."""
     return action.type if isinstance(action.type, Range) else None
@@ -136,11 +145,24 @@ MODEL_KWARG_RANGES: Dict[str, Range] = {
     "drop_rate": _UNIT, "drop_path_rate": _UNIT, "attn_drop_rate": _UNIT, "proj_drop_rate": _UNIT,
 }
 _MAX_PARAMS = 100e9  # about 12 * depth * width^2 weights; more does not fit any machine we run on
+_FEATURES = "the commands use the classifier; feature maps are for Python: timm.create_model(NAME, features_only=True)"
+_WEIGHTS = "give the weights with --pretrained, --checkpoint or --initial-checkpoint"
+#: timm's create_model options that are no constructor sizes: the commands set them (key -> what to do instead)
+NOT_MODEL_KWARGS: Dict[str, str] = {
+    "features_only": _FEATURES, "out_indices": _FEATURES, "feature_cls": _FEATURES, "feature_cfg": _FEATURES,
+    "device": "the commands place the model themselves: use --device",
+    "dtype": "the commands pick the precision: use --amp", "pretrained": _WEIGHTS, "pretrained_cfg": _WEIGHTS,
+    "pretrained_cfg_overlay": _WEIGHTS, "checkpoint_path": _WEIGHTS, "cache_dir": _WEIGHTS,
+}
 
 
 def model_kwargs_problem(kwargs: Mapping[str, Any]) -> Optional[str]:
-    """Why these constructor arguments are refused (a size outside :data:`MODEL_KWARG_RANGES`, each element of a
-    list, or weights alone, about 12 x depth x width^2, past 100 billion), or None."""
+    """Why these constructor arguments are refused (a create_model option of :data:`NOT_MODEL_KWARGS`, a size
+    outside :data:`MODEL_KWARG_RANGES`, each element of a list, or weights alone, about 12 x depth x width^2, past
+    100 billion), or None."""
+    for key in kwargs:
+        if key in NOT_MODEL_KWARGS:
+            return f"{key}={kwargs[key]!r} is not a constructor argument; {NOT_MODEL_KWARGS[key]}"
     for key, value in kwargs.items():
         rng = MODEL_KWARG_RANGES.get(key)
         if rng is None or value is None:
@@ -186,3 +208,32 @@ def __getattr__(name: str):  # timm is imported when a parser asks for ModelKwar
     if name == "ModelKwargs":
         return _parse_kwargs()
     raise AttributeError(name)
+
+
+# ----- out of memory: the one line the command boundary prints for an allocation that failed -----
+
+_OOM_TEXT = ("can't allocate memory", "out of memory", "Cannot allocate memory")
+
+
+def out_of_memory(e: BaseException, img_size: Any = None, batch_size: Optional[int] = None) -> Optional[str]:
+    """The message for a failed allocation (``MemoryError``, torch's ``OutOfMemoryError`` or CPU allocator error),
+    or None for any other error: how much was asked for, and the image size / batch size that quarter the need
+    (memory grows with the image area and the batch)."""
+    text = str(e)
+    if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or (isinstance(e, RuntimeError) and any(t in text for t in _OOM_TEXT))):
+        return None
+    import re
+    asked = re.search(r"allocate (\d+) bytes", text) or re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]iB)", text)
+    what = "" if asked is None else (f" allocating {int(asked.group(1)) / 2 ** 30:.1f} GiB"
+                                     if asked.group(1).isdigit() else f" allocating {asked.group(1)}")
+    device = "GPU memory" if "CUDA" in text or type(e).__name__ == "OutOfMemoryError" else "memory"
+    sides = tuple(img_size) if isinstance(img_size, (tuple, list)) else (img_size,) if img_size else ()
+    show = lambda hw: str(hw[0]) if len(set(hw)) == 1 else "x".join(map(str, hw))  # noqa: E731
+    at = ", ".join(x for x in (f"--img-size {show(sides)}" if sides else "",
+                               f"-b {batch_size}" if batch_size else "") if x)
+    fixes = [f"--img-size {show(tuple(max(v // 2, 1) for v in sides))} (a quarter of the memory)"] if sides else []
+    fixes += [f"-b {max(batch_size // 4, 1)}"] if batch_size and batch_size > 1 else []
+    how = " or ".join(fixes) if fixes else "a smaller --img-size or -b"
+    return (f"out of {device}{what}{f' at {at}' if at else ''}: memory grows with the image area and the batch "
+            f"size; give {how}")

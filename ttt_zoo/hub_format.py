@@ -13,7 +13,7 @@ A folder holds ``model.safetensors``, ``config.json`` and a ``README.md`` card. 
   path.  The ``ttt_zoo`` block (provenance and the weights' sha256) is read by ttt-zoo only.
 
 A malformed key is refused in one line naming the key (:class:`HubFolderError`).  Ground floor: imports only
-``errors``, ``fileio`` and the standard library (timm lazily, for its interpolation names).
+``errors``, ``fileio``, ``flags`` and the standard library (timm lazily, for its interpolation names).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any, Callable, Collection, Dict, Iterator, Optional, Tuple
 
 from ttt_zoo.errors import HubFolderError
 from ttt_zoo.fileio import atomic_write, sha256_file
+from ttt_zoo.flags import CROP_PCT, MAX_IMG_SIDE, MEAN, NOT_MODEL_KWARGS, STD
 
 __all__ = ["WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "LOADER_ARGS", "KINDS", "Key", "KEYS", "PRETRAINED_KEYS",
            "PROVENANCE_KEYS", "validate_config", "read_config", "write_config", "check_weights", "architecture",
@@ -119,13 +120,20 @@ def _same_num_classes(v, c):
     return None if v == c.get("num_classes") and _is_int(v) else f"equal to num_classes ({c.get('num_classes')!r})"
 
 
-def _per_channel(positive: bool) -> Check:
+def _per_channel(rng) -> Check:  # mean / std: the range of the --mean / --std flags (ttt_zoo.flags)
     def check(v, c):
         chans = (c.get("pretrained_cfg") or {}).get("input_size", [None])[0]
-        ok = isinstance(v, list) and len(v) == chans and all(_is_num(x) and (x > 0 or not positive) for x in v)
-        what = "positive " if positive else ""
-        return None if ok else f"a list of {chans} finite {what}numbers (one per input channel of input_size)"
+        ok = isinstance(v, list) and len(v) == chans and all(_is_num(x) and not rng.problem(x) for x in v)
+        return None if ok else (f"a list of {chans} numbers, each {rng.text('x')} (one per input channel of "
+                                f"input_size)")
     return check
+
+
+def _input_size(v, c):  # the sides: at most what a command's --img-size takes (a larger model does not fit)
+    ok = isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x >= 1 for x in v)
+    ok = ok and v[0] <= _MAX_CHANS and max(v[1:]) <= MAX_IMG_SIDE
+    return None if ok else f"[channels, height, width] with channels in [1, {_MAX_CHANS}] and sides in [1, " \
+                           f"{MAX_IMG_SIDE}]"
 
 
 def _interpolation(v, c):
@@ -137,7 +145,7 @@ def _interpolation(v, c):
 
 
 def _crop_pct(v, c):
-    return None if _is_num(v) and 0 < v <= 1 else "a number in (0, 1]"
+    return None if _is_num(v) and not CROP_PCT.problem(v) else f"a number {CROP_PCT.text('x')}{CROP_PCT.hint}"
 
 
 def _tag(v, c):
@@ -159,6 +167,9 @@ def _label_descriptions(v, c):
 def _model_args(v, c):
     if _dict(v, c):
         return "a JSON object of constructor arguments"
+    other = sorted(k for k in v if k in NOT_MODEL_KWARGS)
+    if other:
+        return f"constructor arguments only, without {', '.join(other)} ({NOT_MODEL_KWARGS[other[0]]})"
     # timm's own save_for_hf records them too; timm's loaders setdefault them, so they must agree with what the
     # loaders derive (our writer leaves them out)
     pc = c.get("pretrained_cfg")
@@ -203,9 +214,9 @@ KEYS: Tuple[Key, ...] = (
     Key(("label_descriptions",), False, _label_descriptions, "class name -> description", _T),
     Key(("model_args",), False, _model_args, "constructor arguments the name does not rebuild", _TR),
     Key(("pretrained_cfg",), True, _dict, "timm's pretrained cfg: preprocessing, license, paper", _T),
-    Key(("pretrained_cfg", "input_size"), True, _ints(3, 1, _MAX_SIDE), "channels, height, width of the input", _T),
-    Key(("pretrained_cfg", "mean"), True, _per_channel(False), "per-channel normalisation mean", _T),
-    Key(("pretrained_cfg", "std"), True, _per_channel(True), "per-channel normalisation std (> 0)", _T),
+    Key(("pretrained_cfg", "input_size"), True, _input_size, "channels, height, width of the input", _T),
+    Key(("pretrained_cfg", "mean"), True, _per_channel(MEAN), "per-channel normalisation mean", _T),
+    Key(("pretrained_cfg", "std"), True, _per_channel(STD), "per-channel normalisation std (> 0)", _T),
     Key(("pretrained_cfg", "interpolation"), True, _interpolation, "resize filter", _T),
     Key(("pretrained_cfg", "crop_pct"), True, _crop_pct, "centre-crop fraction at evaluation", _T),
     Key(("pretrained_cfg", "crop_mode"), False, lambda v, c: None if v in _CROP_MODES else
