@@ -136,7 +136,7 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, sour
 
 _UNIT = Range(float, ge=0, lt=1)
 MODEL_KWARG_RANGES: Dict[str, Range] = {
-    "depth": Range(int, ge=1, le=1000), "depths": Range(int, ge=0, le=1000),
+    "depth": Range(int, ge=1, le=1000), "depths": Range(int, ge=1, le=1000),
     "embed_dim": Range(int, ge=1, le=16384), "embed_dims": Range(int, ge=1, le=16384),
     "hidden_size": Range(int, ge=1, le=16384), "num_heads": Range(int, ge=1, le=1024),
     "patch_size": Range(int, ge=1, le=1024), "mlp_ratio": Range(float, gt=0, le=64),
