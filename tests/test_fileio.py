@@ -62,3 +62,32 @@ def test_safetensors_through_atomic_path_get_the_normal_mode(tmp_path, umask_022
         save_file({"w": torch.ones(2)}, tmp)
     assert path.stat().st_mode & 0o777 == 0o644
     assert torch.equal(load_file(str(path))["w"], torch.ones(2))
+
+
+def test_lock_names_and_live_locks(tmp_path):
+    """A lock file is a holder's, not content: `live_locks` lists those a live process holds."""
+    from ttt_zoo.fileio import LOCK_NAME, folder_lock, is_lock_name, live_locks
+    assert is_lock_name(LOCK_NAME) and is_lock_name(".out.lock")
+    assert not is_lock_name("out.lock") and not is_lock_name("model.safetensors")
+    (tmp_path / ".old.lock").write_text("1\n")  # its holder is gone: not live
+    assert live_locks(str(tmp_path)) == []
+    with folder_lock(str(tmp_path), "test"):
+        assert live_locks(str(tmp_path)) == [str(tmp_path / LOCK_NAME)]
+    assert live_locks(str(tmp_path)) == [] and live_locks(str(tmp_path / "missing")) == []
+
+
+def test_remove_dead_temps_only_of_dead_writers_of_that_target(tmp_path):
+    import subprocess
+    import sys
+    from ttt_zoo.fileio import remove_dead_temps
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    names = [f".tmp-a-b-{p.pid}-0123abcd.csv",  # a dead writer of a-b.csv: removed
+             f".tmp-a-b-{os.getpid()}-0123abcd.csv",  # ours (alive)
+             f".tmp-a-b-{p.pid}-0123abcd.json",  # another target
+             f".tmp-a-b-{p.pid}-xyz.csv"]  # not our name pattern
+    for n in names:
+        (tmp_path / n).write_text("part")
+    assert remove_dead_temps(str(tmp_path / "a-b.csv")) == [str(tmp_path / names[0])]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    assert remove_dead_temps(str(tmp_path / "missing" / "x.csv")) == []
