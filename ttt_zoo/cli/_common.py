@@ -101,9 +101,29 @@ def _raised_in_zoo(e: BaseException) -> bool:
     return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_PKG + os.sep)
 
 
-def error_line(e: BaseException) -> Optional[str]:
-    """The one-line message of a user error, or None for a crash (a bug: keep the traceback)."""
-    if isinstance(e, SystemExit):
+def _command_args(e: BaseException, args: Iterable[Any] = ()) -> Optional[argparse.Namespace]:
+    """The command's parsed arguments: one given to :func:`run_command`, else the ``args`` of a frame the error
+    passed through (``ttt_zoo.cli.main`` parses inside the boundary)."""
+    for a in args:
+        if isinstance(a, argparse.Namespace):
+            return a
+    tb = e.__traceback__
+    while tb is not None:
+        ns = tb.tb_frame.f_locals.get("args")
+        if isinstance(ns, argparse.Namespace):
+            return ns
+        tb = tb.tb_next
+    return None
+
+
+def error_line(e: BaseException, args: Optional[argparse.Namespace] = None) -> Optional[str]:
+    """The one-line message of a user error, or None for a crash (a bug: keep the traceback). ``args``: the
+    command's arguments, for a failed allocation's line (the --img-size / -b that fit)."""
+    from ttt_zoo.flags import out_of_memory
+    oom = out_of_memory(e, getattr(args, "img_size", None), getattr(args, "batch_size", None))
+    if oom is not None:
+        msg = oom
+    elif isinstance(e, SystemExit):
         if not isinstance(e.code, str):
             return None
         msg = e.code
@@ -187,7 +207,7 @@ def run_command(fn, *args, debug: bool = False) -> int:
     except (Exception, SystemExit) as e:
         if isinstance(e, SystemExit) and not isinstance(e.code, str):
             raise
-        line = error_line(e)
+        line = error_line(e, _command_args(e, args))
         if line is None:
             raise
         if debug:
