@@ -40,6 +40,8 @@ def run(args) -> int:
     print(f"== ttt-zoo: {len(list_zoo_models(include_diffusion=True))} models in {len(families)} families, registered "
           f"with timm (`ttt-zoo list` shows them all with sizes and GFLOPs) ==\n   smallest of each: "
           + ", ".join(families.values()))
+    from ttt_zoo.run_folder import refuse_run_output
+    refuse_run_output(args.output, "--output")  # only `train` writes into a run folder
     out = os.path.abspath(args.output)
     data = make_digits_folder(os.path.join(out, "digits"), img_size=32)
     recipe, desc = SMALL_MODELS[args.model]

@@ -95,6 +95,7 @@ class Building:
                       file=sys.stderr)
             return folder
         self.resume_file = None
+        run_folder.refuse_run_output(a.output, "--output")  # a new run never lies inside another run's folder
         name = a.experiment or "-".join([datetime.now().strftime("%Y%m%d-%H%M%S"),
                                          (a.model or getattr(a, "linearize_from", "") or a.task).replace("/", "_"),
                                          str(a.img_size or "default")])
