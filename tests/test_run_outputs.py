@@ -362,6 +362,24 @@ def test_killed_export_leaves_a_temp_the_next_export_removes(tmp_path, capsys, m
     assert os.listdir(tmp_path) == ["m.onnx"] and out.read_bytes() == b"onnx"
 
 
+def test_sigterm_during_export_removes_its_temp(tmp_path):
+    out = tmp_path / "m.onnx"
+    argv = ["export", "--model", "vit3_tiny", "--model-kwargs", *KW, "--img-size", "16", "16", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORT, *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == b"saving"
+        p.terminate()
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert p.returncode == 143 and lines == ["error: stopped (SIGTERM); nothing was written"], err.decode()[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
 # ----- Ctrl-C -----
 
 def _interrupt(*a, **k):

@@ -170,34 +170,59 @@ class UserExit(SystemExit):
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as `ttt-zoo train` and shells use
 
 
-def interrupted_line(start: int = 0) -> str:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every ``finally`` runs (temp files and staged folders removed)."""
+
+
+def interrupted_line(start: int = 0, why: str = "interrupted (Ctrl-C)") -> str:
     """The one line after Ctrl-C: what was kept. Every output is written whole or not at all (a temp file renamed
     when complete), so the files published since ``start`` are complete and nothing else was written."""
     from ttt_zoo.fileio import published
     done = list(dict.fromkeys(published(start)))
     if not done:
-        return "error: interrupted (Ctrl-C); nothing was written"
+        return f"error: {why}; nothing was written"
     shown = ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
-    return (f"error: interrupted (Ctrl-C); written in full before it and kept: {shown}; nothing else was written "
+    return (f"error: {why}; written in full before it and kept: {shown}; nothing else was written "
             f"(run the command again for the rest)")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While a command runs, SIGTERM raises :class:`Terminated` (the default would end the process at once and
+    leave its temp files); only where nothing else handles SIGTERM, and only in the main thread."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_terminated(signum, _frame):
+        raise Terminated()
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_command(fn, *args, debug: bool = False) -> int:
     """Call ``fn(*args)``; a user error prints one ``error:`` line on stderr (``debug``: the traceback first) and
     raises :class:`UserExit` (exit status 2, no traceback). Crashes (bugs) keep their traceback. Ctrl-C prints one
-    line saying what was kept and returns :data:`INTERRUPTED` (130)."""
+    line saying what was kept and returns :data:`INTERRUPTED` (130); SIGTERM the same, exit status 143."""
     from ttt_zoo.fileio import published
     start = len(published())
     try:
-        with _one_line_parser_errors():
+        with _one_line_parser_errors(), _sigterm_raises():
             return fn(*args)
     except UserExit:
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
-        print(interrupted_line(start), file=sys.stderr)
-        return INTERRUPTED
+        term = isinstance(e, Terminated)
+        print(interrupted_line(start, "stopped (SIGTERM)" if term else "interrupted (Ctrl-C)"), file=sys.stderr)
+        return 143 if term else INTERRUPTED
     except BrokenPipeError:  # the reader stopped early (`ttt-zoo list | head`): quiet, as shell tools are
         try:  # the interpreter's final flush must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
