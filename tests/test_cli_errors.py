@@ -428,8 +428,6 @@ _OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAll
                     "tried to allocate 2415919104 bytes. Error code 12 (Cannot allocate memory)")
 
 
-@pytest.mark.xfail(strict=True, reason="needs cli/_common.run_command to print flags.out_of_memory's line (issue 45, "
-                                       "item 6; remove this mark then)")
 @pytest.mark.parametrize("command", ["validate", "predict"])
 def test_out_of_memory_is_one_line_naming_a_size_that_fits(env, capsys, monkeypatch, command):
     """An allocation that fails (here as torch's CPU allocator fails at --img-size 8192) is one line saying which
