@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ttt_zoo.checkpoint import HUB_ORG, CheckpointError, load_checkpoint_file, unwrap_checkpoint
+from ttt_zoo.checkpoint import HUB_ORG, CheckpointError, WeightsError, load_checkpoint_file, unwrap_checkpoint
 from ttt_zoo.errors import HubFolderError
 
 __all__ = ["HubArchitecture", "register_hub_architecture", "hub_architectures", "zoo_architectures",
@@ -176,6 +176,8 @@ def build_from_checkpoint(name: str, checkpoint: Any, model_args: Optional[Dict[
             model = timm.create_model(variant, pretrained=True, pretrained_cfg_overlay=overlay, **model_args)
     except TypeError as e:
         raise CheckpointError(f"Bad --model-args for {arch}: {e}") from e
+    except WeightsError:  # damaged weights: said as they are (the file and the tensor), not as another model
+        raise
     except CheckpointError as e:
         why = str(e).split(" Build the model that matches")[0]
         raise CheckpointError(f"{source} is not a checkpoint for {name}: {why} Pass the --model (see `ttt-zoo list`) "
