@@ -13,8 +13,9 @@ timm's ``--results-separate-col`` columns ``index_0``, ``label_0``, ``prob_0``, 
 ``--results-dir`` the JSON goes to stdout only (timm's script also writes ``<model>-<img_size>.csv``).
 
 Class names, first found: ``--class-map`` (timm's class map file: one name per line), the model's ``label_names``
-(a Hub folder's config.json), the class folders of a `ttt-zoo train` folder's training data (``args.yaml``), timm's
-``ImageNetInfo`` for 1000 / 11k / 21k / 22k classes.  Without --checkpoint the model's pretrained weights are used
+(a Hub folder's config.json), the class names a `ttt-zoo train` run recorded (``run.json``; a run from before them:
+its training data's class folders as they are now, said so), timm's ``ImageNetInfo`` for 1000 / 11k / 21k / 22k
+classes.  Without --checkpoint the model's pretrained weights are used
 (as in timm's script).
 """
 import argparse
@@ -41,6 +42,7 @@ def find_images(sources):
     from timm.data.readers.img_extensions import get_img_extensions
     from timm.data.readers.reader_image_folder import find_images_and_targets
     from timm.utils.misc import natural_key
+    from ttt_zoo.train.classification import scan_folder
     from ._common import UsageError
     exts = get_img_extensions(as_set=True)
     files = []
@@ -49,6 +51,7 @@ def find_images(sources):
             found = sorted((p for p in glob.glob(src, recursive=True)
                             if os.path.isfile(p) and os.path.splitext(p)[1].lower() in exts), key=natural_key)
         elif os.path.isdir(src):
+            scan_folder(src)  # a symlink loop is refused (timm's walk would follow it without end)
             found = [path for path, _ in find_images_and_targets(src)[0]]
         elif os.path.isfile(src):
             found = [src]
@@ -98,19 +101,28 @@ def _head_rows(path, model):
     return int(w.shape[0]) if w is not None and w.dim() == 2 else None
 
 
-def _run_class_names(run):
-    """The class folder names of a `ttt-zoo train` run's training split, in timm's order (natural sort)."""
+def _run_class_names(resolved):
+    """(class names in output order, where they came from) of a `ttt-zoo train` run: the names its run.json
+    recorded; a run from before records none: its training split's class folders as they are now (timm's order),
+    said so; (None, None) without either."""
     from timm.data.dataset_factory import _search_split
     from timm.utils.misc import natural_key
+    from ttt_zoo.train.classification import scan_folder
+    if resolved.class_names:
+        return resolved.class_names, f"the run's recorded classes ({resolved.folder})"
+    run = resolved.run
     data_dir = run.get("data_dir")
     if run.get("dataset") or not data_dir or not os.path.isdir(data_dir):
-        return None
+        return None, None
     root = _search_split(data_dir, run.get("train_split") or "train")
-    return sorted((d.name for d in os.scandir(root) if d.is_dir()), key=natural_key) or None
+    scan = scan_folder(root)  # every class folder (an empty one would have stopped that run's training)
+    names = sorted(scan.classes + scan.empty, key=natural_key)
+    return (names, f"the class folders of {root} as they are now (the run recorded no class names)") if names \
+        else (None, None)
 
 
 def _build_model(args):
-    """(model with its weights in eval mode, class names from a training folder or None)."""
+    """(model with its weights in eval mode, (a run's class names, their source) or (None, None))."""
     import timm
     import ttt_zoo  # noqa: F401 - registers the zoo's models
     from ttt_zoo import hub_format
@@ -120,7 +132,6 @@ def _build_model(args):
     from ._common import UsageError, model_kwargs
     kwargs, ck = model_kwargs(args), args.checkpoint
     resolved = resolve_checkpoint(ck, other_folders=True)  # a run folder or a file (checked); a Hub folder: below
-    run = resolved.run
     if ck and os.path.isdir(ck) and resolved.weights is None:
         if not os.path.isfile(os.path.join(ck, CONFIG_NAME)):
             raise UsageError(f"--checkpoint {ck} is a folder without {ARGS} or {CONFIG_NAME}: neither a `ttt-zoo "
@@ -129,7 +140,7 @@ def _build_model(args):
         if args.model and args.model != arch:
             raise UsageError(f"--model {args.model} differs from the Hub folder's {arch}; leave out --model")
         args.model = arch
-        return load_folder(ck, **kwargs), None
+        return load_folder(ck, **kwargs), (None, None)  # its names: the model's label_names (config.json)
     same_model = resolved.same_model(args.model)  # another model: only the weights are shared
     kwargs = run_model_kwargs(resolved, args.model, kwargs, with_img_size=False)
     apply_run_defaults(args, resolved, _RUN_FLAGS)
@@ -145,10 +156,10 @@ def _build_model(args):
         if rows and rows != model.num_classes:  # e.g. a 10-class fine-tune of a 1000-class model
             model = create_eval_model(args.model, False, rows, args.img_size, kwargs)
         load_weights(model, weights)
-    return model.eval(), _run_class_names(run) if run and same_model else None
+    return model.eval(), _run_class_names(resolved) if resolved.folder and same_model else (None, None)
 
 
-def _dataset_info(args, model, run_names):
+def _dataset_info(args, model, run_names, run_source=None):
     """timm's DatasetInfo of the model's classes and where it came from, or (None, None)."""
     from timm.data import CustomDatasetInfo, ImageNetInfo, infer_imagenet_subset
     from timm.data.readers.class_map import load_class_map
@@ -161,8 +172,8 @@ def _dataset_info(args, model, run_names):
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if cfg.get("label_names"):
         return CustomDatasetInfo(cfg["label_names"], cfg.get("label_descriptions")), "the model's label_names"
-    if run_names and len(run_names) == model.num_classes:
-        return CustomDatasetInfo(run_names), "the training data's class folders"
+    if run_names and len(run_names) <= model.num_classes:  # (fewer: --num-classes above the class folders)
+        return CustomDatasetInfo(list(run_names)), run_source or "the run's classes"
     subset = infer_imagenet_subset({"num_classes": model.num_classes})
     if subset:
         return ImageNetInfo(subset), f"timm's ImageNetInfo({subset!r})"
@@ -295,7 +306,7 @@ def run(args) -> int:
     if args.results_file:  # checked before the model is built (a --results-dir name needs the model's size)
         for path in _result_paths(args, (0,)).values():
             check_out(path, args.force, "--results-file")
-    model, run_names = _build_model(args)
+    model, (run_names, run_source) = _build_model(args)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(dev)
     compiled = compile_model(model, args.torchcompile, args.torchcompile_mode)
@@ -306,7 +317,8 @@ def run(args) -> int:
     for path in out_paths.values():
         check_out(path, args.force, "--results-dir" if not args.results_file else "--results-file")
 
-    info, source = (None, None) if args.label_type in ("index", "none") else _dataset_info(args, model, run_names)
+    info, source = (None, None) if args.label_type in ("index", "none") else \
+        _dataset_info(args, model, run_names, run_source)
     to_label = DatasetInfoLabelMapper(info, label_type=args.label_type) if info is not None else None
 
     dataset = _Images(paths, create_transform(**cfg), cfg["input_size"])

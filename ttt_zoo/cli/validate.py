@@ -9,7 +9,10 @@
 
 With a training folder (or a file in one) as ``--checkpoint``, the folder's ``args.yaml`` supplies ``--model``,
 ``--model-kwargs``, ``--img-size``, ``--num-classes``, ``--crop-pct``, ``--data-dir`` and the split; flags given on
-the command line override it.
+the command line override it.  Its recorded class names (run.json; a Hub folder's ``label_names``) label the class
+folders by name: a folder lacking some classes is fine, a folder of a class the run does not know is refused.  A
+plain weights file has no names: the folders are matched by position (timm's order), with a note when their
+number differs from the model's classes.
 """
 __all__ = ["add_parser", "run"]
 
@@ -25,9 +28,24 @@ def _is_number(text) -> bool:
     return True
 
 
-def _apply_run_args(args) -> None:
+def _class_names(resolved):
+    """The checkpoint's class names in output order: the run's recorded ones, or a Hub folder's ``label_names``
+    (a list); None when neither names them (a plain weights file: folders are matched by position)."""
+    import os
+    names = resolved.class_names
+    path = resolved.path
+    if names is None and path and os.path.isdir(path) and resolved.folder is None:
+        from ttt_zoo import hub_format
+        if os.path.isfile(os.path.join(path, hub_format.CONFIG_NAME)):
+            labels = hub_format.read_config(path).get("label_names")
+            names = list(labels) if isinstance(labels, list) else None
+    return names
+
+
+def _apply_run_args(args):
     """Fill the flags not given on the command line from the run's recorded arguments (the one --checkpoint
-    resolver, :func:`ttt_zoo.run_folder.resolve_checkpoint`); another --model shares only the data."""
+    resolver, :func:`ttt_zoo.run_folder.resolve_checkpoint`); another --model shares only the data. Returns the
+    checkpoint's class names (see :func:`_class_names`)."""
     from ttt_zoo.run_folder import apply_run_defaults, resolve_checkpoint
     from ._common import UsageError
     resolved = resolve_checkpoint(args.checkpoint, ema=True if args.use_ema else None,
@@ -42,6 +60,7 @@ def _apply_run_args(args) -> None:
                          "names the model)")
     if not args.data_dir:
         raise UsageError("no data given; give --data-dir DIR (an image folder with a val/ split)")
+    return _class_names(resolved)
 
 
 def run(args) -> int:
@@ -50,7 +69,7 @@ def run(args) -> int:
     from ._common import check_out
     from ttt_zoo.torchcompile import check_torchcompile
     check_torchcompile(args.torchcompile, args.torchcompile_mode)
-    _apply_run_args(args)
+    class_names = _apply_run_args(args)
     resolve_model_name(args.model, "image", "--model")
     if args.results_file:
         _results_format(args.results_file)  # a bad extension fails before the evaluation, not after it
@@ -59,7 +78,8 @@ def run(args) -> int:
                     use_ema=args.use_ema, batch_size=args.batch_size, img_size=args.img_size,
                     crop_pct=args.crop_pct, amp=args.amp, num_classes=args.num_classes, split=args.split,
                     workers=args.workers, device=args.device, model_kwargs=args.model_kwargs,
-                    torchcompile=args.torchcompile, torchcompile_mode=args.torchcompile_mode)
+                    torchcompile=args.torchcompile, torchcompile_mode=args.torchcompile_mode,
+                    class_names=class_names)
     for r in rows:
         print(f"{r['model']} {r['checkpoint']}: top1 {r['top1']:.3f} top5 {r['top5']:.3f} "
               f"({r['param_count']:.2f}M params, {r['img_size']}px, crop_pct {r['crop_pct']})")

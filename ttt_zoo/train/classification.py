@@ -19,7 +19,7 @@ from .distributed import all_reduce_sum
 from .task import add_dataset_args, Task
 from ttt_zoo.flags import Range
 
-__all__ = ["ClassificationTask", "build_classifier"]
+__all__ = ["ClassificationTask", "build_classifier", "scan_folder", "class_folders", "check_known_classes"]
 
 _logger = logging.getLogger("ttt_zoo.train")
 
@@ -111,6 +111,103 @@ def _has_split(root: str, split: str) -> bool:
     return os.path.abspath(_search_split(root, split)) != os.path.abspath(root)
 
 
+# ----- class folders -----
+
+class FolderScan:
+    """What an image-folder split holds, at the class level: ``classes`` (the folders holding images, in timm's
+    label order: natural sort), ``empty`` (folders without images), ``stray`` (files that are not images),
+    ``loose`` (images outside a class folder) and ``nested`` (folders with images inside a class folder: timm
+    makes each a class of its own, named by its leaf)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.classes: List[str] = []
+        self.empty: List[str] = []
+        self.stray: List[str] = []
+        self.loose: List[str] = []
+        self.nested: List[str] = []
+
+    def problems(self, strict: bool) -> List[str]:
+        """The entries that shift or break the mapping (``strict``: also empty folders and stray files)."""
+        out = [f"{n} (an image outside a class folder)" for n in self.loose]
+        out += [f"{n}/ (a folder of images inside a class folder: timm makes it a class of its own)"
+                for n in self.nested]
+        if strict:
+            out += [f"{n}/ (no image files)" for n in self.empty]
+            out += [f"{n} (not a folder)" for n in self.stray]
+        return out
+
+
+def _walk_images(path: str, rel: str, stack: List[str], found: List[str], exts) -> None:
+    """Append to ``found`` the paths (relative) of the images below ``path``, following folder links as timm's
+    reader does; a link to a folder that contains it is refused (timm would walk it until the path is too long)."""
+    with os.scandir(path) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        sub = os.path.join(rel, e.name) if rel else e.name
+        if e.is_dir():  # (follows links)
+            real = os.path.realpath(e.path)
+            if real in stack:
+                raise ValueError(f"{e.path} is a symlink to {real}, a folder that contains it: a loop that timm's "
+                                 f"folder reader would follow without end; remove the link")
+            _walk_images(e.path, sub, stack + [real], found, exts)
+        elif os.path.splitext(e.name)[1].lower() in exts and e.is_file():
+            found.append(sub)
+
+
+def scan_folder(root: str) -> FolderScan:
+    """:class:`FolderScan` of the split folder ``root`` (e.g. data/train); a symlink loop is refused."""
+    from timm.data.readers.img_extensions import get_img_extensions
+    from timm.utils.misc import natural_key
+    exts = get_img_extensions(as_set=True)
+    scan = FolderScan(root)
+    found: List[str] = []
+    _walk_images(root, "", [os.path.realpath(root)], found, exts)
+    by_top: Dict[str, List[str]] = {}
+    for rel in found:
+        top, _, rest = rel.partition(os.sep)
+        if not rest:
+            scan.loose.append(top)
+        elif os.sep in rest:
+            scan.nested.append(os.path.dirname(rel))
+        else:
+            by_top.setdefault(top, []).append(rest)
+    scan.nested = sorted(set(scan.nested), key=natural_key)
+    for e in sorted(os.scandir(root), key=lambda e: natural_key(e.name)):
+        if e.is_dir():
+            (scan.classes if e.name in by_top else scan.empty).append(e.name)
+        elif e.name not in scan.loose:
+            scan.stray.append(e.name)
+    return scan
+
+
+def _refuse(where: str, problems: List[str], fix: str) -> None:
+    if problems:
+        shown = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
+        what = "1 entry that is not a class folder" if len(problems) == 1 else \
+            f"{len(problems)} entries that are not class folders"
+        raise ValueError(f"{where} holds {what} of images: {shown}; {fix}")
+
+
+def class_folders(root: str, strict: bool = True) -> List[str]:
+    """The class names of the split folder ``root`` in timm's label order, refusing what would shift or break that
+    order (see :meth:`FolderScan.problems`; ``strict`` for training data, whose folders number the classes)."""
+    scan = scan_folder(root)
+    _refuse(root, scan.problems(strict), "each class is a folder of images, and timm numbers the classes by these "
+                                         "folders: remove those entries (or move the images into a class folder)")
+    return scan.classes
+
+
+def check_known_classes(root: str, names: List[str], known: List[str], whose: str) -> None:
+    """Refuse class folders of ``root`` that are not among ``known`` (the classes of ``whose``), naming them."""
+    unknown = [n for n in names if n not in set(known)]
+    if unknown:
+        shown = ", ".join(unknown[:6]) + (f" and {len(unknown) - 6} more" if len(unknown) > 6 else "")
+        raise ValueError(f"{root}: class folder(s) {shown} are not classes of {whose} ({len(known)} classes: "
+                         f"{', '.join(known[:6])}{', ...' if len(known) > 6 else ''}); remove or rename them "
+                         f"(a subset of the classes is fine)")
+
+
 def _num_classes(ds) -> Optional[int]:
     reader = getattr(ds, "reader", None)
     for obj in (reader, ds):
@@ -119,6 +216,15 @@ def _num_classes(ds) -> Optional[int]:
             return len(c2i)
     classes = getattr(ds, "classes", None)
     return len(classes) if classes else None
+
+
+def _dataset_class_names(ds) -> Optional[List[str]]:
+    """The class names of a timm data set that has them (``class_to_idx`` of names), in label order."""
+    for obj in (getattr(ds, "reader", None), ds):
+        c2i = getattr(obj, "class_to_idx", None)
+        if c2i and all(isinstance(k, str) for k in c2i):
+            return [n for n, _ in sorted(c2i.items(), key=lambda kv: kv[1])]
+    return None
 
 
 class ClassificationTask(Task):
@@ -165,6 +271,7 @@ class ClassificationTask(Task):
     def __init__(self, args, dist):
         super().__init__(args, dist)
         self.new_param_names: List[str] = []
+        self.class_names: Optional[List[str]] = None  # the training classes in label order (set with the data)
         self._train_ds = self._eval_ds = None
         self.mixup_fn = None
         self.data_config: Dict[str, Any] = {}
@@ -187,16 +294,29 @@ class ClassificationTask(Task):
                 raise ValueError(f"--data-dir {a.data_dir} has no {a.val_split!r} (or 'val') folder, so a best "
                                  f"checkpoint would be picked on the training images; give --val-split 0.1 (a "
                                  f"seeded fraction of the training images held out) or --no-eval")
+            class_map = None
+            if not a.dataset:  # an image folder: its class folders, checked, number the classes by name
+                from timm.data.dataset_factory import _search_split
+                self.class_names = class_folders(_search_split(a.data_dir, a.train_split))
+                class_map = {n: i for i, n in enumerate(self.class_names)}
             self._train_ds = create_dataset(a.dataset, root=a.data_dir, split=a.train_split, is_training=True,
-                                            batch_size=a.batch_size, seed=a.seed)
+                                            batch_size=a.batch_size, seed=a.seed, class_map=class_map)
+            if a.dataset:
+                self.class_names = _dataset_class_names(self._train_ds)
             n = _num_classes(self._train_ds)
             if n is not None and n < 2:
                 raise ValueError(f"--data-dir {a.data_dir}: the training data has {n} class; classification needs "
                                  f"at least 2 class folders (top-1 of one class is always 100)")
             if eval_on:
                 split = a.train_split if self.val_fraction is not None else a.val_split
+                if class_map and self.val_fraction is None:  # labelled by name: a subset of the classes is fine
+                    from timm.data.dataset_factory import _search_split
+                    root = _search_split(a.data_dir, split)
+                    check_known_classes(root, class_folders(root, strict=False), self.class_names,
+                                        f"the training split {_search_split(a.data_dir, a.train_split)}")
                 self._eval_ds = create_dataset(a.dataset, root=a.data_dir, split=split, is_training=False,
-                                               batch_size=a.validation_batch_size or a.batch_size)
+                                               batch_size=a.validation_batch_size or a.batch_size,
+                                               class_map=class_map)
         return self._train_ds, self._eval_ds
 
     @property

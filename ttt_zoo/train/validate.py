@@ -20,8 +20,8 @@ from ttt_zoo.fileio import atomic_write
 from ttt_zoo.torchcompile import compile_model, mark_step
 from ttt_zoo import run_folder
 
-__all__ = ["validate", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path", "load_weights",
-           "write_results", "RESULT_COLUMNS"]
+__all__ = ["validate", "eval_dataset", "create_eval_model", "eval_loader", "find_checkpoints", "committed_path",
+           "load_weights", "write_results", "RESULT_COLUMNS"]
 
 RESULT_COLUMNS = ("model", "top1", "top1_err", "top5", "top5_err", "param_count", "img_size", "crop_pct",
                   "checkpoint")
@@ -101,6 +101,29 @@ def _num_classes(dataset) -> int:
     return len(classes)
 
 
+def eval_dataset(data_dir: str, split: str, class_names: Optional[Sequence[str]] = None,
+                 num_classes: Optional[int] = None, whose: str = "the checkpoint"):
+    """timm's evaluation data set of ``data_dir``'s ``split``. With ``class_names`` (the model's classes in output
+    order) the class folders are labelled by name: a subset is fine, a folder of another name is refused. Without
+    them, by position (timm's natural order), with a note when the folders do not number ``num_classes``."""
+    import sys
+    from timm.data import create_dataset
+    from timm.data.dataset_factory import _search_split
+    from .classification import check_known_classes, class_folders
+    root = _search_split(data_dir, split)
+    found = class_folders(root, strict=False)  # a symlink loop, images outside class folders: refused
+    class_map = None
+    if class_names:
+        check_known_classes(root, found, list(class_names), whose)
+        class_map = {n: i for i, n in enumerate(class_names)}
+    elif num_classes is not None and len(found) != num_classes:
+        print(f"note: {root} has {len(found)} class folders and the model {num_classes} classes; without recorded "
+              f"class names (a plain weights file) the folders are matched to the classes by position, so a "
+              f"missing class shifts every later label. Validate the run folder (its run.json names the classes) "
+              f"or give a folder with every class.", file=sys.stderr)
+    return create_dataset("", root=data_dir, split=split, is_training=False, class_map=class_map)
+
+
 def create_eval_model(name: str, pretrained: bool, num_classes: Optional[int], img_size: Optional[int],
                       model_kwargs: Dict[str, Any]):
     import timm
@@ -134,13 +157,14 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
              batch_size: int = 64, img_size: Optional[int] = None, crop_pct: Optional[float] = None,
              amp: bool = False, num_classes: Optional[int] = None, split: str = "validation", workers: int = 2,
              device: Optional[str] = None, model_kwargs: Optional[Dict[str, Any]] = None,
-             torchcompile: Optional[str] = None, torchcompile_mode: Optional[str] = None) -> List[Dict[str, Any]]:
+             torchcompile: Optional[str] = None, torchcompile_mode: Optional[str] = None,
+             class_names: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     """One result row per checkpoint (see :func:`find_checkpoints`), or one for ``pretrained`` weights;
     ``torchcompile`` / ``torchcompile_mode``: the forward through :func:`ttt_zoo.torchcompile.compile_model`.
 
-    ``num_classes`` defaults to the number of class folders when a checkpoint is given, to the model's own
-    otherwise (pretrained / random weights)."""
-    from timm.data import create_dataset
+    ``class_names``: the model's classes in output order (a run's recorded names): the class folders are matched
+    to them by name (see :func:`eval_dataset`). ``num_classes`` defaults to the number of class names, else of
+    class folders when a checkpoint is given, else the model's own (pretrained / random weights)."""
     from timm.utils import accuracy
     if not checkpoint and not pretrained:
         raise ValueError("Nothing to validate: give --checkpoint FILE_OR_FOLDER or --pretrained.")
@@ -149,7 +173,9 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
                                 f"{split!r} (or 'val') subfolder of class folders.")
     paths = find_checkpoints(checkpoint) if checkpoint else [""]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dataset = create_dataset("", root=data_dir, split=split, is_training=False)
+    if num_classes is None and class_names:
+        num_classes = len(class_names)
+    dataset = eval_dataset(data_dir, split, class_names, num_classes)
     if len(dataset) == 0:
         raise ValueError(f"no images under {data_dir!r} (split {split!r}).")
     if num_classes is None and checkpoint:
