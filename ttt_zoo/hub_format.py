@@ -153,10 +153,12 @@ def _tag(v, c):
 
 
 def _label_names(v, c):
-    names = list(v.values()) if isinstance(v, dict) else v  # timm also takes {class index: name}
+    names = list(v.values()) if isinstance(v, dict) else v  # timm also takes {class index: name} (some classes)
+    n = c.get("num_classes") or 0
     ok = isinstance(names, list) and all(isinstance(x, str) for x in names) and (
-        len(names) == c.get("num_classes") if isinstance(v, list) else len(names) <= (c.get("num_classes") or 0))
-    return None if ok else f"a list of {c.get('num_classes')} strings (one per class)"
+        len(names) == n if isinstance(v, list) else all(re.fullmatch(r"\d+", k) and int(k) < n for k in v))
+    return None if ok else f"a list of {c.get('num_classes')} strings (one per class), or an object of class " \
+                           f"index (0 to {n - 1}) -> name"
 
 
 def _label_descriptions(v, c):

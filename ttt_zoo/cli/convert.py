@@ -52,9 +52,11 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
     ck = resolve_checkpoint(args.checkpoint, "CHECKPOINT")  # a run folder or a file in one: checked against the run
     info = convert_checkpoint(ck.weights, name, out, run_model_kwargs(ck, name.split(".")[0], model_kwargs(args))
-                              or None, args.hub_id, not args.no_flops, args.force, args.source_url)
+                              or None, args.hub_id, not args.no_flops, args.force, args.source_url,
+                              class_names=ck.class_names)  # the run's classes: config.json's label_names
     macs = f", {info['macs']:.3f} GMACs" if info["macs"] is not None else ""
-    print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}")
+    names = f"; label_names: the run's {len(info['class_names'])} classes" if info.get("class_names") else ""
+    print(f"converted {args.checkpoint} -> {out} ({info['params']:,} params{macs}); hub id {info['hub_id']}{names}")
     return 0
 
 

@@ -120,6 +120,7 @@ def _citation(arxiv: str, paper_name: Optional[str]) -> str:
 _TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "card_template.md")
 _TAGS = {"classifier": ["image-classification", "timm"], "diffusion": ["class-conditional-image-generation"],
          "backbone": ["image-feature-extraction", "object-detection", "image-segmentation"]}
+_MAX_LISTED = 100  # class names listed on a card (all of them are in config.json's label_names)
 _PIPELINES = {"classifier": "image-classification", "diffusion": "unconditional-image-generation",
               "backbone": "image-feature-extraction"}
 
@@ -132,7 +133,8 @@ def render_card(info: Dict[str, Any]) -> str:
     license, datasets, paper_ids, paper_name, origin_url, description, input_size, mean, std, crop_pct,
     interpolation, num_classes, params, macs (float GMACs or None), macs_input (shape), source_file, source_sha256,
     source_url, released_url (the registered tag's url; None for a custom tag), registered_tag, other_arch,
-    model_args, paper (the authors' results: only for their release, see ``convert._authors_release``), github.
+    model_args, paper (the authors' results: only for their release, see ``convert._authors_release``), github,
+    class_names (a run's classes in output order, or None).
     """
     from huggingface_hub import ModelCard, ModelCardData
     kind, library, ids = info.get("kind", "classifier"), info.get("library", "timm"), arxiv_ids(info.get("paper_ids"))
@@ -141,9 +143,12 @@ def render_card(info: Dict[str, Any]) -> str:
     data = ModelCardData(license=info.get("license") or "other", library_name=library, tags=tags,
                          datasets=list(info.get("datasets") or []) or None, pipeline_tag=_PIPELINES[kind])
     params = info.get("params")
+    names = list(info.get("class_names") or [])
+    class_list = ", ".join(f"`{n}`" if "`" not in n else f"`` {n} ``" for n in names[:_MAX_LISTED])
+    class_list += f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
     card = ModelCard.from_template(
         data, template_path=_TEMPLATE, **dict(info, kind=kind, library=library, arxiv=ids,
-        repo_name=info["hub_id"].split("/")[-1], architecture=info["architecture"],
+        repo_name=info["hub_id"].split("/")[-1], architecture=info["architecture"], class_list=class_list,
         description=info.get("description") or f"A {info['architecture']} model from ttt-zoo.",
         params_str=f"{params:,}" if isinstance(params, int) else "n/a",
         macs_shape="x".join(str(s) for s in info.get("macs_input") or []),

@@ -41,8 +41,17 @@ def _description(arch: str) -> str:
     return " ".join(doc.split())
 
 
-def _label_info(num_classes: int, name: str) -> Dict[str, Any]:
-    """ImageNet-1k synsets and descriptions for 1000-class ImageNet checkpoints; nothing otherwise."""
+def _label_info(num_classes: int, name: str, class_names: Optional[List[str]] = None) -> Dict[str, Any]:
+    """timm's ``label_names``: a run's recorded ``class_names`` (one per classifier row; rows without a class,
+    from a --num-classes above the class folders, get timm's '<unmapped:INDEX>'), ImageNet-1k synsets and
+    descriptions for 1000-class ImageNet checkpoints; else nothing."""
+    if class_names:
+        if len(class_names) > num_classes:
+            raise HubFolderError(f"the run records {len(class_names)} class names but the model has {num_classes} "
+                                 f"classes; convert it with the run's own num_classes (leave out --model-kwargs "
+                                 f"num_classes=...)")
+        names = list(class_names) + [f"<unmapped:{i}>" for i in range(len(class_names), num_classes)]
+        return dict(label_names=names)  # a list: transformers reads a list only (id2label)
     tag = _split(name)[1]
     if num_classes != 1000 or ("in1k" not in tag and "in22k_ft_in1k" not in tag and "imagenet" not in tag):
         return {}
@@ -87,18 +96,20 @@ def _save_weights(model: nn.Module, path: str) -> None:
 
 def convert_checkpoint(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]] = None,
                        hub_id: Optional[str] = None, flops: bool = True, overwrite: bool = False,
-                       source_url: Optional[str] = None) -> Dict[str, Any]:
+                       source_url: Optional[str] = None, class_names: Optional[List[str]] = None) -> Dict[str, Any]:
     """Convert one checkpoint into a hub folder; returns the info the card was rendered from.
 
     The files are written into a temporary folder beside ``out_dir`` that replaces it only once complete, so an
     existing folder is never lost.  ``source_url``: where ``checkpoint`` was downloaded from, if known (the card
-    only claims a release it knows)."""
+    only claims a release it knows).  ``class_names``: the classes a run recorded, in output order (config.json's
+    ``label_names``, listed on the card)."""
     with staged_folder(out_dir, overwrite) as tmp:
-        return _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url)
+        return _write_folder(checkpoint, name, tmp, model_args, hub_id, flops, source_url, class_names)
 
 
 def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional[Dict[str, Any]],
-                  hub_id: Optional[str], flops: bool, source_url: Optional[str]) -> Dict[str, Any]:
+                  hub_id: Optional[str], flops: bool, source_url: Optional[str],
+                  class_names: Optional[List[str]] = None) -> Dict[str, Any]:
     """Write model.safetensors, config.json and README.md for ``checkpoint`` into the empty folder ``out_dir``.
 
     The layout is that of the ``timm/`` organisation's repositories (timm's ``save_config_for_hf``); a tag timm does
@@ -134,7 +145,7 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
     provenance = dict(version=__version__, hub_id=hub_id, kind=kind, source_file=os.path.basename(checkpoint),
                       source_sha256=source_sha256, params=numbers["params"], gmacs=numbers["macs"],
                       gmacs_input=numbers["macs_input"], source_url=source_url)
-    labels = _label_info(num_classes, name)
+    labels = _label_info(num_classes, name, class_names if kind == "classifier" else None)
     _save_weights(model, os.path.join(out_dir, fmt.WEIGHTS_NAME))
     provenance = fmt.with_weights_sha256(provenance, out_dir)
     if arch in _HUB_ARCHS:  # not a timm model: timm's config layout does not fit
@@ -157,6 +168,7 @@ def _write_folder(checkpoint: str, name: str, out_dir: str, model_args: Optional
                 interpolation=pc.get("interpolation"), num_classes=num_classes, params=numbers["params"],
                 macs=numbers["macs"], macs_input=numbers["macs_input"], source_file=os.path.basename(checkpoint),
                 source_sha256=source_sha256, source_url=source_url, model_args=custom_args,
+                class_names=list(class_names) if labels and class_names else None,
                 paper=paper_results(name) if authors_release else None, github=GITHUB_REPO)
     with open(os.path.join(out_dir, fmt.CARD_NAME), "w", encoding="utf-8") as f:
         f.write(render_card(info))
