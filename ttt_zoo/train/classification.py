@@ -297,7 +297,12 @@ class ClassificationTask(Task):
             class_map = None
             if not a.dataset:  # an image folder: its class folders, checked, number the classes by name
                 from timm.data.dataset_factory import _search_split
-                self.class_names = class_folders(_search_split(a.data_dir, a.train_split))
+                root = _search_split(a.data_dir, a.train_split)
+                if not _has_split(a.data_dir, a.train_split) and scan_folder(root).nested:
+                    raise ValueError(f"--data-dir {a.data_dir} has no {a.train_split!r} folder, and its subfolders "
+                                     f"hold folders of images (splits?); give --train-split NAME, a folder of class "
+                                     f"folders")
+                self.class_names = class_folders(root)
                 class_map = {n: i for i, n in enumerate(self.class_names)}
             self._train_ds = create_dataset(a.dataset, root=a.data_dir, split=a.train_split, is_training=True,
                                             batch_size=a.batch_size, seed=a.seed, class_map=class_map)

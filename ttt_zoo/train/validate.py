@@ -109,8 +109,11 @@ def eval_dataset(data_dir: str, split: str, class_names: Optional[Sequence[str]]
     import sys
     from timm.data import create_dataset
     from timm.data.dataset_factory import _search_split
-    from .classification import check_known_classes, class_folders
+    from .classification import check_known_classes, class_folders, scan_folder
     root = _search_split(data_dir, split)
+    if os.path.abspath(root) == os.path.abspath(data_dir) and scan_folder(root).nested:  # timm fell back to it
+        raise ValueError(f"--data-dir {data_dir} has no {split!r} folder, and its subfolders hold folders of images "
+                         f"(e.g. train/ and val/ splits); give --split NAME (e.g. val), a folder of class folders")
     found = class_folders(root, strict=False)  # a symlink loop, images outside class folders: refused
     class_map = None
     if class_names:
