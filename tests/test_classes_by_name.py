@@ -44,8 +44,7 @@ def _copy(src, dst, drop=(), rename=None):
 
 
 def _train(capsys, data, out, name):
-    rc, err = cli(capsys, "train", "--data-dir", data, "--output", out, *VIT3, "--experiment", name, "--epochs", 1)
-    return rc, err
+    return cli(capsys, "train", "--data-dir", data, "--output", out, *VIT3, "--experiment", name, "--epochs", 1)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(env, tmp_path_factory):
+def run(env):
     """A finished 1-epoch run on the named data."""
     from ttt_zoo.cli import main
     assert main(["train", "--data-dir", env["data"], "--output", str(env["root"] / "runs"), *VIT3, "--experiment",
@@ -273,3 +272,13 @@ def test_convert_writes_label_names_and_they_round_trip(run, env, tmp_path, caps
     rc, err = cli(capsys, "validate", "--checkpoint", hub, "--model", "vit3_tiny", "--model-kwargs", *KW,
                   "--img-size", 16, "--data-dir", other, "-j", 0, "--device", "cpu")
     assert rc == 2 and "kiwi" in _first_error(err)
+
+
+def test_a_missing_split_is_said(run, env, tmp_path, capsys):
+    """No such split: timm falls back to the data folder itself, whose subfolders are splits, not classes."""
+    rc, err = cli(capsys, "validate", "--checkpoint", run, "--data-dir", env["data"], "--split", "test", "-j", 0,
+                  "--device", "cpu")
+    assert rc == 2 and "has no 'test' folder" in _first_error(err)
+    rc, err = cli(capsys, "train", "--data-dir", env["data"], "--train-split", "trn", "--output", tmp_path / "runs",
+                  *VIT3, "--experiment", "x", "--epochs", 1)
+    assert rc == 2 and "has no 'trn' folder" in _first_error(err)
