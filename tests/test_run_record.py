@@ -220,3 +220,16 @@ def test_resume_refuses_flags_it_would_not_use(env, capsys, extra, says):
     rc, err = cli(capsys, "train", "--resume", folder, "--epochs", 2, *extra)
     assert rc == 2 and err.count("\n") == 1 and says in err, err
     assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+
+
+def test_predict_names_a_non_utf8_file_with_escapes(env, capsys, tmp_path):
+    folder = env["root"] / "runs" / "unused"
+    if not folder.exists():
+        _train(capsys, env, "unused", epochs=1)
+    src = os.path.join(env["data"], "val", "3")
+    os.makedirs(tmp_path / "imgs")
+    shutil.copy(os.path.join(src, sorted(os.listdir(src))[0]), os.fsencode(str(tmp_path / "imgs")) + b"/caf\xe9.png")
+    rc, err = cli(capsys, "predict", tmp_path / "imgs", "--checkpoint", folder, "--device", "cpu",
+                  "--results-file", tmp_path / "p.csv")
+    assert rc == 0 and "not UTF-8" in err, err
+    assert "caf\\xe9.png" in (tmp_path / "p.csv").read_text()

@@ -23,6 +23,7 @@ import collections
 import glob
 import json
 import os
+import sys
 import re
 
 __all__ = ["add_parser", "run", "find_images"]
@@ -284,6 +285,18 @@ def _short_float(value):
     return float(str(np.float32(value)))  # the shortest text that gives the same float32
 
 
+def _printable_name(name: str) -> str:
+    """A file name as UTF-8 text: bytes that are not UTF-8 (read by Python as surrogates) written as ``\\xNN``."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        escaped = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        print(f"note: {escaped}: the file name is not UTF-8; its results name it with \\xNN escapes",
+              file=sys.stderr)
+        return escaped
+
+
 def run(args) -> int:
     import sys
 
@@ -336,7 +349,7 @@ def run(args) -> int:
     for path, name, idx, val in zip(paths, names, indices, outputs):
         if path in unreadable:  # --skip-bad
             continue
-        row = {args.filename_col: name}
+        row = {args.filename_col: _printable_name(name)}
         if args.include_index or to_label is None:
             row[args.index_col] = one(idx)
         if to_label is not None:
