@@ -35,6 +35,8 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
     from ttt_zoo.hub import HubFolderError, convert_all, convert_checkpoint, registered_pretrained
     from ttt_zoo.hub.staging import check_output
     if args.all:
+        from ttt_zoo.run_folder import refuse_run_output
+        refuse_run_output(args.out_root, "--out-root")  # before its lock file is made beside it
         _lock_output(stack, args.out_root)  # the whole root: the folders below it are written one by one
         res = convert_all(args.out_root, args.checkpoint_dir, args.filter, args.download, args.skip_missing,
                           not args.no_flops, args.force)
@@ -47,8 +49,9 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
                              f"{', '.join(registered_pretrained())}), or use --all.")
     name = _model_name(args.model, args.tag)
     out = args.out or os.path.join("hub", name)
+    check_output(out, args.force)  # refused before its lock file is made and before the checkpoint is read
     _lock_output(stack, out)
-    check_output(out, args.force)  # the output is refused before the checkpoint is read
+    check_output(out, args.force)  # again, with the lock held
     from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
     ck = resolve_checkpoint(args.checkpoint, "CHECKPOINT")  # a run folder or a file in one: checked against the run
     info = convert_checkpoint(ck.weights, name, out, run_model_kwargs(ck, name.split(".")[0], model_kwargs(args))
@@ -67,6 +70,8 @@ def _convert_sd3(args, stack: contextlib.ExitStack) -> int:
     if not args.checkpoint or not args.out:
         raise UsageError("--sd3 needs the SD3 folder and --out OUT, e.g. `ttt-zoo convert "
                          "path/to/stable-diffusion-3.5-medium --sd3 --out sd3.5-medium-t5`")
+    from ttt_zoo.hub.staging import check_output
+    check_output(args.out, args.force)  # a run folder or a file is refused before its lock file is made
     _lock_output(stack, args.out)
     info = convert_sd3_folder(args.checkpoint, args.out, args.hub_id, args.base_name, args.force, args.finetuned,
                               ttt_dual_layers=args.dual_layers, ttt_joint_layers=args.joint_layers,
