@@ -377,6 +377,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ttt_zoo import flags
     from ttt_zoo.flags import MAX_IMG_SIDE, Range
     from ttt_zoo.torchcompile import add_torchcompile_args
     from ._common import add_model_kwargs
@@ -399,12 +400,12 @@ def add_parser(sub) -> None:
                    help="input size (default: the model's)")
     p.add_argument("--input-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), nargs=3, default=None, metavar="N",
                    help="C H W, e.g. 3 224 224")
-    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None,
+    p.add_argument("--crop-pct", type=flags.CROP_PCT, default=None,
                    help="center crop fraction (default: the model's)")
     p.add_argument("--crop-mode", default=None, help="center, squash or border (default: the model's)")
     p.add_argument("--interpolation", default="", help="resize interpolation (default: the model's)")
-    p.add_argument("--mean", type=Range(float, ge=0, le=1), nargs="+", default=None, help="default: the model's")
-    p.add_argument("--std", type=Range(float, gt=0, le=10), nargs="+", default=None, help="default: the model's")
+    p.add_argument("--mean", type=flags.MEAN, nargs="+", default=None, help="default: the model's")
+    p.add_argument("--std", type=flags.STD, nargs="+", default=None, help="default: the model's")
     p.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=64)
     p.add_argument("-j", "--workers", type=Range(int, ge=0, le=256), default=2)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

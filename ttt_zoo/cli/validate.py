@@ -90,6 +90,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from ttt_zoo import flags
     from ttt_zoo.flags import MAX_IMG_SIDE, ModelKwargs, Range
     from ttt_zoo.torchcompile import add_torchcompile_args
     p = sub.add_parser("validate", help="top-1/top-5 of a model (a checkpoint, a folder of them, or pretrained)")
@@ -109,7 +110,7 @@ def add_parser(sub) -> None:
     p.add_argument("-b", "--batch-size", type=Range(int, ge=1, le=65536), default=64)
     p.add_argument("--img-size", type=Range(int, ge=1, le=MAX_IMG_SIDE), default=None,
                    help="input size (default: the model's)")
-    p.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None,
+    p.add_argument("--crop-pct", type=flags.CROP_PCT, default=None,
                    help="center crop fraction (default: the model's)")
     p.add_argument("--amp", action="store_true", help="autocast (bfloat16 on CPU, float16 on CUDA)")
     p.add_argument("--num-classes", type=Range(int, ge=1, le=1_000_000), default=None,

@@ -234,12 +234,13 @@ class ClassificationTask(Task):
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
+        from ttt_zoo import flags
         g = parser.add_argument_group("classification data and augmentation (timm)")
         add_dataset_args(g)
-        g.add_argument("--crop-pct", type=Range(float, gt=0, le=1), default=None)
+        g.add_argument("--crop-pct", type=flags.CROP_PCT, default=None)
         g.add_argument("--interpolation", default="", help="eval resize interpolation")
-        g.add_argument("--mean", type=Range(float, ge=0, le=1), nargs="+", default=None)
-        g.add_argument("--std", type=Range(float, gt=0, le=10), nargs="+", default=None)
+        g.add_argument("--mean", type=flags.MEAN, nargs="+", default=None)
+        g.add_argument("--std", type=flags.STD, nargs="+", default=None)
         g.add_argument("--no-aug", action="store_true", help="no training augmentation (resize + crop only)")
         g.add_argument("--scale", type=Range(float, gt=0, le=1), nargs=2, default=[0.08, 1.0])
         g.add_argument("--ratio", type=Range(float, gt=0, le=100), nargs=2, default=[3.0 / 4.0, 4.0 / 3.0])
