@@ -233,3 +233,10 @@ def test_predict_names_a_non_utf8_file_with_escapes(env, capsys, tmp_path):
                   "--results-file", tmp_path / "p.csv")
     assert rc == 0 and "not UTF-8" in err, err
     assert "caf\\xe9.png" in (tmp_path / "p.csv").read_text()
+
+
+def test_convert_a_run_with_only_a_tag(t5_run, tmp_path, capsys):
+    rc, err = cli(capsys, "convert", t5_run, "--tag", "lin", "--out", tmp_path / "hub", "--no-flops")
+    assert rc == 0, err
+    cfg = json.loads((tmp_path / "hub" / "config.json").read_text())
+    assert cfg["architecture"] == "t5_tiny" and cfg["label_names"] == [str(c) for c in range(10)]

@@ -44,16 +44,22 @@ def _convert(args, stack: contextlib.ExitStack) -> int:
         return 0
     if args.sd3:
         return _convert_sd3(args, stack)
+    from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
+    ck = None
+    if args.checkpoint and not args.model and args.tag:  # a run names its own model
+        ck = resolve_checkpoint(args.checkpoint, "CHECKPOINT")
+        args.model = ck.model
     if not args.checkpoint or not args.model:
         raise HubFolderError("Give a CHECKPOINT and --model MODEL.TAG (registered: "
-                             f"{', '.join(registered_pretrained())}), or use --all.")
+                             f"{', '.join(registered_pretrained())}; a `ttt-zoo train` run folder needs only "
+                             f"--tag NAME), or use --all.")
     name = _model_name(args.model, args.tag)
     out = args.out or os.path.join("hub", name)
     check_output(out, args.force)  # refused before its lock file is made and before the checkpoint is read
     _lock_output(stack, out)
     check_output(out, args.force)  # again, with the lock held
-    from ttt_zoo.run_folder import resolve_checkpoint, run_model_kwargs
-    ck = resolve_checkpoint(args.checkpoint, "CHECKPOINT")  # a run folder or a file in one: checked against the run
+    # a run folder or a file in one: checked against the run
+    ck = ck or resolve_checkpoint(args.checkpoint, "CHECKPOINT")
     info = convert_checkpoint(ck.weights, name, out, run_model_kwargs(ck, name.split(".")[0], model_kwargs(args))
                               or None, args.hub_id, not args.no_flops, args.force, args.source_url,
                               class_names=ck.class_names)  # the run's classes: config.json's label_names
