@@ -103,9 +103,7 @@ def run(args) -> int:
         kwargs = run_model_kwargs(resolved, args.model, model_kwargs(args))
         model, _ = build_from_checkpoint(args.model, resolved.weights, kwargs)
         note = f"weights: {os.path.basename(resolved.weights)}"
-        if resolved.same_model(args.model) and resolved.record.get("img_size"):
-            run_size = resolved.record["img_size"]  # the size the run trained at
-            run_size = tuple(run_size) if isinstance(run_size, (list, tuple)) else (run_size, run_size)
+        run_size = resolved.img_size(args.model)  # the size the run trained at
     else:
         model = create_model(args.model, pretrained=False, **model_kwargs(args))
         note = "random init (no checkpoint given)"

@@ -30,10 +30,7 @@ def run(args) -> int:
         if args.num_classes is not None:
             given["num_classes"] = args.num_classes
         kwargs = run_model_kwargs(resolved, args.model, given)
-        img_size = args.img_size
-        if img_size is None and resolved.same_model(args.model) and resolved.record.get("img_size"):
-            side = resolved.record["img_size"]  # the size the run trained at
-            img_size = tuple(side) if isinstance(side, (list, tuple)) else (side, side)
+        img_size = args.img_size or resolved.img_size(args.model)  # default: the size the run trained at
         if resolved.weights:  # read safely by ttt_zoo.checkpoint, then the model file's checkpoint_filter_fn
             kwargs["pretrained_cfg_overlay"] = dict(file=resolved.weights)
         model = create_model(args.model, pretrained=bool(args.checkpoint), **kwargs)

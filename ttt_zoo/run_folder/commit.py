@@ -23,7 +23,7 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 from ttt_zoo.errors import CheckpointError, FolderInUseError
-from ttt_zoo.fileio import _NORMAL_MODE, folder_lock, fsync_dir, fsync_file, replace_file, sha256_file, write_file
+from ttt_zoo.fileio import NORMAL_MODE, folder_lock, fsync_dir, fsync_file, replace_file, sha256_file, write_file
 
 from .layout import (MANIFEST, MANIFEST_FORMAT, RECORD, SUMMARY, TMP, commit_names, family, manifest_path,
                      state_name, state_path, tag_of, weights_name, weights_path)
@@ -76,7 +76,7 @@ def commit_epoch(folder: str, state: Dict[str, Any], model_sd: Dict[str, Any],
             raise OSError(e.errno, f"{e.strerror or e} while committing epoch {epoch}; " + (
                 f"epoch {kept_epoch} stays committed: continue with `ttt-zoo train --resume {folder}`"
                 if kept_epoch is not None else "no epoch was committed yet"), os.path.join(folder, name)) from e
-        os.chmod(tmp, _NORMAL_MODE)  # safetensors' save_file creates its file private (0600)
+        os.chmod(tmp, NORMAL_MODE)  # safetensors' save_file creates its file private (0600)
         fsync_file(tmp)
         written[name] = sha256_file(tmp)
     rewritten = {family(n) for n in written}

@@ -99,6 +99,13 @@ class ResolvedCheckpoint:
         names = self.record.get("class_names")
         return list(names) if names else None
 
+    def img_size(self, model: Optional[str]) -> Optional[Tuple[int, int]]:
+        """(H, W) the run trained at, for the run's own model (None: not recorded, or another model)."""
+        side = self.record.get("img_size") if self.same_model(model) else None
+        if not side:
+            return None
+        return tuple(side) if isinstance(side, (list, tuple)) else (side, side)
+
     def same_model(self, model: Optional[str]) -> bool:
         """The run's own model (or none named): its recorded arguments apply; another model shares only weights."""
         return not model or model == self.model
