@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: matches, so a new file in a folder needs no entry here; a new top-level module does (the test names it).
 FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
     ("errors", ("ttt_zoo/errors.py", "ttt_zoo/_version.py")),          # the error types, the version
-    ("fileio", ("ttt_zoo/fileio.py", "ttt_zoo/flags.py", "ttt_zoo/finite.py", "ttt_zoo/images.py")),  # ground tools
+    ("fileio", ("ttt_zoo/fileio.py", "ttt_zoo/flags.py", "ttt_zoo/finite.py", "ttt_zoo/images.py",
+                "ttt_zoo/progress.py")),  # ground tools
     ("files and ops", ("ttt_zoo/checkpoint.py", "ttt_zoo/run_folder/*", "ttt_zoo/hub_format.py", "kernels/*")),
     ("layers", ("ttt_zoo/layers/*",)),                                   # the mixers, the block
     ("models", ("ttt_zoo/models/*", "ttt_zoo/registry.py")),             # the families, the zoo's registry
