@@ -1,4 +1,4 @@
-"""Verified-only kernel defaults (``kernels/backend.py``) and the dry run of ``tools/gpu_check.py``.
+"""Verified-only kernel defaults (``kernels/verify.py``, decided in ``kernels/backend.py``) and the dry run of ``tools/gpu_check.py``.
 
 On CUDA, ``auto`` picks an op's kernel only where a GPU verification record matches the op's current kernel
 sources; forcing the kernel ignores the records; the CPU never reads them.  Checked without a GPU: the decision
@@ -16,6 +16,7 @@ import torch
 
 from ttt_zoo.kernels import available_ops
 from ttt_zoo.kernels import backend as B
+from ttt_zoo.kernels import verify as V
 
 KERNEL = B.TRITON_BACKEND
 KERNEL_OPS = sorted(op for op, impls in available_ops().items() if impls[KERNEL])
@@ -105,7 +106,7 @@ def test_decision_traces_under_torch_compile(verified, monkeypatch, tmp_path):
 def test_editing_a_kernel_invalidates_its_record(monkeypatch, tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(B.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(B, "KERNELS_DIR", copy)
+    monkeypatch.setattr(V, "KERNELS_DIR", copy)  # where the hashes are made
     _records(monkeypatch, tmp_path, [_record(op) for op in KERNEL_OPS])
     assert all(B.gpu_verified(op) for op in KERNEL_OPS)
     (copy / "README.md").write_text("edited\n")  # not a kernel source
