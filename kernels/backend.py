@@ -30,6 +30,7 @@ import torch
 from timm.layers import is_exportable
 
 # the GPU verification (records, kernel source hashes) lives in verify.py; re-exported here
+from . import verify
 from .verify import (KERNELS_DIR, RECORDS_ENV, clear_verification_cache, gpu_verified, kernel_folder,
                      kernel_source_hash, kernel_sources, load_gpu_records, records_path)
 
@@ -150,7 +151,7 @@ def resolve_backend(backend: Optional[str], device: torch.device, dtype: Optiona
             what = f"op {op!r}" if op else "this op"
             raise BackendError(f"backend='triton' cannot run {what}: {reason}. Use backend='auto' (falls back to "
                                f"PyTorch) or backend='torch'.")
-    elif reason is not None or device.type != "cuda" or exporting() or not gpu_verified(op):
+    elif reason is not None or device.type != "cuda" or exporting() or not verify.verified(op, device, dtype):
         return "torch"  # auto: the kernels only on CUDA, and only where verified there
     return TRITON_BACKEND
 

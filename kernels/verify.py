@@ -119,3 +119,9 @@ def clear_verification_cache() -> None:
     """Forget the cached hashes and records (for tests: a new process starts this way)."""
     _HASHES.clear()
     _RECORDS.clear()
+
+
+@torch.compiler.assume_constant_result  # as gpu_verified: decided once while torch.compile traces, a constant after
+def verified(op: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> bool:
+    """``auto`` may run ``op``'s Triton kernel on ``device`` for ``dtype``: a repository record matches its sources."""
+    return gpu_verified(op)

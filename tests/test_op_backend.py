@@ -45,7 +45,7 @@ TRITON_OPS = [op for op in ALL_OPS if op not in PYTORCH_ONLY]
 def _fake_cuda(monkeypatch):
     """Pretend the kernels can run on CUDA (Triton installed), without a GPU: the decision only reads metadata."""
     monkeypatch.setattr(B, "HAS_TRITON", True)
-    monkeypatch.setattr(B, "gpu_verified", lambda op: True)  # and verified there (tests/test_gpu_verification.py)
+    monkeypatch.setattr(B.verify, "verified", lambda op, device, dtype: True)  # and verified there (tests/test_gpu_verification.py)
     return torch.device("cuda")
 
 
