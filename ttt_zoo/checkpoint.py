@@ -346,8 +346,7 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
 
 # ----- pretrained=True: Hugging Face Hub first, then the authors' URL, or a local file -----
 
-#: Hub organisation of converted ttt-zoo weights; repos are named ``<model>.<tag>`` like timm's own.
-HUB_ORG = "ttt-zoo"
+from ttt_zoo.hub_format import HUB_ORG  # noqa: E402  (re-exported; light, for the commands' --help)
 
 
 def with_hub_ids(cfgs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:

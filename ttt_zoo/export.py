@@ -14,10 +14,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ttt_zoo.errors import ExportError  # noqa: F401  (re-exported)
+from ttt_zoo.flags import MAX_EXPORT_SIDE as MAX_SIDE  # largest image side the exported graph is declared for
 
 __all__ = ["input_multiple", "export_onnx", "ExportError"]
-
-MAX_SIDE = 4096  # largest image side the exported graph is declared for
 
 
 def input_multiple(model: torch.nn.Module) -> int:

@@ -9,7 +9,6 @@ every numeric flag of every command with a value below and above its range.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from typing import Any, Dict, Mapping, Optional
 
@@ -20,7 +19,11 @@ __all__ = ["Range", "SizeRange", "check_ranges", "check_model_kwargs", "model_kw
            "out_of_memory"]
 
 MAX_IMG_SIDE = 8192  # the largest image side a command accepts
+MAX_EXPORT_SIDE = 4096  # the largest image side an exported graph is declared for (ttt_zoo.export)
 MAX_SEED = 2 ** 32 - 1  # numpy's seeds
+#: the op backends (``--backend``, ``TTT_ZOO_BACKEND``; ttt_zoo.kernels.backend reads them here, so --help needs no torch)
+TRITON_BACKEND = "triton"
+BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
 
 
 def _num(v) -> str:
@@ -186,28 +189,19 @@ def check_model_kwargs(kwargs: Mapping[str, Any], flag: str = "--model-kwargs") 
         raise UsageError(f"{flag} {why}")
 
 
-@functools.lru_cache(maxsize=None)
-def _parse_kwargs():
-    from timm.utils import ParseKwargs
+class ModelKwargs(argparse.Action):
+    """timm's ``ParseKwargs`` (``K=V``, values as Python literals, else strings), then the sizes checked by
+    :func:`model_kwargs_problem` (argparse's one-line error naming the flag).  timm is imported when a value is
+    parsed, not when a parser is built (``--help`` imports no torch)."""
 
-    class ModelKwargs(ParseKwargs):
-        """timm's ``ParseKwargs`` (``K=V``, values as Python literals, else strings), then the sizes checked by
-        :func:`model_kwargs_problem` (argparse's one-line error naming the flag)."""
-
-        def __call__(self, parser, namespace, values, option_string=None):
-            if any("=" not in v for v in values if v):
-                raise argparse.ArgumentError(self, f"expected KEY=VALUE, got {[v for v in values if '=' not in v]}")
-            super().__call__(parser, namespace, values, option_string)
-            why = model_kwargs_problem(getattr(namespace, self.dest))
-            if why:
-                raise argparse.ArgumentError(self, why)
-    return ModelKwargs
-
-
-def __getattr__(name: str):  # timm is imported when a parser asks for ModelKwargs, not with this module
-    if name == "ModelKwargs":
-        return _parse_kwargs()
-    raise AttributeError(name)
+    def __call__(self, parser, namespace, values, option_string=None):
+        from timm.utils import ParseKwargs
+        if any("=" not in v for v in values if v):
+            raise argparse.ArgumentError(self, f"expected KEY=VALUE, got {[v for v in values if '=' not in v]}")
+        ParseKwargs.__call__(self, parser, namespace, values, option_string)
+        why = model_kwargs_problem(getattr(namespace, self.dest))
+        if why:
+            raise argparse.ArgumentError(self, why)
 
 
 # ----- out of memory: the one line the command boundary prints for an allocation that failed -----

@@ -31,7 +31,10 @@ from ttt_zoo.flags import CROP_PCT, MAX_IMG_SIDE, MEAN, NOT_MODEL_KWARGS, STD
 __all__ = ["WEIGHTS_NAME", "CONFIG_NAME", "CARD_NAME", "LOADER_ARGS", "KINDS", "Key", "KEYS", "PRETRAINED_KEYS",
            "PROVENANCE_KEYS", "validate_config", "read_config", "write_config", "check_weights", "architecture",
            "model_name", "kind", "provenance", "num_classes", "hub_id", "source", "model_args", "loader_args", "input_size", "timm_config",
-           "plain_config", "with_weights_sha256", "key_table"]
+           "plain_config", "with_weights_sha256", "key_table", "HUB_ORG"]
+
+#: Hub organisation of converted ttt-zoo weights; repos are named ``<model>.<tag>`` like timm's own.
+HUB_ORG = "ttt-zoo"
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

@@ -1,9 +1,12 @@
-"""The ``ttt-zoo`` command (also ``python -m ttt_zoo``): one module per subcommand, each with ``add_parser(sub)``."""
+"""The ``ttt-zoo`` command (also ``python -m ttt_zoo``): one module per subcommand, each with ``add_parser(sub)``.
+
+Building the parsers imports no torch, timm or torchvision (import those inside the commands' functions):
+``ttt-zoo --help`` runs before the package's ``__init__`` (see ``_ttt_zoo_cli``)."""
 
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -21,9 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, before_command: Optional[Callable[[], None]] = None) -> int:
     """Run one command. A user error prints one ``error: <what>; <how to fix>`` line on stderr and exits with
-    status 2 (``SystemExit``; some commands return 2); ``--debug`` (anywhere) prints the traceback too."""
+    status 2 (``SystemExit``; some commands return 2); ``--debug`` (anywhere) prints the traceback too.
+    ``before_command``: called once the arguments parsed, before the command runs (the console script imports
+    the package there: the parsers import no torch, so ``--help`` is quick)."""
     from ._common import run_command
     argv = [*(sys.argv[1:] if argv is None else argv)]  # (`list` here is the list command module)
     debug = "--debug" in argv
@@ -31,6 +36,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def go() -> int:
         args = build_parser().parse_args(argv)
+        if before_command is not None:
+            before_command()
         args.debug = debug
         return args.func(args)
     return run_command(go, debug=debug)

@@ -3,7 +3,7 @@
 import contextlib
 import os
 
-from ttt_zoo.checkpoint import HUB_ORG
+from ttt_zoo.hub_format import HUB_ORG
 
 from ._common import add_model_kwargs, cli_errors, model_kwargs
 

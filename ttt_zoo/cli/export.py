@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from ttt_zoo.checkpoint import CheckpointError
+from ttt_zoo.errors import CheckpointError
 
 from ._common import add_model_kwargs, check_out, model_kwargs
 
@@ -44,8 +44,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from ttt_zoo.export import MAX_SIDE
-    from ttt_zoo.flags import Range
+    from ttt_zoo.flags import MAX_EXPORT_SIDE, Range
     p = sub.add_parser("export", help="export a classifier to ONNX (dynamic batch and image size)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
@@ -55,7 +54,7 @@ def add_parser(sub) -> None:
                    help="classifier outputs (default: the run's, else the model's; 0: features)")
     p.add_argument("--checkpoint", help="weights to load (.pth / .safetensors; official or ours) or a `ttt-zoo "
                    "train` run folder; default: the model's initialisation")
-    p.add_argument("--img-size", nargs=2, type=Range(int, ge=1, le=MAX_SIDE), metavar=("H", "W"),
+    p.add_argument("--img-size", nargs=2, type=Range(int, ge=1, le=MAX_EXPORT_SIDE), metavar=("H", "W"),
                    help="example size the graph is traced at (default: the run's, else the model's); the graph "
                         "takes others too")
     add_model_kwargs(p)

@@ -10,8 +10,6 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
 __all__ = ["add_parser", "model_stats", "STATS_FILE", "DEFAULT_IMG_SIZE", "load_stats_table", "select_models"]
 
 STATS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "model_stats.json")
@@ -24,6 +22,7 @@ def model_stats(name: str, img_size: int = DEFAULT_IMG_SIZE) -> Dict[str, float]
     Image models are measured at ``img_size``; diffusion models (``forward(x, t, y)``) at their configured latent size.
     """
     import timm
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
     from ttt_zoo.hub import example_inputs
     with torch.device("meta"):

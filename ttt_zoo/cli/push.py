@@ -1,6 +1,6 @@
 """``ttt-zoo push``: validate a converted Hub folder, then ``create_repo`` + ``upload_folder``."""
 
-from ttt_zoo.checkpoint import HUB_ORG
+from ttt_zoo.hub_format import HUB_ORG
 
 from ._common import cli_errors
 
