@@ -39,8 +39,7 @@ __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", 
            "gpu_verified", "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path",
            "register_op", "resolve_backend", "set_backend", "triton_unsupported", "use_backend"]
 
-TRITON_BACKEND = "triton"
-BACKENDS = ("auto", "torch", "torch_naive", TRITON_BACKEND)
+from ttt_zoo.flags import BACKENDS, TRITON_BACKEND  # noqa: E402  (the names a command line gives)
 ENV_VAR = "TTT_ZOO_BACKEND"
 # Triton is optional and imported lazily by each op's ``triton.py`` (CPU users never pay for it; tests set
 # TRITON_INTERPRET=1 before it is first imported)

@@ -16,9 +16,7 @@ import os
 import shlex
 import sys
 
-from ttt_zoo.kernels.backend import BACKENDS
-
-from ttt_zoo.flags import Range, SizeRange, model_kwargs_problem
+from ttt_zoo.flags import BACKENDS, Range, SizeRange, model_kwargs_problem
 from ttt_zoo.torchcompile import add_torchcompile_args, check_torchcompile
 
 __all__ = ["add_parser", "run", "parse_img_size"]
