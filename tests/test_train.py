@@ -1,6 +1,7 @@
 """`ttt-zoo train` in one process: outputs, config YAML, exact resume, --linearize-from, nothing-lost guards."""
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +77,11 @@ def test_outputs_and_metrics(data, tmp_path):
     assert [r["epoch"] for r in rows] == ["0", "1"]
     assert {"train_loss", "eval_loss", "eval_top1", "eval_top5", "eval_ema_top1", "lr", "train_img_per_sec"} <= set(rows[0])
     assert float(rows[0]["train_img_per_sec"]) > 0
-    assert "img/s" in (folder / "log.txt").read_text()
+    # progress: a line at the first and the last step of each epoch (--log-interval 100 > 2 steps), with the
+    # epoch's and the run's ETA, the throughput, loss and lr
+    log = (folder / "log.txt").read_text()
+    line = r"train epoch {} \[(\d)/2\] eta \d\d:\d\d run eta \d\d:\d\d img/s \d+ loss \d+\.\d{{4}} lr \S+"
+    assert [re.findall(line.format(e), log) for e in (0, 1)] == [["1", "2"], ["1", "2"]], log
     # args.yaml is a valid -c file that reproduces the arguments
     again, _ = parse_args(["-c", str(folder / "args.yaml")])
     assert again.model_kwargs == {"depth": 1, "embed_dim": 16, "num_heads": 2, "patch_size": 4} and again.lr == 0.05

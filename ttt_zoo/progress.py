@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 __all__ = ["Progress", "DEFAULT_DELAY"]
 
-#: seconds a phase runs before it shows progress ("longer than a few seconds"); ``train`` uses 0
+#: seconds a phase runs before it shows progress ("longer than a few seconds"), read when a ``Progress`` without
+#: ``delay`` starts (tests set it to 0); ``train`` passes 0
 DEFAULT_DELAY = 5.0
 
 
@@ -42,25 +43,27 @@ class Progress:
 
     ``interval``: steps between two lines (the bar's postfix refreshes at the same steps); ``unit``: what ``items``
     counts (``img``: the throughput is ``img/s``); ``log``: where a line goes (default: a print to ``stream``);
-    ``enabled``: False shows nothing (a DDP rank other than 0); ``bar``: None picks a bar when ``stream`` is a
+    ``also_log``: where the lines go while a bar is shown (a log file keeps plain lines); ``enabled``: False shows nothing (a DDP rank other than 0); ``bar``: None picks a bar when ``stream`` is a
     terminal, True / False force it."""
 
-    def __init__(self, total: int, desc: str, *, interval: int = 50, delay: float = DEFAULT_DELAY,
+    def __init__(self, total: int, desc: str, *, interval: int = 50, delay: Optional[float] = None,
                  unit: str = "img", later_steps: int = 0, later_s: float = 0.0,
-                 log: Optional[Callable[[str], None]] = None, stream: Optional[TextIO] = None,
+                 log: Optional[Callable[[str], None]] = None, also_log: Optional[Callable[[str], None]] = None,
+                 stream: Optional[TextIO] = None,
                  enabled: bool = True, bar: Optional[bool] = None, clock: Callable[[], float] = time.monotonic):
-        self.total, self.desc, self.interval, self.delay, self.unit = int(total), desc, max(1, int(interval)), delay, unit
+        self.total, self.desc, self.interval, self.unit = int(total), desc, max(1, int(interval)), unit
+        self.delay = DEFAULT_DELAY if delay is None else delay
         self.later_steps, self.later_s = later_steps, later_s
         self.stream = stream if stream is not None else sys.stderr
         self.log = log if log is not None else (lambda line: print(line, file=self.stream, flush=True))
-        self.enabled, self.clock = enabled, clock
+        self.also_log, self.enabled, self.clock = also_log, enabled, clock
         self.step = self.items = 0
         self.start = clock()
         self.printed = 0  # lines printed so far
         self.bar = None
         use_bar = bar if bar is not None else _is_terminal(self.stream)
         if enabled and use_bar:
-            self.bar = tqdm(total=self.total, desc=desc, file=self.stream, delay=delay, leave=False,
+            self.bar = tqdm(total=self.total, desc=desc, file=self.stream, delay=self.delay, leave=False,
                             dynamic_ncols=True, unit="step")
 
     # -- the arithmetic (one place) ---------------------------------------------------------------------------
@@ -104,23 +107,24 @@ class Progress:
     def update(self, steps: int = 1, items: int = 0,
                fields: Optional[Callable[[], Dict[str, Any]]] = None) -> bool:
         """Count ``steps`` steps of ``items`` items; print a line (or refresh the bar's postfix) when one is due.
-        Returns whether one was due (``fields`` was called then)."""
+        Returns whether one was due (``fields`` was called then; with a bar: its postfix and ``also_log``)."""
         self.step += steps
         self.items += items
         if not self.enabled:
             return False
         if self.bar is not None:
             self.bar.update(steps)
-            scheduled = self.step == 1 or self.step % self.interval == 0 or self.step == self.total
-            if not scheduled:
-                return False
-            extra = {"run_eta": tqdm.format_interval(self.run_eta() or 0)} if self.later_steps or self.later_s else {}
-            self.bar.set_postfix({f"{self.unit}/s": f"{self.rate():.0f}", **extra,
-                                  **{k: _format_value(v) for k, v in (fields() if fields else {}).items()}})
-            return True
         if not self.due():
             return False
-        self.log(self.line(fields() if fields else {}))
+        values = fields() if fields else {}
+        if self.bar is None:
+            self.log(self.line(values))
+        else:
+            extra = {"run_eta": tqdm.format_interval(self.run_eta() or 0)} if self.later_steps or self.later_s else {}
+            self.bar.set_postfix({f"{self.unit}/s": f"{self.rate():.0f}", **extra,
+                                  **{k: _format_value(v) for k, v in values.items()}})
+            if self.also_log is not None:
+                self.also_log(self.line(values))
         self.printed += 1
         return True
 

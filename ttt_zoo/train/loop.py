@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
-import sys
 import time
 from typing import Any, Dict
 
 import torch
 
 from ttt_zoo import run_folder
+from ttt_zoo.progress import Progress
 from ttt_zoo.torchcompile import mark_step
 
 from .distributed import all_reduce_sum
@@ -40,12 +41,8 @@ class Loop:
         last_group = n_batches - (n_batches % accum or accum)  # first batch of the last (maybe short) group
         loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
         seen = 0
-        bar = None
-        if d.is_primary and sys.stderr.isatty():
-            from tqdm import tqdm
-            bar = tqdm(total=n_batches, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+        progress = self._progress(epoch, n_batches)
         t0 = time.perf_counter()
-        log = {"t": t0, "seen": 0}
         self.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(self.train_loader):
             need_update = (i + 1) % accum == 0 or i == n_batches - 1
@@ -53,18 +50,14 @@ class Loop:
             bs = self.task.batch_size(batch)
             loss_sum += loss.detach().double() * bs
             seen += bs
-            if bar is not None:
-                bar.update(1)
+            progress.update(items=bs * d.world_size, fields=lambda: self._progress_fields(epoch, loss, extras))
             self._where = f"in epoch {epoch} after step {i + 1} of {n_batches}"
             if not d.distributed:
                 self._stop_if_signalled()
-            if (i + 1) % a.log_interval == 0 or i == n_batches - 1:
-                self._log_progress(epoch, i, n_batches, loss, extras, seen, log, bar)
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
         elapsed = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
+        progress.close()
         total_loss, total_seen = all_reduce_sum([loss_sum.item(), seen], d.device)
         if not math.isfinite(total_loss):
             raise self._non_finite(epoch, total_loss)
@@ -100,19 +93,29 @@ class Loop:
                 self.scheduler.step_update(num_updates=self.num_updates)
         return loss, extras
 
-    def _log_progress(self, epoch, i, n_batches, loss, extras, seen, log, bar) -> None:
-        d = self.dist
-        now = time.perf_counter()
-        rate = (seen - log["seen"]) * d.world_size / max(now - log["t"], 1e-9)
-        if not d.distributed and not math.isfinite(loss.item()):
-            raise self._non_finite(epoch, loss.item())
-        msg = dict(loss=f"{loss.item():.4f}", lr=f"{self._base_lr():.3g}", img_s=f"{rate:.0f}",
-                   **{k: f"{v:.4g}" for k, v in extras.items()})
-        if bar is not None:
-            bar.set_postfix(msg)
-        elif d.is_primary:
-            self.log.info(f"train epoch {epoch} [{i + 1}/{n_batches}] " + " ".join(f"{k} {v}" for k, v in msg.items()))
-        log.update(t=now, seen=seen)
+    def _progress(self, epoch: int, n_batches: int) -> Progress:
+        """The epoch's progress: a line (or the bar's postfix) at its first step, every --log-interval steps and its
+        last, from the start (no delay); the run's ETA counts the later epochs' steps at this epoch's pace and the
+        evaluation and commit time the last epoch took, once for this epoch and each later one."""
+        epochs_after = max(getattr(self, "end_epoch", epoch + 1) - epoch - 1, 0)
+        after_train = getattr(self, "after_train_s", 0.0)  # evaluation + commit of the last epoch
+        return Progress(n_batches, f"train epoch {epoch}", interval=self.args.log_interval, delay=0,
+                        later_steps=epochs_after * n_batches, later_s=after_train * (epochs_after + 1),
+                        log=self.log.info, also_log=self._log_to_files, enabled=self.dist.is_primary)
+
+    def _progress_fields(self, epoch: int, loss: torch.Tensor, extras: Dict[str, float]) -> Dict[str, str]:
+        """A progress line's loss, lr and the task's extras; a non-finite loss ends the run here (one process)."""
+        value = loss.item()
+        if not self.dist.distributed and not math.isfinite(value):
+            raise self._non_finite(epoch, value)
+        return dict(loss=f"{value:.4f}", lr=f"{self._base_lr():.3g}", **{k: f"{v:.4g}" for k, v in extras.items()})
+
+    def _log_to_files(self, line: str) -> None:
+        """``line`` into the run's log file only (while the terminal shows the bar)."""
+        record = self.log.makeRecord(self.log.name, logging.INFO, __file__, 0, line, None, None)
+        for handler in self.log.handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
 
     def _stop_if_signalled(self) -> None:
         """Raise :class:`Stopped` once a stop signal arrived (with DDP: on every rank once any rank got one)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Dict, Optional, Sequence
 
 from ttt_zoo import run_folder
@@ -66,6 +67,7 @@ class Trainer(Building, Loop, Evaluation, Committing):
             self.scheduler.step(self.start_epoch)
         row: Dict[str, Any] = {}
         end = self.num_epochs if a.stop_after is None else min(self.num_epochs, a.stop_after)
+        self.end_epoch = end  # (the run's ETA in the progress lines)
         for epoch in range(self.start_epoch, end):
             row = self._epoch(epoch)
             barrier()
@@ -82,6 +84,7 @@ class Trainer(Building, Loop, Evaluation, Committing):
             sampler.set_epoch(epoch)
         lr = self._base_lr()
         train = self.train_one_epoch(epoch)
+        t0 = time.perf_counter()
         evals = self._evaluate(epoch)
         metric = evals.get(self.eval_metric)
         if not self.args.sched_on_updates:
@@ -92,6 +95,7 @@ class Trainer(Building, Loop, Evaluation, Committing):
         row = {"epoch": epoch, "train_loss": train["loss"], **{f"eval_{k}": v for k, v in evals.items()},
                "lr": lr, "train_img_per_sec": train["img_per_sec"], "epoch_time": train["time"]}
         self._commit(epoch, row, metric, better)
+        self.after_train_s = time.perf_counter() - t0  # (the run's ETA of the next epochs)
         return row
 
 
