@@ -18,9 +18,13 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["make_scheduler", "sample", "save_image_grid", "image_grid"]
+__all__ = ["make_scheduler", "sample", "save_image_grid", "image_grid", "SD_VAE_FACTOR"]
 
 SCHEDULERS = ("ddpm", "ddim")
+
+#: spatial downsampling of the SD VAE (stabilityai/sd-vae-ft-ema) the DiTs are trained on: a 256-px image is a 32-px
+#: latent; a latent model without its VAE at hand is taken to be this VAE's
+SD_VAE_FACTOR = 8
 
 
 def _diffusers():

@@ -3,7 +3,9 @@
 One call measures one (model, image size, phase) with the shared :func:`~ttt_zoo.bench.measure.measure_steps`:
 ``inference`` is ``model.eval()`` under ``torch.no_grad()``; ``train`` is ``model.train()``, forward,
 cross-entropy against random labels (mean square for non-logit outputs), backward, gradients set to None before
-each step; no optimizer step, so the time is the model's alone.
+each step; no optimizer step, so the time is the model's alone.  A diffusion transformer (dit, dit3, dit5) is
+measured as it samples and trains: ``forward(x, t, y)`` on the SD VAE's latents of an image of ``img_size`` pixels
+(4 channels, 8x smaller), random timesteps and classes.
 """
 
 import contextlib
@@ -16,10 +18,27 @@ from ttt_zoo.torchcompile import compile_model
 __all__ = ["create", "bench_model", "profile_model", "count_gmacs"]
 
 
+def _latent_size(img_size: Tuple[int, int]) -> Tuple[int, int]:
+    from ttt_zoo.sampling import SD_VAE_FACTOR
+    h, w = img_size
+    if h % SD_VAE_FACTOR or w % SD_VAE_FACTOR:
+        raise ValueError(f"a diffusion model's image size {h}x{w} is not a multiple of the VAE factor {SD_VAE_FACTOR}")
+    return h // SD_VAE_FACTOR, w // SD_VAE_FACTOR
+
+
+def _is_diffusion(name: str) -> bool:
+    """A zoo diffusion transformer (``forward(x, t, y)``); any other name (a timm or --import model) takes images."""
+    from ttt_zoo.registry import is_diffusion_model, list_zoo_models
+    return name in list_zoo_models(include_diffusion=True) and is_diffusion_model(name)
+
+
 def create(name: str, img_size: Tuple[int, int], model_kwargs: Dict, device=None) -> torch.nn.Module:
-    """``timm.create_model`` at ``img_size`` where the model takes ``img_size`` (timm ViTs do), else as is."""
+    """``timm.create_model`` at ``img_size`` where the model takes ``img_size`` (timm ViTs do), else as is; a
+    diffusion model at the latent size of an ``img_size`` image."""
     import timm
     with torch.device(device) if device is not None else contextlib.nullcontext():
+        if _is_diffusion(name):
+            return timm.create_model(name, **{"input_size": _latent_size(img_size), **model_kwargs})
         try:
             return timm.create_model(name, img_size=tuple(img_size), **model_kwargs)
         except TypeError as e:
@@ -39,12 +58,22 @@ def count_gmacs(name: str, img_size: Tuple[int, int], model_kwargs: Dict, model=
         if model is None:
             raise
         device = next(model.parameters()).device
-    x = torch.empty(1, getattr(model, "in_chans", 3), *img_size, device=device)
+    inputs = _inputs(model, name, img_size, 1, device)
     was_training = model.training
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model.eval()(x)
+        model.eval()(*inputs)
     model.train(was_training)
     return counter.get_total_flops() / 2 / 1e9
+
+
+def _inputs(model: torch.nn.Module, name: str, img_size: Tuple[int, int], batch: int, device) -> Tuple:
+    """The forward's arguments: images; for a diffusion model latents, timesteps and class labels."""
+    in_chans = getattr(model, "in_chans", 3)
+    if not _is_diffusion(name):
+        return (torch.randn(batch, in_chans, *img_size, device=device),)
+    t = torch.randint(0, 1000, (batch,), device=device)
+    y = torch.randint(0, max(model.num_classes, 1), (batch,), device=device)
+    return torch.randn(batch, in_chans, *_latent_size(img_size), device=device), t, y
 
 
 def _ort_session(model: torch.nn.Module, img_size: Tuple[int, int], spec: Dict):
@@ -95,8 +124,9 @@ class _Setup:
         fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
         model = model.to(self.device, memory_format=fmt).train(self.train)
         self.model = model
-        self.x = torch.randn(spec["batch_size"], getattr(model, "in_chans", 3), h, w, device=self.device)
-        self.x = self.x.contiguous(memory_format=fmt)
+        self.inputs = _inputs(model, spec["model"], (h, w), spec["batch_size"], self.device)
+        self.inputs = (self.inputs[0].contiguous(memory_format=fmt),) + self.inputs[1:]
+        self.x = self.inputs[0]
         self.target = torch.randint(0, max(getattr(model, "num_classes", 0) or 1, 1), (spec["batch_size"],),
                                     device=self.device)
         mode = spec.get("torchcompile_mode")
@@ -123,11 +153,11 @@ class _Setup:
                 torch.compiler.cudagraph_mark_step_begin()
             self.model.zero_grad(set_to_none=True)
             with self.autocast():
-                loss = self.loss(self.run(self.x))
+                loss = self.loss(self.run(*self.inputs))
             loss.backward()
             return loss
         with torch.no_grad(), self.autocast():
-            return self.run(self.x)
+            return self.run(*self.inputs)
 
 
 def _saved_tensor_mb(s: _Setup) -> float:
@@ -142,7 +172,7 @@ def _saved_tensor_mb(s: _Setup) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), s.autocast():
-        s.loss(s.run(s.x))
+        s.loss(s.run(*s.inputs))
     return sum(seen.values()) / 2 ** 20
 
 
@@ -157,6 +187,7 @@ def bench_model(spec: Dict) -> Dict:
         return dict(error=f"CUDA out of memory: {str(e)[:120]}")
     h, w = spec["img_size"]
     out = dict(samples_per_sec=round(1e3 * spec["batch_size"] / m["step_time"], 3), step_time=round(m["step_time"], 3),
+               step_times=[round(t, 3) for t in m["step_times"]],
                batch_size=spec["batch_size"], img_size=h if h == w else f"{h}x{w}",
                param_count=s.param_count / 1e6, peak_mem_mb=None if m["peak_mem_mb"] is None else
                round(m["peak_mem_mb"], 2), threads=torch.get_num_threads(),

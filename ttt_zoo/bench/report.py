@@ -6,11 +6,12 @@ import io
 import json
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ttt_zoo.fileio import atomic_write
 
-__all__ = ["PHASES", "write_results", "format_table", "format_ops_table", "scaling_exponents", "plot_results"]
+__all__ = ["PHASES", "write_results", "format_table", "format_ops_table", "scaling_exponents", "plot_results",
+           "time_spread", "ratio_unsettled", "spread_warning"]
 
 PHASES = {"infer": "inference", "train": "train (forward + backward)"}
 
@@ -49,8 +50,40 @@ def _fmt(v, digits=None) -> str:
     return f"{v:.{digits}f}"
 
 
+def time_spread(row: Dict, phase: str) -> Optional[Tuple[float, float]]:
+    """(min, max) ms of a cell's timed steps (all its repeats), or None for a row without them."""
+    lo, hi = row.get(f"{phase}_step_time_min"), row.get(f"{phase}_step_time_max")
+    return None if lo in (None, "") or hi in (None, "") else (float(lo), float(hi))
+
+
+def ratio_unsettled(row: Dict, ref: Dict, phase: str) -> bool:
+    """The rule for a time ratio that is not meaningful: the two cells' min-max step times overlap, so within the
+    measured spread either could be the faster (the ratio's range, min/max' .. max/min', contains 1)."""
+    a, b = time_spread(row, phase), time_spread(ref, phase)
+    return row is not ref and a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
+def _unsettled(rows: List[Dict]) -> List[Tuple]:
+    """(label, img size, phase, reference) of every time ratio :func:`ratio_unsettled` marks."""
+    by = {(r["label"], r["img_size"]): r for r in rows}
+    return [(r["label"], r["img_size"], p, ref) for p in PHASES for r in rows for ref in _references(rows)
+            if f"{p}_step_time" in r and (ref, r["img_size"]) in by
+            and ratio_unsettled(r, by[(ref, r["img_size"])], p)]
+
+
+def spread_warning(rows: List[Dict]) -> Optional[str]:
+    """One sentence when some time ratio is not meaningful (its cell is marked ``*``), else None."""
+    bad = _unsettled(rows)
+    if not bad:
+        return None
+    return (f"{len(bad)} time ratio(s) marked * are not meaningful: the min-max step times of the row and of the "
+            "peer overlap, so the machine's load varied more than the two differ; measure again on a quiet machine "
+            "(more --repeats / --num-bench-iter narrow the median, not the load)")
+
+
 def format_table(rows: List[Dict]) -> str:
-    """One markdown table per phase present; ratios = this row / each reference row (every peer) at the same size."""
+    """One markdown table per phase present; ratios = this row / each reference row (every peer) at the same size,
+    from the medians; a time ratio whose two min-max ranges overlap is marked ``*`` (:func:`ratio_unsettled`)."""
     refs = _references(rows)
     by = {(r["label"], r["img_size"]): r for r in rows}
     out = []
@@ -59,7 +92,9 @@ def format_table(rows: List[Dict]) -> str:
         if not prow:
             continue
         cpu = any(r.get(f"{p}_cpu_time") is not None for r in prow)
-        head = ["img size", "model", "batch", "params (M)", "GMACs", "ms / step", "samples / s", "peak MB"]
+        spread = any(time_spread(r, p) for r in prow)
+        head = ["img size", "model", "batch", "params (M)", "GMACs", "ms / step"] + ["ms min-max"] * spread
+        head += ["samples / s", "peak MB"]
         saved = any(r.get(f"{p}_saved_mb") is not None for r in prow)
         head += ["CPU ms"] * cpu + ["saved MB"] * saved + (["GFLOP/s"] if p == "infer" else [])
         for ref in refs:
@@ -73,7 +108,11 @@ def format_table(rows: List[Dict]) -> str:
                 lines.append("| " + " | ".join(cells) + " |")
                 continue
             ms, mem = r[f"{p}_step_time"], r.get(f"{p}_peak_mem_mb")
-            cells += [_fmt(ms), _fmt(r[f"{p}_samples_per_sec"]), _fmt(mem)]
+            cells.append(_fmt(ms))
+            if spread:
+                lo_hi = time_spread(r, p)
+                cells.append(f"{_fmt(lo_hi[0])}-{_fmt(lo_hi[1])}" if lo_hi else "-")
+            cells += [_fmt(r[f"{p}_samples_per_sec"]), _fmt(mem)]
             if cpu:
                 cells.append(_fmt(r.get(f"{p}_cpu_time")))
             if saved:
@@ -84,10 +123,13 @@ def format_table(rows: List[Dict]) -> str:
             for ref in refs:
                 b = by.get((ref, r["img_size"]), {})
                 bms, bmem = b.get(f"{p}_step_time"), b.get(f"{p}_peak_mem_mb")
-                cells.append(f"{ms / bms:.2f}x" if bms else "-")
+                cells.append(f"{ms / bms:.2f}x" + "*" * ratio_unsettled(r, b, p) if bms else "-")
                 cells.append(f"{mem / bmem:.2f}x" if mem is not None and bmem else "-")
             lines.append("| " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
+    warning = spread_warning(rows)
+    if warning:
+        out.append(f"\\* {warning[0].upper()}{warning[1:]}.")
     exps = scaling_exponents(rows)
     if exps:
         out.append("Fitted scaling exponent k of time against pixel count (time ~ pixels^k; 1 = linear in tokens): "

@@ -129,16 +129,24 @@ def _run_model_child(kind: str, cfg: BenchConfig, c: Dict, h: int, w: int, phase
 
 
 def _merge(runs: List[Dict]) -> Dict:
-    """Median over repeats of the times and memory; the rest from the first run."""
+    """A cell over its repeats: the timed steps of every run pooled, ``step_time`` their median with
+    ``step_time_min`` / ``step_time_max`` (the spread; ``samples_per_sec`` likewise) and ``steps`` (how many);
+    CPU time and peak memory the median over runs; the rest from the first run."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[0]
     out = dict(ok[0])
-    for k in ("step_time", "cpu_time", "peak_mem_mb"):
+    for k in ("cpu_time", "peak_mem_mb"):
         vals = [r[k] for r in ok if r.get(k) is not None]
         if vals:
             out[k] = round(statistics.median(vals), 3)
-    out["samples_per_sec"] = round(1e3 * out["batch_size"] / out["step_time"], 3)
+    steps = [t for r in ok for t in (r.get("step_times") or [r["step_time"]])]  # an older child: its median
+    out.pop("step_times", None)
+    out.update(step_time=round(statistics.median(steps), 3), step_time_min=round(min(steps), 3),
+               step_time_max=round(max(steps), 3), steps=len(steps))
+    for key, ms in (("samples_per_sec", out["step_time"]), ("samples_per_sec_min", out["step_time_max"]),
+                    ("samples_per_sec_max", out["step_time_min"])):
+        out[key] = round(1e3 * out["batch_size"] / ms, 3)
     if len(runs) > 1:
         out["repeats"] = len(ok)
     return out

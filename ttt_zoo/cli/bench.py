@@ -101,6 +101,7 @@ def _check_outputs(args) -> None:
 def run(args) -> int:
     from ttt_zoo.bench import (BenchConfig, format_ops_table, format_table, plot_results, run_models, run_ops,
                                run_profiles, write_results)
+    from ttt_zoo.bench.report import spread_warning
     from ttt_zoo.bench.measure import describe_machine, machine_info
     import torch
     p = args._parser
@@ -169,7 +170,8 @@ def run(args) -> int:
                       before=before, top=args.profile_top, imports=tuple(args.imports), malloc_trim=args.malloc_trim)
     protocol = (f"{'Profile' if args.profile else 'Benchmark'}: every (model, size, phase) in a fresh subprocess, "
                 f"all side by side in this run; {cfg.num_warm_iter} warm-up + {cfg.num_bench_iter} timed steps, "
-                f"step time = median; precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
+                "step time = median of the timed steps of every repeat, with their min-max (the spread); "
+                f"precision {'autocast ' + cfg.amp_dtype if cfg.amp_dtype else 'float32'}"
                 f"{', channels-last' if cfg.channels_last else ''}"
                 f"{', gradient checkpointing' if cfg.grad_checkpointing else ''}"
                 f"{', torch.compile ' + cfg.torchcompile if cfg.torchcompile else ''}"
@@ -180,7 +182,8 @@ def run(args) -> int:
                 + ("torch.cuda.max_memory_allocated" if cfg.device.startswith("cuda") else "peak RSS, VmHWM"
                    + ("; glibc MALLOC_TRIM_THRESHOLD_=0: freed memory returned at once, so it follows the live tensors"
                       if cfg.malloc_trim else "")) + "). "
-                "Ratios: this row / each peer's row at the same size, from this one run.")
+                "Ratios: this row / each peer's row at the same size, from this one run's medians; a time ratio "
+                "whose two min-max ranges overlap is marked * (not meaningful).")
     if args.profile:
         def write_profiles(profiles):  # after every row: a killed run keeps the finished ones
             if args.output:
@@ -204,6 +207,9 @@ def run(args) -> int:
     table = format_table(rows)
     print(table)
     write_rows(rows)
+    warning = spread_warning(rows)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     if results_file:
         print(f"wrote {results_file}")
     if args.output:
