@@ -189,6 +189,17 @@ def check_model_kwargs(kwargs: Mapping[str, Any], flag: str = "--model-kwargs") 
         raise UsageError(f"{flag} {why}")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: X)`` after each flag's help, once: not where the help already speaks of its default
+    (``"(default: the model's)"``, ``"off by default"``), nor for a default that says nothing (None, False, '')."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, "", [], {}):
+            return text
+        return super()._get_help_string(action)
+
+
 class ModelKwargs(argparse.Action):
     """timm's ``ParseKwargs`` (``K=V``, values as Python literals, else strings), then the sizes checked by
     :func:`model_kwargs_problem` (argparse's one-line error naming the flag).  timm is imported when a value is

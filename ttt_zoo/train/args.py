@@ -34,7 +34,7 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     """The full parser: shared Trainer flags plus ``task_cls.add_args``."""
     p = argparse.ArgumentParser(prog=prog, parents=[_config_parser()],
                                 description="Train a ttt-zoo / timm model (one process, or many under torchrun).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=flags.DefaultsHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="model name (timm registry, ttt-zoo models included)")
     g.add_argument("--model-kwargs", nargs="*", default={}, action=flags.ModelKwargs, metavar="K=V",
