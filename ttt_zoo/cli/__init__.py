@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 COMMANDS = ("list", "demo", "data", "train", "validate", "predict", "sample", "attention_map", "convert", "export",
-            "push", "bench")  # module names in this package, in --help order
+            "push", "bench", "kernels")  # module names in this package, in --help order
 
 
 def build_parser() -> argparse.ArgumentParser:
