@@ -1,4 +1,5 @@
-"""The bad-invocation table of issue 27: every row of ``tests/test_cli_errors.py`` (BAD and RO) run as the test runs
+"""The bad-invocation table of issue 27: every row of ``tests/test_cli_errors.py`` (BAD and RO, and issue 49's former
+tracebacks: ``--model hf-hub:`` offline, ``tools/mm_{train,test}.py`` before ``make openmmlab``) run as the test runs
 it, with its exit status and the first line it printed, written to ``experiments/results/cli_errors_table.md``.
 
     python experiments/cli_errors_table.py
@@ -16,8 +17,10 @@ OUT = os.path.join(ROOT, "experiments", "results", "cli_errors_table.md")
 
 
 def _shown(argv):
-    """The command as a reader types it: temporary paths shortened to their last two parts."""
-    return "ttt-zoo " + " ".join(re.sub(r"^/tmp/\S*/([^/]+/[^/]+)$", r".../\1", a) for a in argv)
+    """The command as a reader types it (a ``python`` row as it is, the others ``ttt-zoo ...``): temporary paths
+    shortened to their last two parts."""
+    words = " ".join(re.sub(r"^/tmp/\S*/([^/]+/[^/]+)$", r".../\1", a) for a in argv)
+    return words if argv[:1] == ["python"] else "ttt-zoo " + words
 
 
 def main(argv=None) -> int:

@@ -8,18 +8,51 @@ one explicit opt-in to unpickling full mmengine checkpoints that hold more than 
 own ``init_dist`` calls ``torch.cuda.set_device`` and its DDP wrapper passes ``device_ids``, which only work on GPUs,
 so the process group is started here (mmengine then skips ``init_dist``) and the model is wrapped by
 ``CPUDistributedDataParallel`` (no ``device_ids``; SyncBN, which needs GPUs, reverted to per-process BN).
+
+A mistake in the command line or a package of the OpenMMLab stack missing (before ``make openmmlab``) is one
+``error:`` line, exit status 2 (``--debug``: the traceback too).
 """
+import importlib.util
 import os
 import runpy
 import sys
 
+from ttt_zoo.errors import UsageError
+
+#: what `make openmmlab` installs, by import name: why it is missing
+OPENMMLAB = {"mmengine": "mmengine 0.10.7 is not installed", "pkg_resources": "mmengine needs setuptools < 82",
+             "mmcv": "mmcv 2.1.0 is not installed", "mmdet": "mmdet 3.3.0 is not installed",
+             "mmseg": "mmsegmentation 1.2.2 is not installed"}
+
+
+def not_installed(module: str) -> UsageError:
+    why = OPENMMLAB.get(module, f"{module} is not installed")
+    return UsageError(f"no module named {module!r} ({why}; mmdet/mmseg training needs the OpenMMLab stack); run "
+                      f"`make openmmlab` (mmcv with its CPU ops, mmengine, mmdet, mmsegmentation), then this command "
+                      f"again")
+
+
+def require(*modules: str) -> None:
+    """Refuse to start, naming the first of ``modules`` that cannot be imported."""
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise not_installed(m)
+
 
 def package_tool(config: str, tool: str) -> str:
+    if not os.path.isfile(config):
+        raise UsageError(f"{config}: no such config file; give one of configs_det/*.py or configs_seg/*.py")
+    require("mmengine", "pkg_resources", "mmcv")
     from mmengine.config import Config
-    scope = Config.fromfile(config, import_custom_modules=False).get("default_scope")
+    try:
+        scope = Config.fromfile(config, import_custom_modules=False).get("default_scope")
+    except ModuleNotFoundError as e:  # a `mmdet::` / `mmseg::` base config: "mmdet is not installed, ..."
+        name = e.name or str(e).split()[0]  # mmengine names the distribution: mmsegmentation for mmseg
+        raise not_installed("mmseg" if name == "mmsegmentation" else name) from e
     if scope not in ("mmdet", "mmseg"):
         raise SystemExit(f"{config}: default_scope must be 'mmdet' or 'mmseg' (from the mmdet::/mmseg:: base "
                          f"configs), got {scope!r}.")
+    require(scope)
     pkg = __import__(scope)
     path = os.path.join(os.path.dirname(pkg.__file__), ".mim", "tools", f"{tool}.py")
     if not os.path.isfile(path):
@@ -70,16 +103,26 @@ def _setup_cpu_distributed(argv) -> list:
                    "env_cfg.dist_cfg.backend=gloo"]
 
 
-def main(tool: str) -> None:
-    argv = sys.argv[1:]
+def _prepare(tool: str, argv: list) -> str:
+    """Check the command line and the OpenMMLab stack; the path of the toolbox's own ``tools/{tool}.py``."""
     if not argv or argv[0].startswith("-"):
         raise SystemExit(f"usage: tools/mm_{tool}.py CONFIG [args of mmdet/mmseg tools/{tool}.py] "
-                         f"[--trust-checkpoint]")
+                         f"[--trust-checkpoint]; give a config, e.g. configs_det/mask-rcnn_hvit3-t_fpn_1x_coco.py")
+    path = package_tool(argv[0], tool)
     if "--trust-checkpoint" in argv:
         argv.remove("--trust-checkpoint")
         from ttt_zoo.adapters import allow_unsafe_checkpoints
         allow_unsafe_checkpoints()
-    path = package_tool(argv[0], tool)
+    return path
+
+
+def main(tool: str) -> None:
+    from ttt_zoo.cli._common import run_command
+    argv = [a for a in sys.argv[1:] if a != "--debug"]
+    # a mistake or a missing package: one `error:` line, exit status 2 (UserExit), no traceback (--debug: with it)
+    path = run_command(_prepare, tool, argv, debug=len(argv) < len(sys.argv) - 1)
+    if isinstance(path, int):  # Ctrl-C while preparing: its exit status
+        sys.exit(path)
     cpu_distributed = False
     if _launcher(argv) == "pytorch":
         import torch

@@ -2,7 +2,8 @@
 of the package.  Each is a user error that ``ttt-zoo`` prints as one ``error:`` line (exit status 2) and that the
 Python API raises as itself."""
 
-__all__ = ["UsageError", "FolderInUseError", "CheckpointError", "HubFolderError", "ExportError", "USER_ERRORS"]
+__all__ = ["UsageError", "FolderInUseError", "CheckpointError", "HubFolderError", "ExportError", "NoFeaturesError",
+           "USER_ERRORS"]
 
 
 class UsageError(ValueError):
@@ -25,4 +26,10 @@ class ExportError(RuntimeError):
     """The model cannot be exported as asked."""
 
 
-USER_ERRORS = (UsageError, CheckpointError, HubFolderError, ExportError)  # printed as their message alone
+class NoFeaturesError(RuntimeError):
+    """``features_only=True`` for a model without feature maps: a RuntimeError, as timm raises for its models
+    without a feature path."""
+
+
+# printed as their message alone
+USER_ERRORS = (UsageError, CheckpointError, HubFolderError, ExportError, NoFeaturesError)

@@ -116,6 +116,40 @@ def _command_args(e: BaseException, args: Iterable[Any] = ()) -> Optional[argpar
     return None
 
 
+def _hub_message(e: BaseException, args: Optional[argparse.Namespace]) -> Optional[str]:
+    """A model the Hugging Face Hub could not give (offline without a cached copy, no network, no such repo: the
+    OSErrors of huggingface_hub, raised under timm): :func:`ttt_zoo.checkpoint.hub_unavailable_error`'s message,
+    naming the repo of the ``hf-hub:`` name given (else the hub id of the ``--model``'s pretrained weights)."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    hub = next((x for x in chain if isinstance(x, OSError) and type(x).__module__.split(".")[0] == "huggingface_hub"),
+               None)
+    if hub is None:
+        return None
+    spaces, tb = [args], chain[0].__traceback__
+    while tb is not None:  # `ttt-zoo train` parses its own flags below the command's: every Namespace on the way
+        spaces.append(tb.tb_frame.f_locals.get("args"))
+        tb = tb.tb_next
+    given = []
+    for ns in spaces:
+        for flag in ("model", "checkpoint", "initial_checkpoint"):
+            value = getattr(ns, flag, None) if isinstance(ns, argparse.Namespace) else None
+            given += value if isinstance(value, list) else [value]
+    given = [v for v in given if isinstance(v, str) and v]
+    repo = next((v[len("hf-hub:"):].split("@")[0] for v in given if v.startswith("hf-hub:")), None)
+    if repo is None and given:  # a registered name's pretrained weights
+        import timm
+        try:
+            repo = getattr(timm.models.get_pretrained_cfg(given[0]), "hf_hub_id", None)
+        except Exception:  # noqa: BLE001 - not a registered name: the repo stays unnamed
+            repo = None
+    from ttt_zoo.checkpoint import hub_unavailable_error
+    return str(hub_unavailable_error(repo or "(unknown)", "the model", hub))
+
+
 def error_line(e: BaseException, args: Optional[argparse.Namespace] = None) -> Optional[str]:
     """The one-line message of a user error, or None for a crash (a bug: keep the traceback). ``args``: the
     command's arguments, for a failed allocation's line (the --img-size / -b that fit)."""
@@ -129,6 +163,8 @@ def error_line(e: BaseException, args: Optional[argparse.Namespace] = None) -> O
         msg = e.code
     elif isinstance(e, USER_ERRORS):
         msg = str(e)
+    elif (hub := _hub_message(e, args)) is not None:  # before OSError: huggingface_hub's errors are OSErrors
+        msg = hub
     elif isinstance(e, OSError) and e.filename is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
         msg = f"{e.filename}: no space left on its disk ({e.strerror}); free some space, then run the command again"
     elif isinstance(e, OSError) and e.filename is not None:

@@ -11,6 +11,7 @@ from typing import Any, Dict
 from timm.models import generate_default_cfgs, register_model
 
 from .dit import DiT, create_dit, dit_args, dit_cfg
+from .dit3 import refuse_features_only
 
 __all__ = ["dit5_cfg_for", "ONE_BLOCK_KWARGS"]
 
@@ -36,6 +37,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _dit5(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:
+    refuse_features_only(f"dit5_{size}_{patch}", kwargs)
     args = dict(dit_args(size, patch), mixer="dit5_mixed", cpe=False)
     return create_dit(f"dit5_{size}_{patch}", pretrained, **dict(args, **kwargs))
 
