@@ -7,7 +7,9 @@ import sys as _sys
 # package is ttt_zoo.kernels, so the checkout's own kernels run; an installed wheel ships it as ttt_zoo/kernels.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 _src = _os.path.join(_root, "kernels")
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(_os.path.join(_src, "__init__.py")):
+# (Not when already imported: the console script parses before this file runs; see _ttt_zoo_cli.)
+if (__name__ + ".kernels" not in _sys.modules and _os.path.isfile(_os.path.join(_root, "pyproject.toml"))
+        and _os.path.isfile(_os.path.join(_src, "__init__.py"))):
     _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _os.path.join(_src, "__init__.py"),
                                          submodule_search_locations=[_src])
     _mod = _ilu.module_from_spec(_spec)
