@@ -16,6 +16,8 @@ No check runs while torch.compile traces, while a graph is exported (torch.expor
 (``backend=``, ``set_backend``, ``TTT_ZOO_BACKEND``) never runs a check.
 """
 import ast
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -135,6 +137,7 @@ def clear_verification_cache() -> None:
     _HASHES.clear()
     _RECORDS.clear()
     _LOCAL.clear()
+    _DECIDED.clear()
 
 
 # ------------------------------------------------------------------------------------------------ local check
@@ -294,7 +297,9 @@ def check_op(op: str, device: torch.device, dtype: Optional[torch.dtype] = None,
     entry = dict(check_key(op, device, dtype), passed=False, error=None, tol=TOL[dtype], case=None, ms=None)
     previous, _CHECKING[0] = _CHECKING[0], True
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        no_autocast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) \
+            else contextlib.nullcontext()
+        with torch.inference_mode(False), torch.enable_grad(), no_autocast:
             if not shapes:
                 raise ValueError(f"no check cases for op {op!r} (add them to CASES in {__file__})")
             worst = (0.0, None)
@@ -334,6 +339,7 @@ def _failure(entry: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ the cache
 _LOCAL: Dict[str, Dict[str, dict]] = {}  # cache file -> {key: entry}, read once per process
+_DECIDED: Dict[tuple, bool] = {}  # (op, device, dtype) -> verified(), once decided (versions and sources are fixed)
 
 
 def cache_path() -> Path:
@@ -352,6 +358,7 @@ def device_name(device: torch.device) -> Optional[str]:
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
 
 
+@functools.lru_cache(maxsize=None)
 def triton_version() -> Optional[str]:
     try:
         return importlib.metadata.version("triton")
@@ -370,19 +377,27 @@ def _key_text(key: dict) -> str:
     return json.dumps([key[k] for k in ("device", "torch", "triton", "op", "sha256", "dtype")])
 
 
+def _read_cache(path: Path) -> Dict[str, dict]:
+    """The cache file's entries by key (none if it is missing); ValueError if it is not a cache."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
+            raise ValueError("not a JSON list of objects")
+        return {_key_text(e): e for e in data}
+    except KeyError as e:
+        raise ValueError(f"an entry without {e}") from None
+
+
 def _cache() -> Dict[str, dict]:
     path = cache_path()
     if str(path) not in _LOCAL:
-        entries: Dict[str, dict] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-                if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
-                    raise ValueError("not a JSON list of objects")
-                entries = {_key_text(e): e for e in data}
-            except (ValueError, KeyError) as e:
-                warnings.warn(f"ignoring the kernel check cache {path} ({e}); the kernels are checked again")
-        _LOCAL[str(path)] = entries
+        try:
+            _LOCAL[str(path)] = _read_cache(path)
+        except ValueError as e:
+            warnings.warn(f"ignoring the kernel check cache {path} ({e}); the kernels are checked again")
+            _LOCAL[str(path)] = {}
     return _LOCAL[str(path)]
 
 
@@ -394,8 +409,11 @@ def cache_entry(op: str, device: torch.device, dtype: Optional[torch.dtype]) -> 
 def _store(entry: dict) -> None:
     """Add ``entry`` to the cache file (merged with what other processes wrote meanwhile; written atomically)."""
     path = cache_path()
-    _LOCAL.pop(str(path), None)
     entries = _cache()
+    try:
+        entries.update(_read_cache(path))  # what other processes wrote meanwhile
+    except (ValueError, OSError):
+        pass  # a corrupt file (warned about when read) is rewritten whole
     entries[_key_text(entry)] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,20 +432,22 @@ def checks_allowed() -> bool:
 def verified(op: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> bool:
     """``auto`` runs ``op``'s Triton kernel on ``device`` for ``dtype``: a repository record matches its sources, else
     the cached local check chose it, else (first use, outside compile and export) the check runs now."""
-    if op is None or kernel_source_hash(op) is None:
+    memo = (op, str(device), dtype)
+    if memo in _DECIDED:
+        return _DECIDED[memo]
+    if op is None or kernel_source_hash(op) is None or (not gpu_verified(op) and device_name(device) is None):
         return False
-    if gpu_verified(op):
-        return True
-    if device_name(device) is None:
-        return False
-    entry = cache_entry(op, device, dtype)
-    if entry is None and checks_allowed():
+    entry = None if gpu_verified(op) else cache_entry(op, device, dtype)
+    if not gpu_verified(op) and entry is None:
+        if not checks_allowed():
+            return False  # decided again outside compile / export
         entry = check_op(op, device, dtype)
         if not entry["passed"]:
             warnings.warn(f"ttt_zoo: the Triton kernel of {op} failed its check on {entry['device']} "
                           f"({entry['dtype']}): {_failure(entry)}; PyTorch runs instead. To report it, {REPORT_HOW}.",
                           stacklevel=2)
-    return entry is not None and entry.get("choice") == "triton"
+    _DECIDED[memo] = entry is None or entry.get("choice") == "triton"
+    return _DECIDED[memo]
 
 
 def status(op: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> dict:

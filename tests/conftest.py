@@ -6,6 +6,7 @@ _TMP_HOME = tempfile.mkdtemp(prefix="ttt_zoo_test_home_")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", os.path.join(_TMP_HOME, "hf"))
 os.environ["TORCH_HOME"] = os.path.join(_TMP_HOME, "torch")
+os.environ["TTT_ZOO_CACHE"] = os.path.join(_TMP_HOME, "ttt_zoo")  # the local kernel checks (kernels/verify.py)
 # no GPU: run Triton kernels in the interpreter (must be set before triton is first imported)
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    """Fresh caches (as in a new process), the kernels 'installed', no forced backend."""
+    """Fresh caches (as in a new process), the kernels 'installed', no forced backend; the records alone decide
+    (no local check, as off a GPU: tests/test_kernel_verify.py tests those)."""
     monkeypatch.setattr(B, "HAS_TRITON", True)
+    monkeypatch.setattr(V, "device_name", lambda device: None)
     monkeypatch.delenv(B.ENV_VAR, raising=False)
     monkeypatch.delenv(B.RECORDS_ENV, raising=False)
     B.clear_verification_cache()

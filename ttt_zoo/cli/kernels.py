@@ -18,7 +18,10 @@ def _device(name: str):
     from ._common import UsageError
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device name; use cuda, cuda:N or cpu") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu (the Triton interpreter)")
     if device.type not in ("cuda", "cpu"):
