@@ -212,3 +212,16 @@ def test_a_record_needs_every_collected_cuda_case_run_and_passed(monkeypatch):
     assert gc.passed_ops(results({ids[0]: "passed", ids[1]: "skipped"}), dry_run=True) == {op: "op; cuda"}
     assert gc.passed_ops(results(every, collected=[]), dry_run=False) == {}  # nothing known to have been collected
     assert gc.passed_ops(results(every, folder_rc=124), dry_run=False) == {}  # the op's own file cut off
+
+
+def test_gpu_check_sizes_pick_the_benchmark_sizes_and_their_latents(monkeypatch, tmp_path):
+    """``--sizes 224`` (the lease's family benchmark): the classifiers at 224 only, the DiTs at its latent 28 only."""
+    monkeypatch.delitem(sys.modules, "gpu_check", raising=False)
+    gc = _gpu_check()
+    cmds = {name: cmd for name, cmd, _ in gc._bench_cmds(gc.build_parser().parse_args(["--sizes", "224"]), tmp_path)}
+    assert sorted(cmds) == ["bench_classification", "bench_diffusion_28", "profile"], sorted(cmds)
+    sizes = cmds["bench_classification"][cmds["bench_classification"].index("--img-size") + 1:]
+    assert sizes[:2] == ["224", "--batch-tokens"]
+    assert set(gc.CLASSIFIERS) <= set(cmds["bench_classification"])
+    every = {name for name, _, _ in gc._bench_cmds(gc.build_parser().parse_args([]), tmp_path)}
+    assert every == {"bench_classification", "profile"} | {f"bench_diffusion_{n}" for n in (28, 64, 128, 256)}

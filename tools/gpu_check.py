@@ -232,10 +232,12 @@ def _bench_cmds(args, out: Path):
                 ("profile", bench + ["--profile", "--model", "vit3_tiny", "--bench", "train", "--img-size", "32"]
                  + how + ["--output", out / "profile"], env)]
     how = ["--device", "cuda", "--amp", "--amp-dtype", "bfloat16", "--num-warm-iter", "3", "--num-bench-iter", "10"]
+    sizes = args.sizes or SIZES
     cmds = [("bench_classification", bench + ["--model", *args.models, "--peers", "deit_tiny_patch16_224", "--bench",
-                                              "both", "--img-size", *map(str, SIZES), "--batch-tokens", "12544"]
+                                              "both", "--img-size", *map(str, sizes), "--batch-tokens", "12544"]
              + how + ["--output", out / "bench_classification"], env)]
-    for latent in LATENTS:  # --batch-tokens counts patch-16 tokens: the same 12544 tokens at patch 2, size by size
+    for latent in [LATENTS[SIZES.index(s)] for s in sizes]:  # --batch-tokens counts patch-16 tokens: the same
+        # 12544 tokens at patch 2, size by size
         batch = max(1, 12544 // (latent // 2) ** 2)
         cmds.append((f"bench_diffusion_{latent}", bench + [
             "--import", "gpu_check", "--model", *[WRAPPED + m for m in DIFFUSION], "--peers", WRAPPED + DIT_PEER,
@@ -244,6 +246,90 @@ def _bench_cmds(args, out: Path):
     return cmds + [("profile", bench + ["--profile", "--model", "vit3_tiny", "--peers", "deit_tiny_patch16_224",
                                         "--bench", "train", "--img-size", "224", "2048", "--batch-tokens", "12544"]
                     + how + ["--output", out / "profile"], env)]
+
+
+# ------------------------------------------------------------------------- the plan of tools/gpu_lease.sh
+GRAPH_SIZES = [224, 1024]  # its CUDA-graph step: ViT3-T and DeiT-T compiled with reduce-overhead at these sizes
+PLAN_ORDER = ["kernels_json", "verify", "bench_families", "graphs", "profile"]  # the most valuable first
+
+
+def model_families():
+    """{family: its models}: each ``ttt_zoo.models`` module that registers timm models, less the DiT baseline."""
+    import pkgutil
+    import timm
+    import ttt_zoo.models
+    ours = {m.name for m in pkgutil.iter_modules(ttt_zoo.models.__path__)} & set(timm.list_modules())
+    return {f: timm.list_models(module=f) for f in sorted(ours - {DIT_PEER.split("_")[0]})}
+
+
+def plan_problems(text: str):
+    """What is wrong with the plan ``GPU_LEASE_PLAN=1 bash tools/gpu_lease.sh`` printed (its header ``# plan
+    budget=B reserve=R setup=S second_call=C``, then a row per unit: name, step, cap s, min s, call, command);
+    [] when every command parses with its tool's parser, every op with a Triton kernel is verified, every family
+    is benchmarked, the CUDA-graph step covers GRAPH_SIZES, the steps come in PLAN_ORDER and each call's units fit
+    its budget."""
+    import contextlib
+    import io
+    import shlex
+    from ttt_zoo.cli import build_parser as cli_parser
+    from ttt_zoo.kernels import available_ops
+    lines = text.splitlines()
+    head = dict(kv.split("=") for kv in lines[0].split()[2:]) if lines and lines[0].startswith("# plan ") else {}
+    if set(head) != {"budget", "reserve", "setup", "second_call"}:
+        return ["the plan has no header '# plan budget=B reserve=R setup=S second_call=C'"]
+    budget, reserve, setup, second = (int(head[k]) for k in ("budget", "reserve", "setup", "second_call"))
+    problems, verified, benched, graph_sizes, steps, used = [], set(), set(), set(), [], {1: setup, 2: setup // 3}
+    for row in (line.split("\t") for line in lines[1:] if line.strip()):
+        if len(row) != 6:
+            problems.append(f"plan row {row!r}: not six tab-separated fields")
+            continue
+        name, step, cap, minimum, call, cmd = row
+        if step not in PLAN_ORDER:
+            problems.append(f"{name}: unknown step {step}")
+            continue
+        steps.append(step)
+        if not 0 < int(minimum) <= int(cap):
+            problems.append(f"{name}: minimum {minimum} s not within its cap {cap} s")
+        if call not in ("1", "2"):
+            problems.append(f"{name}: call {call}, not 1 or 2")
+            continue
+        used[int(call)] += int(cap)
+        argv = shlex.split(cmd)
+        gc = "tools/gpu_check.py" in argv[1:2]
+        parser = build_parser() if gc else cli_parser()
+        err = io.StringIO()
+        try:  # a ttt-zoo command: the arguments after `-m ttt_zoo` (also where a wrapper runs it)
+            with contextlib.redirect_stderr(err):
+                args = parser.parse_args(argv[2:] if gc else argv[argv.index("ttt_zoo") + 1:])
+        except ValueError:
+            problems.append(f"{name}: neither tools/gpu_check.py nor python -m ttt_zoo")
+            continue
+        except SystemExit:
+            problems.append(f"{name}: its command does not parse: {err.getvalue().strip().splitlines()[-1:]}")
+            continue
+        if gc:
+            verified |= set(args.only_ops or []) if "tests" in args.steps else set()
+            benched |= set(args.models) | set(DIFFUSION) if "bench" in args.steps else set()
+        elif args.command == "bench":
+            benched |= set(args.model)
+            if step == "graphs" and args.runtime == ["compile"] and args.torchcompile_mode == "reduce-overhead":
+                graph_sizes |= {h for h, w in args.img_size if h == w}
+    kernel_ops = {op for op, impls in available_ops().items() if impls["triton"]}
+    if kernel_ops - verified:
+        problems.append(f"no verification unit for {', '.join(sorted(kernel_ops - verified))}")
+    for family, models in model_families().items():
+        if not benched & set(models):
+            problems.append(f"no benchmark of the {family} family (one of {', '.join(models[:3])}, ...)")
+    if set(GRAPH_SIZES) - graph_sizes:
+        problems.append(f"the CUDA-graph step lacks {sorted(set(GRAPH_SIZES) - graph_sizes)} px")
+    ranks = [PLAN_ORDER.index(s) for s in steps]
+    if ranks != sorted(ranks):
+        problems.append(f"steps out of order: {' '.join(dict.fromkeys(steps))}; want {' '.join(PLAN_ORDER)}")
+    if used[1] > budget - reserve:
+        problems.append(f"call 1 needs {used[1]} s (setup included), more than its {budget} s less {reserve}")
+    if used[2] > second - reserve:
+        problems.append(f"call 2 needs {used[2]} s, more than its {second} s less {reserve}")
+    return problems
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", nargs="+", default=["tests", "bench", "profile", "records"],
                    choices=["tests", "bench", "profile", "records"])
     p.add_argument("--models", nargs="+", default=CLASSIFIERS, help="classifiers benchmarked against DeiT-T")
+    p.add_argument("--sizes", nargs="+", type=int, choices=SIZES, default=None,
+                   help="image sizes of the benchmark (default: all; the DiT latents follow them)")
     p.add_argument("--only-ops", nargs="+", default=None, help="ops whose tests run (dry run: key_instance_norm)")
     p.add_argument("--step-timeout", type=int, default=1800, help="seconds per subprocess")
     p.add_argument("--deadline", type=int, default=None,
@@ -266,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first", type=int, default=None, metavar="N",
                    help="run only the first N selected tests of each file (the lease script's CPU dry run; an "
                         "op file's from its interpreter cases, DRY_RUN_FIRST)")
+    p.add_argument("--check-plan", metavar="FILE",
+                   help="check the plan tools/gpu_lease.sh printed (GPU_LEASE_PLAN=1) and run nothing: one line per "
+                        "problem, exit 1 if any")
     p.add_argument("--test-files", nargs="+", default=None,
                    help="test file names to run (default: every file that names Triton, and the cuda file)")
     return p
@@ -281,6 +372,11 @@ def main(argv=None) -> int:
             return args.step_timeout
         return max(1, min(args.step_timeout, int(args.deadline - (time.time() - start))))
     args.timeout = timeout
+    if args.check_plan:
+        problems = plan_problems(Path(args.check_plan).read_text())
+        for line in problems:
+            print(f"plan: {line}")
+        return 1 if problems else 0
     from ttt_zoo.kernels.backend import KERNELS_DIR, TRITON_BACKEND, kernel_folder
     from ttt_zoo.kernels import available_ops
     kernel_ops = sorted(op for op, i in available_ops().items() if i[TRITON_BACKEND])
