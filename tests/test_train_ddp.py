@@ -38,7 +38,8 @@ def _torchrun_cmd():
 
 def _torchrun(*args, nproc=2, ok=True):
     cmd = [*_torchrun_cmd(), "--standalone", "--nproc_per_node", str(nproc), "-m", "ttt_zoo", "train", *args]
-    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="default")  # the workers' warnings reach stderr (none filtered away)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert (out.returncode == 0) == ok, out.stdout[-3000:] + out.stderr[-5000:]
     return out
@@ -74,6 +75,42 @@ def test_ddp_two_processes_equal_one_process(data, tmp_path):
     # only rank 0 wrote: one log, no stray files
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
     assert out.stderr.count("epoch 1: train_loss") == 1
+    # DDP's gradient buckets match the gradients' layout (lay_out_as_gradients): no warning from any worker
+    assert "train epoch 0 [1/" in out.stderr  # (the workers' stderr is here)
+    assert "bucket view strides" not in out.stderr, out.stderr[-3000:]
+
+
+def _stride_mismatches(model, x):
+    """Parameters whose gradient's strides differ from the parameter's (what DDP's reducer compares exactly)."""
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+    return sorted(k for k, p in model.named_parameters() if p.grad is not None and p.grad.stride() != p.stride())
+
+
+def test_conv_weights_laid_out_as_their_gradients():
+    """The cause of DDP's "grad strides do not match bucket view strides": the blocks' convs read the channels-last
+    view of the tokens and return their weights' gradients channels-last (depthwise (C, 1, k, k): strides
+    (k*k, 1, k, 1) against the weight's (k*k, k*k, k, 1)); lay_out_as_gradients lays those weights out so, and
+    leaves weights whose channels-last order differs (the patch embedding) alone; values and outputs unchanged."""
+    import timm
+    from ttt_zoo.train.distributed import lay_out_as_gradients
+    torch.manual_seed(0)
+    model = timm.create_model("vit3_tiny", depth=1, embed_dim=16, num_heads=2, patch_size=4, img_size=16,
+                              num_classes=10)
+    pointwise = torch.nn.Conv2d(8, 4, 1)  # (O, I, 1, 1): fed channels-last, its gradient comes channels-last too
+    x, xp = torch.randn(2, 3, 16, 16), torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    assert _stride_mismatches(model, x) == ["blocks.0.cpe.weight"]
+    assert _stride_mismatches(pointwise, xp) == ["weight"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = model(x)
+    patch = model.patch_embed.proj.weight.stride()
+    assert lay_out_as_gradients(model) == 1 and lay_out_as_gradients(pointwise) == 1
+    assert lay_out_as_gradients(model) == 0  # once is enough
+    assert _stride_mismatches(model, x) == [] and _stride_mismatches(pointwise, xp) == []
+    assert _stride_mismatches(pointwise, xp.contiguous()) == []  # whatever the input's layout
+    assert model.patch_embed.proj.weight.stride() == patch  # (16, 3, 4, 4): channels-last is another order
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), out)
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ when the output is a terminal, else plain lines (a log file, a pipe).
             progress.update(items=x.shape[0], fields=lambda: {"top1": running_top1})
 
 Lines come at the first step, every ``interval`` steps and at the last step, each with ``step/total``, the
-phase's ETA, the run's ETA (with ``later_steps``: steps of the run after this phase, at this phase's pace, plus
-``later_s`` seconds known otherwise) and the throughput (``items`` per second)::
+phase's ETA, the run's ETA (when ``later_steps`` or ``later_s`` is given: the steps of the run after this phase,
+at this phase's pace, plus ``later_s`` seconds known otherwise) and the throughput (``items`` per second)::
 
     train epoch 0 [5/22] eta 0:04 run eta 1:02 img/s 812 loss 2.1034 lr 0.001
 
@@ -47,13 +47,14 @@ class Progress:
     terminal, True / False force it."""
 
     def __init__(self, total: int, desc: str, *, interval: int = 50, delay: Optional[float] = None,
-                 unit: str = "img", later_steps: int = 0, later_s: float = 0.0,
+                 unit: str = "img", later_steps: Optional[int] = None, later_s: Optional[float] = None,
                  log: Optional[Callable[[str], None]] = None, also_log: Optional[Callable[[str], None]] = None,
                  stream: Optional[TextIO] = None,
                  enabled: bool = True, bar: Optional[bool] = None, clock: Callable[[], float] = time.monotonic):
         self.total, self.desc, self.interval, self.unit = int(total), desc, max(1, int(interval)), unit
         self.delay = DEFAULT_DELAY if delay is None else delay
-        self.later_steps, self.later_s = later_steps, later_s
+        self.has_run = later_steps is not None or later_s is not None  # a run's phase: lines show the run's ETA
+        self.later_steps, self.later_s = later_steps or 0, later_s or 0.0
         self.stream = stream if stream is not None else sys.stderr
         self.log = log if log is not None else (lambda line: print(line, file=self.stream, flush=True))
         self.also_log, self.enabled, self.clock = also_log, enabled, clock
@@ -97,7 +98,7 @@ class Progress:
 
     def line(self, fields: Dict[str, Any]) -> str:
         parts = [f"{self.desc} [{self.step}/{self.total}]", f"eta {tqdm.format_interval(self.eta() or 0)}"]
-        if self.later_steps or self.later_s:
+        if self.has_run:
             parts.append(f"run eta {tqdm.format_interval(self.run_eta() or 0)}")
         parts.append(f"{self.unit}/s {self.rate():.0f}")
         parts += [f"{k} {_format_value(v)}" for k, v in fields.items()]
@@ -120,7 +121,7 @@ class Progress:
         if self.bar is None:
             self.log(self.line(values))
         else:
-            extra = {"run_eta": tqdm.format_interval(self.run_eta() or 0)} if self.later_steps or self.later_s else {}
+            extra = {"run_eta": tqdm.format_interval(self.run_eta() or 0)} if self.has_run else {}
             self.bar.set_postfix({f"{self.unit}/s": f"{self.rate():.0f}", **extra,
                                   **{k: _format_value(v) for k, v in values.items()}})
             if self.also_log is not None:

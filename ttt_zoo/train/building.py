@@ -16,7 +16,7 @@ from ttt_zoo import run_folder
 from ttt_zoo.torchcompile import compile_model
 
 from . import run_state
-from .distributed import DistInfo, broadcast_object, init_distributed
+from .distributed import DistInfo, broadcast_object, init_distributed, lay_out_as_gradients
 from .reporting import Summary, setup_logging
 from .run_args import SAME_ON_RESUME, check_flags, flag_name, resolve_lr, usage
 
@@ -121,6 +121,8 @@ class Building:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif a.sync_bn and not has_bn:
             self.log.info("--sync-bn: the model has no BatchNorm; nothing to convert")
+        if d.distributed:
+            lay_out_as_gradients(model)  # before the EMA copy, the optimizer and DDP's buckets
         self.model = model
 
     def _build_optimizer(self) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 __all__ = ["DistInfo", "init_distributed", "destroy_distributed", "all_reduce_sum", "all_gather_object",
-           "barrier", "broadcast_object"]
+           "barrier", "broadcast_object", "lay_out_as_gradients"]
 
 
 @dataclass
@@ -92,3 +92,26 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def barrier() -> None:
     if _active():
         torch_dist.barrier()
+
+
+def lay_out_as_gradients(model: torch.nn.Module) -> int:
+    """Lay out channels-last each conv weight for which that is the same memory order as NCHW (a depthwise
+    ``(C, 1, k, k)`` or a pointwise ``(O, I, 1, 1)`` weight: only the strides of its size-1 dims differ), as its
+    gradient comes, so DDP's bucket views (made with the parameters' strides) match the gradients.  Returns how
+    many were changed.
+
+    The blocks feed their convs the channels-last view of the tokens (``ttt_zoo.layers.tokens_as_map``), so a conv
+    runs channels-last and returns its weight's gradient channels-last, e.g. strides ``(9, 1, 3, 1)`` for a
+    ``(16, 1, 3, 3)`` weight made with ``(9, 9, 3, 1)``: the same memory order, but DDP compares strides and warned
+    "grad strides do not match bucket view strides" at every start (and copied each such gradient into its bucket).
+    A channels-last weight makes the conv run channels-last whatever its input, so the two always agree."""
+    changed = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Conv2d) or w is None:
+            continue
+        laid_out = torch.empty_like(w, memory_format=torch.channels_last)
+        if laid_out.is_contiguous() and laid_out.stride() != w.stride():  # the same memory order, other strides
+            w.data = laid_out.copy_(w.detach())  # the Parameter (and what refers to it) stays
+            changed += 1
+    return changed
