@@ -1,57 +1,72 @@
 """Model cards for converted ttt-zoo checkpoints: the authors' reported numbers, citations and the card template.
 
 Every number on a card names its source: the paper / the authors' README (``PAPER_RESULTS``, copied from
-``shared/spec/official_models.md`` and the papers), or "measured by ttt-zoo" (parameters and GMACs computed by
+``shared/spec/official_models.md`` and the papers; parameters and GFLOPs from ``assets/paper_stats.json``), or "measured by ttt-zoo" (parameters and GMACs computed by
 :mod:`ttt_zoo.hub.convert` at conversion time); the card text is ``card_template.md``.  A checkpoint with no
 entry here gets a card that says so.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["PAPER_RESULTS", "CITATIONS", "paper_results", "arxiv_ids", "render_card", "parse_card",
-           "REQUIRED_CARD_KEYS"]
+__all__ = ["PAPER_RESULTS", "CITATIONS", "paper_results", "paper_counts", "load_paper_stats", "PAPER_STATS_FILE",
+           "arxiv_ids", "render_card", "parse_card", "REQUIRED_CARD_KEYS"]
 
 _VIT3 = "arXiv:2512.01643"
 _VIT3_README = "LeapLabTHU/ViTTT README"
 
+#: the papers' parameter and GFLOPs counts of each model: one table for cards, docs/models.md and `ttt-zoo list`
+PAPER_STATS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                                "paper_stats.json")
+
+
+@functools.lru_cache(maxsize=1)
+def load_paper_stats() -> Dict[str, Any]:
+    """``ttt_zoo/assets/paper_stats.json``: ``sources``, ``families`` (notes) and ``models``."""
+    with open(PAPER_STATS_FILE) as f:
+        return json.load(f)
+
+
+def paper_counts(name: str) -> Optional[Dict[str, str]]:
+    """``{"params": "6", "gflops": "1.2", "source": "ViT3 (arXiv 2512.01643) Table 7"}`` for ``model`` or
+    ``model.tag`` (millions and GFLOPs as the paper prints them), or None when no paper counts that model."""
+    table = load_paper_stats()
+    row = table["models"].get(name.split(".")[0])
+    if row is None:
+        return None
+    params, gflops, source = row
+    return {"params": params, "gflops": gflops, "source": table["sources"][source]}
+
+
+def _release(name: str, task: str, metrics: List[Tuple[str, str]], source: str) -> Dict[str, Any]:
+    """A :data:`PAPER_RESULTS` entry whose parameters and GFLOPs are the paper's, from :func:`paper_counts`."""
+    counts = paper_counts(name)
+    return dict(task=task, params=f"{counts['params']}M", flops=f"{counts['gflops']}G", metrics=metrics,
+                source=source)
+
+
 # model name -> what the authors report for the released checkpoint of that model.
 # Keys may carry a tag ('vit3_tiny.in1k'); lookups try 'model.tag' first, then 'model'.
-PAPER_RESULTS: Dict[str, Dict[str, Any]] = {
-    "vit3_tiny": dict(task="ImageNet-1k classification, 224x224", params="6M", flops="1.2G",
-                      metrics=[("ImageNet-1k val top-1 (%)", "76.5")],
-                      source=f"Table 7 of {_VIT3}; same numbers in the {_VIT3_README}"),
-    "vit3_small": dict(task="ImageNet-1k classification, 224x224", params="24M", flops="4.8G",
-                       metrics=[("ImageNet-1k val top-1 (%)", "81.6")],
-                       source=f"Table 7 of {_VIT3}; same numbers in the {_VIT3_README}"),
-    "vit3_base": dict(task="ImageNet-1k classification, 224x224", params="90M", flops="18.0G",
-                      metrics=[("ImageNet-1k val top-1 (%)", "82.6")],
-                      source=f"Table 7 of {_VIT3}; same numbers in the {_VIT3_README}"),
-    "hvit3_tiny": dict(task="ImageNet-1k classification, 224x224", params="29M", flops="4.9G",
-                       metrics=[("ImageNet-1k val top-1 (%), trained with MESA + EMA", "84.0"),
-                                ("ImageNet-1k val top-1 (%), without MESA", "83.5")],
-                       source=f"Table 5 of {_VIT3}; the released checkpoint is the MESA run ({_VIT3_README})"),
-    "hvit3_small": dict(task="ImageNet-1k classification, 224x224", params="54M", flops="8.8G",
-                        metrics=[("ImageNet-1k val top-1 (%), trained with MESA + EMA", "84.9"),
-                                 ("ImageNet-1k val top-1 (%), without MESA", "84.4")],
-                        source=f"Table 5 of {_VIT3}; the released checkpoint is the MESA run ({_VIT3_README})"),
-    "hvit3_base": dict(task="ImageNet-1k classification, 224x224", params="94M", flops="16.7G",
-                       metrics=[("ImageNet-1k val top-1 (%), trained with MESA + EMA", "85.5"),
-                                ("ImageNet-1k val top-1 (%), without MESA", "84.9")],
-                       source=f"Table 5 of {_VIT3}; the released checkpoint is the MESA run ({_VIT3_README})"),
-    # DiT3: the released checkpoints were retrained after the paper's weights were lost (dittt/README.md)
-    "dit3_b_2": dict(task="class-conditional ImageNet 256x256 generation", params="134M", flops="23.35G",
-                     metrics=[("FID-50K, released checkpoint", "39.44"), ("FID-50K, paper", "39.31")],
-                     source=f"LeapLabTHU/ViTTT dittt/README.md (released, retrained weights); Table 10 of {_VIT3}"),
-    "dit3_b_4": dict(task="class-conditional ImageNet 256x256 generation", params="134M", flops="5.88G",
-                     metrics=[("FID-50K, released checkpoint", "65.25"), ("FID-50K, paper", "65.25")],
-                     source=f"LeapLabTHU/ViTTT dittt/README.md (released, retrained weights); Table 10 of {_VIT3}"),
-    "dit3_b_8": dict(task="class-conditional ImageNet 256x256 generation", params="135M", flops="1.51G",
-                     metrics=[("FID-50K, released checkpoint", "120.82"), ("FID-50K, paper", "120.41")],
-                     source=f"LeapLabTHU/ViTTT dittt/README.md (released, retrained weights); Table 10 of {_VIT3}"),
-    # dense-prediction backbones (from the authors' mmdet / mmseg checkpoints); metrics of the whole detector
-}
+_IN1K = "ImageNet-1k classification, 224x224"
+_TOP1 = "ImageNet-1k val top-1 (%)"
+PAPER_RESULTS: Dict[str, Dict[str, Any]] = {}
+for _size, _top1 in (("tiny", "76.5"), ("small", "81.6"), ("base", "82.6")):
+    PAPER_RESULTS[f"vit3_{_size}"] = _release(f"vit3_{_size}", _IN1K, [(_TOP1, _top1)],
+                                              f"Table 7 of {_VIT3}; same numbers in the {_VIT3_README}")
+for _size, _mesa, _plain in (("tiny", "84.0", "83.5"), ("small", "84.9", "84.4"), ("base", "85.5", "84.9")):
+    PAPER_RESULTS[f"hvit3_{_size}"] = _release(
+        f"hvit3_{_size}", _IN1K, [(f"{_TOP1}, trained with MESA + EMA", _mesa), (f"{_TOP1}, without MESA", _plain)],
+        f"Table 5 of {_VIT3}; the released checkpoint is the MESA run ({_VIT3_README})")
+# DiT3: the released checkpoints were retrained after the paper's weights were lost (dittt/README.md)
+for _patch, _released, _paper in (("2", "39.44", "39.31"), ("4", "65.25", "65.25"), ("8", "120.82", "120.41")):
+    PAPER_RESULTS[f"dit3_b_{_patch}"] = _release(
+        f"dit3_b_{_patch}", "class-conditional ImageNet 256x256 generation",
+        [("FID-50K, released checkpoint", _released), ("FID-50K, paper", _paper)],
+        f"LeapLabTHU/ViTTT dittt/README.md (released, retrained weights); Table 10 of {_VIT3}")
+# dense-prediction backbones (from the authors' mmdet / mmseg checkpoints); metrics of the whole detector
 _DENSE = {  # size: (Mask R-CNN 1x box/mask AP, 3x box/mask AP, UperNet mIoU), README and Tables 8-9 of the paper
     "tiny": ("47.3 / 42.8", "48.9 / 44.0", "48.0"),
     "small": ("49.1 / 44.1", "50.5 / 45.0", "50.2"),
