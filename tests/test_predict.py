@@ -190,3 +190,18 @@ def test_bad_inputs_are_one_line(env, tmp_path, capsys):
     rc, got, err = _predict(capsys, tmp_path / "twice", *base, "--fullname")
     assert rc == 0 and sorted(got) == sorted(str(p) for p in (tmp_path / "twice" / "same.png",
                                                                tmp_path / "twice" / "x" / "same.png")), err
+
+
+def test_progress_on_stderr_past_the_delay(env, capsys, monkeypatch):
+    """Past the progress delay (set, not waited for) predict prints lines at its first and last batch (3 images,
+    -b 2) on stderr, so the JSON on stdout stays whole; under it, none."""
+    import ttt_zoo.progress
+    monkeypatch.setattr(ttt_zoo.progress, "DEFAULT_DELAY", 0.0)
+    rc, got, err = _predict(capsys, env["imgs"], *FLAGS, "--checkpoint", env["w"])
+    assert rc == 0 and list(got) == ["a.png", "b.jpg", "c.png"], err
+    lines = [line for line in err.splitlines() if line.startswith("predict [")]
+    assert [line.split(" eta ")[0] for line in lines] == ["predict [1/2]", "predict [2/2]"], err
+    assert all(" img/s " in line for line in lines)
+    monkeypatch.setattr(ttt_zoo.progress, "DEFAULT_DELAY", 1e9)
+    rc, got, err = _predict(capsys, env["imgs"], *FLAGS, "--checkpoint", env["w"])
+    assert rc == 0 and list(got) == ["a.png", "b.jpg", "c.png"] and "predict [" not in err

@@ -133,3 +133,24 @@ def test_clear_errors(folder, tmp_path):
     with pytest.raises(SystemExit, match="does not fit model"):
         main(["validate", "--data-dir", folder, "--model", MODEL, "--model-kwargs", "depth=1", "--img-size", "32",
               "-j", "0", "--checkpoint", str(tmp_path / "other.safetensors")])
+
+
+def test_progress_lines_past_the_delay_none_before(folder, tmp_path, capsys, monkeypatch):
+    """A pass longer than the progress delay prints lines to stderr (first batch, last batch: 3 batches of 4) with
+    the ETA, img/s and the running top-1; a shorter one prints none.  The delay is set, not waited for."""
+    import ttt_zoo.progress
+    ckpt = str(tmp_path / "w.safetensors")
+    save_file(_biased(1), ckpt)  # always class 1: top-1 3/10
+    argv = ["validate", "--data-dir", folder, "--model", MODEL, "--model-kwargs", "depth=1", "--img-size", "32",
+            "--crop-pct", "1.0", "-b", "4", "-j", "0", "--device", "cpu", "--checkpoint", ckpt]
+    monkeypatch.setattr(ttt_zoo.progress, "DEFAULT_DELAY", 0.0)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("validate ")]
+    assert [line.split(" eta ")[0] for line in lines] == ["validate w.safetensors [1/3]", "validate w.safetensors [3/3]"]
+    assert all(" img/s " in line for line in lines) and lines[-1].endswith(" top1 30.00"), err
+    assert "top1 30.000" in out  # the result itself stays on stdout
+    monkeypatch.setattr(ttt_zoo.progress, "DEFAULT_DELAY", 1e9)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "[1/3]" not in err and "top1 30.000" in out

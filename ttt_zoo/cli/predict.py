@@ -251,12 +251,14 @@ def _predict(model, loader, paths, args, dev, k):
     error, naming the first image."""
     import torch
     from ttt_zoo.finite import FiniteCheck
+    from ttt_zoo.progress import Progress
     from ttt_zoo.torchcompile import mark_step
     from ._common import UsageError
     indices, outputs, unreadable = [], [], {}
     finite = FiniteCheck()
     amp_dtype = torch.bfloat16 if dev.type == "cpu" else torch.float16
-    with torch.inference_mode(), torch.autocast(dev.type, dtype=amp_dtype, enabled=args.amp):
+    with torch.inference_mode(), torch.autocast(dev.type, dtype=amp_dtype, enabled=args.amp), \
+            Progress(len(loader), "predict", interval=50) as progress:  # (stderr: stdout may hold the results)
         for x, errors in loader:
             start = len(indices)
             unreadable.update({paths[start + j]: e for j, e in enumerate(errors) if e})
@@ -272,6 +274,7 @@ def _predict(model, loader, paths, args, dev, k):
             val, idx = out.topk(k, dim=-1)
             indices += idx.cpu().tolist()
             outputs += val.cpu().tolist()
+            progress.update(items=len(errors))
     if unreadable and not args.skip_bad:
         raise UsageError(f"cannot read {len(unreadable)} of {len(paths)} image(s): "
                          + ", ".join(f"{p} ({why})" for p, why in unreadable.items())

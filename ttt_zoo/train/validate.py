@@ -196,9 +196,11 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
         top1 = topk = 0.0
         count = 0
         from ttt_zoo.finite import FiniteCheck
+        from ttt_zoo.progress import Progress
         finite = FiniteCheck(f"the output of {model_name} ({path or 'pretrained weights'})")
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16 if dev.type == "cpu" else torch.float16,
-                                             enabled=amp):
+                                             enabled=amp), \
+                Progress(len(loader), f"validate {os.path.basename(path) or 'pretrained'}", interval=50) as progress:
             for x, y in loader:
                 x, y = x.to(dev), y.to(dev)
                 mark_step(torchcompile is not None)
@@ -214,6 +216,7 @@ def validate(model_name: str, data_dir: str, checkpoint: str = "", pretrained: b
                 top1 += a1.item() * x.shape[0]
                 topk += ak.item() * x.shape[0]
                 count += x.shape[0]
+                progress.update(items=x.shape[0], fields=lambda: {"top1": f"{top1 / count:.2f}"})
         finite.check()  # a NaN output is no top-1 (argmax of NaN picks a class)
         top1, topk = top1 / count, topk / count
         rows.append(dict(model=model_name, top1=round(top1, 4), top1_err=round(100 - top1, 4), top5=round(topk, 4),
