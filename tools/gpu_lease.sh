@@ -394,9 +394,16 @@ else
   HOW=(--backend triton --device cuda --amp --amp-dtype bfloat16 --num-warm-iter 3 --num-bench-iter 10
        --batch-tokens 12544)
 fi
+# the records: the dry run's in the work folder; the GPU run's in the cache, which a second call on the warm machine
+# keeps (the device tool copies the checkout's kernels/gpu_verified.json anew each call), copied into the work folder
 RECORDS=(--records "$R/gpu_verified.json")
-[ "$DRY" = 1 ] || RECORDS=()  # the GPU run updates kernels/gpu_verified.json; copied into the work folder
-copy_records() { [ "$DRY" = 1 ] || cp kernels/gpu_verified.json "$R/gpu_verified.json"; }
+if [ "$DRY" != 1 ]; then
+  RECORDS=(--records "$CACHE/gpu_verified.json")
+  if [ "$MODE" != plan ] && ! { [ "$MODE" = resume ] && [ -f "$CACHE/gpu_verified.json" ]; }; then
+    cp kernels/gpu_verified.json "$CACHE/gpu_verified.json"  # a fresh start: the checkout's records
+  fi
+fi
+copy_records() { [ "$DRY" = 1 ] || cp "$CACHE/gpu_verified.json" "$R/gpu_verified.json"; }
 
 step_kernels_json() {
   step kernels_json
@@ -429,7 +436,12 @@ EOF
 step_verify() {  # each kernel folder: its tests on CUDA (the dry run: the interpreter), then its ops' records
   step verify
   local folders line folder
-  folders=$(kernel_folders) || { log "verify: the op registry cannot be read"; FAILED=1; return; }
+  folders=$(kernel_folders) || {
+    log "verify: the op registry cannot be read: $(kernel_folders 2>&1 | tail -n 1)"
+    echo "| verify | failed: the op registry cannot be read | 0 | |" >>"$R/summary.md"
+    FAILED=1
+    return
+  }
   while read -r folder ops; do
     # shellcheck disable=SC2086
     AFTER_UNIT=copy_records unit "verify_$folder" "${VERIFY_CAPS[$folder]:-$DEFAULT_VERIFY_CAP}" 20 \
