@@ -35,17 +35,20 @@ def kernel_report(device_name: str = "auto", verify: bool = False, dtypes=("floa
     import torch
     from ttt_zoo.kernels import available_ops
     from ttt_zoo.kernels import verify as V
+    from ttt_zoo.kernels.backend import triton_unsupported
     device = _device(device_name)
     rows: List[Dict] = []
     for op, paths in available_ops().items():
         for dt in dtypes:
             dtype = getattr(torch, dt)
             row = dict(op=op, dtype=dt, paths=[p for p, has in paths.items() if has])
-            if verify and paths["triton"]:
-                from ttt_zoo.kernels.backend import triton_unsupported
-                if triton_unsupported(device, dtype, None, op) is None:
-                    entry = V.check_op(op, device, dtype)
-                    row["check"] = {k: entry[k] for k in ("passed", "error", "tol", "case", "ms", "choice", "why")}
+            entry = None
+            if verify and paths["triton"] and triton_unsupported(device, dtype, None, op) is None:
+                entry = V.check_op(op, device, dtype)
+            elif paths["triton"] and V.device_name(device) is not None:
+                entry = V.cache_entry(op, device, dtype)  # an earlier check on this machine, or None
+            if entry is not None:
+                row["check"] = {k: entry[k] for k in ("passed", "error", "tol", "case", "ms", "choice", "why")}
             row.update(V.status(op, device, dtype))
             if not row.get("check", {"passed": True})["passed"]:
                 row["why"] += f"; {row['check']['why']}"
