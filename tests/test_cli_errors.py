@@ -472,7 +472,7 @@ def test_channels_last_inputs_work_in_every_family():
 HUB_MODEL = "hf-hub:ttt-zoo/vit3_tiny.in1k"  # never in the test's empty cache; the hub is offline (conftest)
 HUB_PHRASES = ("from the Hugging Face Hub repo 'ttt-zoo/vit3_tiny.in1k'", "offline mode is on (HF_HUB_OFFLINE=1)",
                "not in the Hugging Face cache", "Download it once online (unset HF_HUB_OFFLINE)", "'local-dir:PATH'")
-_NOT_OURS = "the command catches the Hub's FileNotFoundError itself (its own file, another helper's): not mapped yet"
+_NOT_OURS = "prints the Hub's own FileNotFoundError message: it catches FileNotFoundError before the boundary"
 HUB = [
     ("validate --model hf-hub offline", lambda e: ["validate", "--model", HUB_MODEL, "--data-dir", e["data"],
                                                    "--pretrained", "-j", "0"]),
@@ -498,11 +498,11 @@ def test_bad_invocation_hub_offline(env, hf_cache, capsys, name, argv):
     cache, and the two ways out, in every command (the line of ``ttt_zoo.checkpoint.hub_unavailable_error``)."""
     before = sorted(os.listdir(env["out"]))
     rc, err = cli(capsys, *argv(env))
+    _record(name, argv(env), rc, (err.strip().splitlines() or [""])[-1], err)  # the xfail rows too: what they print
     line = _check_one_line(rc, err, HUB_PHRASES[0], fix=False)  # "<what>. <how to fix>": the shared message
     assert all(p in line for p in HUB_PHRASES), line
     assert hf_cache in line, line
     assert [ln for ln in err.splitlines() if "error" in ln.lower()] == [line]
-    _record(name, argv(env), rc, line, err)
     assert sorted(os.listdir(env["out"])) == before
 
 
@@ -654,3 +654,16 @@ def test_bad_invocation_mm_train_script_without_openmmlab():
     line = _check_one_line(proc.returncode, proc.stderr, "no module named 'mmengine'")
     assert proc.stderr.strip() == line and "run `make openmmlab`" in line and proc.stdout == "", proc.stderr
     _record("mm_train script, no OpenMMLab", ["python", "tools/mm_train.py", DET], proc.returncode, line, proc.stderr)
+
+
+@pytest.mark.parametrize("toolbox", ["mmdet", "mmseg"])
+def test_adapter_entry_without_its_toolbox_says_make_openmmlab(monkeypatch, toolbox):
+    """``custom_imports=['ttt_zoo.adapters.mmdet']`` (or a plain import) without the toolbox: Python's
+    ModuleNotFoundError, its message naming the toolbox and ``make openmmlab``."""
+    import importlib
+    import sys
+    monkeypatch.setitem(sys.modules, toolbox, None)
+    monkeypatch.delitem(sys.modules, f"ttt_zoo.adapters.{toolbox}", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=rf"no module named '{toolbox}' \(.*run `make openmmlab`") as info:
+        importlib.import_module(f"ttt_zoo.adapters.{toolbox}")
+    assert info.value.name == toolbox

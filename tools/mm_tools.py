@@ -17,19 +17,12 @@ import os
 import runpy
 import sys
 
+from ttt_zoo.adapters._mm import openmmlab_missing
 from ttt_zoo.errors import UsageError
-
-#: what `make openmmlab` installs, by import name: why it is missing
-OPENMMLAB = {"mmengine": "mmengine 0.10.7 is not installed", "pkg_resources": "mmengine needs setuptools < 82",
-             "mmcv": "mmcv 2.1.0 is not installed", "mmdet": "mmdet 3.3.0 is not installed",
-             "mmseg": "mmsegmentation 1.2.2 is not installed"}
 
 
 def not_installed(module: str) -> UsageError:
-    why = OPENMMLAB.get(module, f"{module} is not installed")
-    return UsageError(f"no module named {module!r} ({why}; mmdet/mmseg training needs the OpenMMLab stack); run "
-                      f"`make openmmlab` (mmcv with its CPU ops, mmengine, mmdet, mmsegmentation), then this command "
-                      f"again")
+    return UsageError(openmmlab_missing(module))
 
 
 def require(*modules: str) -> None:

@@ -20,10 +20,33 @@ from ttt_zoo.checkpoint import CheckpointError, safe_torch_load
 
 from .dense import HViT3Dense, TimmDense
 
-__all__ = ["install", "register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals"]
+__all__ = ["install", "register", "install_safe_loader", "allow_unsafe_checkpoints", "mmengine_safe_globals",
+           "OPENMMLAB", "openmmlab_missing", "toolbox_models"]
 
 BACKBONES = {"TTTHViT3": HViT3Dense, "TTTTimm": TimmDense}
 _UNSAFE = {"on": False}
+
+#: what `make openmmlab` installs, by import name: why it is missing
+OPENMMLAB = {"mmengine": "mmengine 0.10.7 is not installed", "pkg_resources": "mmengine needs setuptools < 82",
+             "mmcv": "mmcv 2.1.0 is not installed", "mmdet": "mmdet 3.3.0 is not installed",
+             "mmseg": "mmsegmentation 1.2.2 is not installed"}
+
+
+def openmmlab_missing(module: str) -> str:
+    """The message for a module of the OpenMMLab stack that cannot be imported: which, and ``make openmmlab``."""
+    why = OPENMMLAB.get(module, f"{module} is not installed")
+    return (f"no module named {module!r} ({why}; mmdet/mmseg training needs the OpenMMLab stack); run "
+            f"`make openmmlab` (mmcv with its CPU ops, mmengine, mmdet, mmsegmentation), then this command again")
+
+
+def toolbox_models(toolbox: str):
+    """The ``MODELS`` registry of ``toolbox`` ('mmdet' / 'mmseg'); not installed: a ModuleNotFoundError that says
+    ``make openmmlab``."""
+    try:
+        return importlib.import_module(f"{toolbox}.registry").MODELS
+    except ModuleNotFoundError as e:
+        top = (e.name or toolbox).split(".")[0]
+        raise ModuleNotFoundError(openmmlab_missing(top), name=top) from e
 
 
 def register(registry) -> None:

@@ -3,8 +3,6 @@
 Registers ``TTTHViT3`` and ``TTTTimm`` in mmdet's ``MODELS`` registry (and mmseg's, when installed), and makes
 mmengine load checkpoints with ``weights_only=True`` (see ``ttt_zoo.adapters._mm``).
 """
-from mmdet.registry import MODELS
+from ._mm import install, toolbox_models
 
-from ._mm import install
-
-install(MODELS, also="mmseg")
+install(toolbox_models("mmdet"), also="mmseg")

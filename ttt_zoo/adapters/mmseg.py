@@ -3,8 +3,6 @@
 Registers ``TTTHViT3`` and ``TTTTimm`` in mmseg's ``MODELS`` registry (and mmdet's, when installed), and makes
 mmengine load checkpoints with ``weights_only=True`` (see ``ttt_zoo.adapters._mm``).
 """
-from mmseg.registry import MODELS
+from ._mm import install, toolbox_models
 
-from ._mm import install
-
-install(MODELS, also="mmdet")
+install(toolbox_models("mmseg"), also="mmdet")
