@@ -2,6 +2,7 @@
 import csv
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -185,6 +186,8 @@ def test_train_loss_falls_then_sample_the_folder(tiny_digits, tmp_path):
     assert len(rows) == 8 and train[-1] < 0.5 * train[0] and ev[-1] < 0.6 * ev[0], (train, ev)
     assert {"eval_mse", "eval_vb", "eval_ema_loss"} <= set(rows[0])
     assert os.path.isfile(os.path.join(folder, "best_ema.safetensors"))
+    from ttt_zoo import run_folder
+    assert run_folder.read_record(folder)["class_names"] == [str(c) for c in range(10)]  # taken by name
     from ttt_zoo.cli import main
     out = tmp_path / "grid.png"
     assert main(["sample", "--checkpoint", folder, "--steps", "5", "--labels", "0", "1", "7", "--nrow", "3",
@@ -270,3 +273,44 @@ def test_initial_checkpoint_for_latents_into_a_pixel_model_says_how(digits8, tmp
     task = DiffusionTask(_args(digits8, "--initial-checkpoint", str(tmp_path / "latent.safetensors")), DistInfo())
     with pytest.raises(ValueError, match=r"x_embedder.proj.weight.*built for 3 input channels.*--vae DIR"):
         task.build_model()
+
+
+# ----- classes by name, as in classification -----
+
+def _class_folder(root, split, names, per_class=2, size=8):
+    from PIL import Image
+    for i, name in enumerate(names):
+        os.makedirs(os.path.join(root, split, name), exist_ok=True)
+        for j in range(per_class):
+            Image.new("RGB", (size, size), (30 * i, 10 * j, 0)).save(os.path.join(root, split, name, f"{j}.png"))
+
+
+def test_classes_are_taken_by_name(tmp_path):
+    # val/ holds only cat and fox: counted by position they would be labels 0 and 1; by name they are 0 and 2
+    root = str(tmp_path / "animals")
+    _class_folder(root, "train", ["cat", "dog", "fox"], per_class=8)
+    _class_folder(root, "val", ["cat", "fox"])
+    task = DiffusionTask(_args(root), DistInfo())
+    assert task.build_model().num_classes == 3 and task.class_names == ["cat", "dog", "fox"]
+    eval_loader = task.build_loaders()[1]
+    labels = sorted(int(y) for _, ys in eval_loader for y in ys)
+    assert labels == [0, 0, 2, 2]
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (lambda root: os.makedirs(os.path.join(root, "train", "empty")), "empty/ (no image files)"),
+    (lambda root: open(os.path.join(root, "train", "notes.txt"), "w").close(), "notes.txt (not a folder)"),
+    (lambda root: _class_folder(root, "val", ["wolf"]), "class folder(s) wolf are not classes of"),
+])
+def test_folders_that_would_shift_the_labels_are_refused(tmp_path, spoil, message):
+    root = str(tmp_path / "animals")
+    _class_folder(root, "train", ["cat", "dog"])
+    _class_folder(root, "val", ["cat"])
+    spoil(root)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DiffusionTask(_args(root), DistInfo()).build_model()
+
+
+def test_num_classes_below_the_data_is_refused(digits8):
+    with pytest.raises(ValueError, match="--num-classes 4, but --data-dir .* has 10 classes"):
+        DiffusionTask(_args(digits8, "--num-classes", "4"), DistInfo()).build_model()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -19,7 +19,8 @@ from .distributed import all_reduce_sum
 from .task import add_dataset_args, Task
 from ttt_zoo.flags import Range
 
-__all__ = ["ClassificationTask", "build_classifier", "scan_folder", "class_folders", "check_known_classes"]
+__all__ = ["ClassificationTask", "ImageFolderTask", "build_classifier", "scan_folder", "class_folders",
+           "check_known_classes", "folder_classes"]
 
 _logger = logging.getLogger("ttt_zoo.train")
 
@@ -227,16 +228,112 @@ def _dataset_class_names(ds) -> Optional[List[str]]:
     return None
 
 
-class ClassificationTask(Task):
+def folder_classes(data_dir: str, train_split: str, eval_split: Optional[str] = None) -> List[str]:
+    """The classes of the image folder ``data_dir`` by name, in timm's label order: the class folders of its
+    ``train_split`` (checked by :func:`class_folders`: empty folders and stray files refused); those of an
+    ``eval_split`` must be among them (a subset is fine)."""
+    from timm.data.dataset_factory import _search_split
+    root = _search_split(data_dir, train_split)
+    if not _has_split(data_dir, train_split) and scan_folder(root).nested:
+        raise ValueError(f"--data-dir {data_dir} has no {train_split!r} folder, and its subfolders hold folders of "
+                         f"images (splits?); give --train-split NAME, a folder of class folders")
+    names = class_folders(root)
+    if eval_split:
+        if not _has_split(data_dir, eval_split):
+            raise ValueError(f"--data-dir {data_dir} has no {eval_split!r} (or 'val') folder to evaluate on; give "
+                             f"--val-split NAME of a folder of class folders, or --val-split '' (no evaluation)")
+        eval_root = _search_split(data_dir, eval_split)
+        check_known_classes(eval_root, class_folders(eval_root, strict=False), names, f"the training split {root}")
+    return names
+
+
+class ImageFolderTask(Task):
+    """What the classification and diffusion tasks share: the data-set and ``--linearize-from`` flags, the data
+    check, an image folder's classes taken by name (:attr:`class_names`, recorded in run.json), the number of
+    classes and the loaders.  Subclasses set the flag texts and define ``_datasets()``."""
+    data_group = "data"  # title of the task's data flags
+    #: for the --linearize-from help: (the family it makes, the models it takes, the default --ttt-lr-scale)
+    linearize_help = ("T5", "softmax ViT/DeiT", "the paper's 20x")
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group(cls.data_group)
+        add_dataset_args(g)
+        cls.add_data_args(g)
+        family, source, default = cls.linearize_help
+        g = parser.add_argument_group(f"linearize ({family})")
+        g.add_argument("--linearize-from", default="", metavar="MODEL",
+                       help=f"{source} to linearize into {family} before training (needs --pretrained or "
+                            "--initial-checkpoint)")
+        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
+                       help=f"lr multiplier (lr_scale) of the new TTT parameters (default: {default})")
+
+    @staticmethod
+    def add_data_args(group) -> None:
+        """The task's own data flags (beside --dataset / --train-split / --val-split)."""
+
+    def __init__(self, args, dist):
+        super().__init__(args, dist)
+        self.new_param_names: List[str] = []
+        self.class_names: Optional[List[str]] = None  # the training classes in label order (set with the data)
+        self._train_ds = self._eval_ds = None
+
+    def _datasets(self):
+        """Must: ``(train_dataset, eval_dataset_or_None)``, built once."""
+        raise NotImplementedError
+
+    def _require_data(self) -> None:
+        if not self.args.data_dir and not self.args.dataset:
+            raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
+                             "or --dataset NAME.")
+
+    def _class_map(self, eval_split: Optional[str]) -> Optional[Dict[str, int]]:
+        """timm's ``class_map`` of an image folder's classes by name (sets :attr:`class_names`; see
+        :func:`folder_classes`); None with --dataset (timm's own labels)."""
+        a = self.args
+        if a.dataset:
+            return None
+        self.class_names = folder_classes(a.data_dir, a.train_split, eval_split)
+        return {n: i for i, n in enumerate(self.class_names)}
+
+    def _checked_num_classes(self) -> Optional[int]:
+        """--num-classes, else the training data's number of classes; fewer than the data has is refused."""
+        a = self.args
+        found = _num_classes(self._datasets()[0]) if (a.data_dir or a.dataset) else None
+        if a.num_classes is None:
+            return found
+        if found is not None and a.num_classes < found:
+            raise ValueError(f"--num-classes {a.num_classes}, but --data-dir {a.data_dir} has {found} classes; "
+                             f"give --num-classes {found} or leave it out")
+        return a.num_classes
+
+    def _loaders(self, train_ds, eval_ds, eval_ids: Optional[Sequence[int]] = None
+                 ) -> Tuple[DataLoader, Optional[DataLoader]]:
+        """The train loader (one permutation per epoch from (--seed, epoch), split over ranks: the same samples for
+        any world size) and, with ``eval_ds``, this rank's disjoint share of ``eval_ids`` (default: all)."""
+        a, d = self.args, self.dist
+        sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
+        common = dict(num_workers=a.workers, pin_memory=a.pin_mem and d.device.type == "cuda")
+        train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler, drop_last=True, **common)
+        if len(train) == 0:
+            raise ValueError(f"The training set has {len(train_ds)} images, fewer than --batch-size "
+                             f"{a.batch_size} x {d.world_size} processes: lower -b.")
+        if eval_ds is None:
+            return train, None
+        ids = range(len(eval_ds)) if eval_ids is None else eval_ids
+        part = Subset(eval_ds, list(ids)[d.rank::d.world_size])  # disjoint, no padding duplicates
+        return train, DataLoader(part, batch_size=a.validation_batch_size or a.batch_size, shuffle=False, **common)
+
+
+class ClassificationTask(ImageFolderTask):
     name = "classification"
     eval_metric = "top1"
     eval_mode = "max"
+    data_group = "classification data and augmentation (timm)"
 
     @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
+    def add_data_args(g) -> None:
         from ttt_zoo import flags
-        g = parser.add_argument_group("classification data and augmentation (timm)")
-        add_dataset_args(g)
         g.add_argument("--crop-pct", type=flags.CROP_PCT, default=None)
         g.add_argument("--interpolation", default="", help="eval resize interpolation")
         g.add_argument("--mean", type=flags.MEAN, nargs="+", default=None)
@@ -262,18 +359,9 @@ class ClassificationTask(Task):
         g.add_argument("--no-eval", action="store_true",
                        help="no evaluation: no best checkpoint is picked (last.* only); for data without a "
                             "validation split, or give --val-split FRACTION")
-        g = parser.add_argument_group("linearize (T5)")
-        g.add_argument("--linearize-from", default="", metavar="MODEL",
-                       help="softmax ViT/DeiT to linearize into T5 before training (needs --pretrained or "
-                            "--initial-checkpoint)")
-        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
-                       help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 20x)")
 
     def __init__(self, args, dist):
         super().__init__(args, dist)
-        self.new_param_names: List[str] = []
-        self.class_names: Optional[List[str]] = None  # the training classes in label order (set with the data)
-        self._train_ds = self._eval_ds = None
         self.mixup_fn = None
         self.data_config: Dict[str, Any] = {}
 
@@ -284,9 +372,7 @@ class ClassificationTask(Task):
         if self._train_ds is None:
             from timm.data import create_dataset
             a = self.args
-            if not a.data_dir and not a.dataset:
-                raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
-                                 "or --dataset NAME.")
+            self._require_data()
             if not a.dataset and not os.path.isdir(a.data_dir):
                 raise ValueError(f"--data-dir {a.data_dir!r} is not a folder; give an image folder with train/ and "
                                  f"val/ class folders (e.g. `ttt-zoo data digits`)")
@@ -295,16 +381,8 @@ class ClassificationTask(Task):
                 raise ValueError(f"--data-dir {a.data_dir} has no {a.val_split!r} (or 'val') folder, so a best "
                                  f"checkpoint would be picked on the training images; give --val-split 0.1 (a "
                                  f"seeded fraction of the training images held out) or --no-eval")
-            class_map = None
-            if not a.dataset:  # an image folder: its class folders, checked, number the classes by name
-                from timm.data.dataset_factory import _search_split
-                root = _search_split(a.data_dir, a.train_split)
-                if not _has_split(a.data_dir, a.train_split) and scan_folder(root).nested:
-                    raise ValueError(f"--data-dir {a.data_dir} has no {a.train_split!r} folder, and its subfolders "
-                                     f"hold folders of images (splits?); give --train-split NAME, a folder of class "
-                                     f"folders")
-                self.class_names = class_folders(root)
-                class_map = {n: i for i, n in enumerate(self.class_names)}
+            # labelled by name: the eval split's classes may be a subset (not with a held-out fraction)
+            class_map = self._class_map(a.val_split if eval_on and self.val_fraction is None else None)
             self._train_ds = create_dataset(a.dataset, root=a.data_dir, split=a.train_split, is_training=True,
                                             batch_size=a.batch_size, seed=a.seed, class_map=class_map)
             if a.dataset:
@@ -315,11 +393,6 @@ class ClassificationTask(Task):
                                  f"at least 2 class folders (top-1 of one class is always 100)")
             if eval_on:
                 split = a.train_split if self.val_fraction is not None else a.val_split
-                if class_map and self.val_fraction is None:  # labelled by name: a subset of the classes is fine
-                    from timm.data.dataset_factory import _search_split
-                    root = _search_split(a.data_dir, split)
-                    check_known_classes(root, class_folders(root, strict=False), self.class_names,
-                                        f"the training split {_search_split(a.data_dir, a.train_split)}")
                 self._eval_ds = create_dataset(a.dataset, root=a.data_dir, split=split, is_training=False,
                                                batch_size=a.validation_batch_size or a.batch_size,
                                                class_map=class_map)
@@ -346,15 +419,7 @@ class ClassificationTask(Task):
 
     def build_model(self) -> nn.Module:
         a = self.args
-        num_classes = a.num_classes
-        if a.data_dir or a.dataset:
-            found = _num_classes(self._datasets()[0])
-            if num_classes is None:
-                num_classes = found
-            elif found is not None and num_classes < found:
-                raise ValueError(f"--num-classes {num_classes}, but --data-dir {a.data_dir} has {found} classes; "
-                                 f"give --num-classes {found} or leave it out")
-        model, self.new_param_names = build_classifier(a, num_classes)
+        model, self.new_param_names = build_classifier(a, self._checked_num_classes())
         self._model_for_config = model
         if self.new_param_names:
             _logger.info(f"linearized {a.linearize_from} into {type(model).__name__}: "
@@ -369,7 +434,7 @@ class ClassificationTask(Task):
     def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
         from timm.data import Mixup, create_transform, resolve_data_config
         from .augment import create_train_transform
-        a, d = self.args, self.dist
+        a = self.args
         train_ds, eval_ds = self._datasets()
         base_train = train_ds
         self.data_config = cfg = resolve_data_config(vars(a), model=self._model_for_config)
@@ -378,18 +443,12 @@ class ClassificationTask(Task):
             cfg["input_size"], no_aug=a.no_aug, scale=a.scale, ratio=a.ratio, hflip=a.hflip,
             vflip=a.vflip, color_jitter=a.color_jitter, auto_augment=a.aa, interpolation=a.train_interpolation,
             mean=cfg["mean"], std=cfg["std"], re_prob=a.reprob, re_mode=a.remode, re_count=a.recount)
+        held = None
         if eval_ds is not None and self.val_fraction is not None:  # disjoint subsets of the one training split
             keep, held = self._holdout(len(base_train))
             train_ds = Subset(base_train, keep)
             _logger.info(f"--val-split {a.val_split}: {len(held)} of {len(base_train)} training images held out "
                          f"for evaluation (seed {a.seed})")
-        # one permutation per epoch from (seed, epoch), split over ranks: same samples for any world size
-        sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
-        common = dict(num_workers=a.workers, pin_memory=a.pin_mem and d.device.type == "cuda")
-        train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler, drop_last=True, **common)
-        if len(train) == 0:
-            raise ValueError(f"The training set has {len(train_ds)} images, fewer than --batch-size "
-                             f"{a.batch_size} x {d.world_size} processes: lower -b.")
         mix = a.mixup > 0 or a.cutmix > 0 or a.cutmix_minmax is not None
         num_classes = self._model_for_config.num_classes
         if mix:
@@ -403,15 +462,11 @@ class ClassificationTask(Task):
             self.loss_fn = LabelSmoothingCrossEntropy(smoothing=a.smoothing)
         else:
             self.loss_fn = nn.CrossEntropyLoss()
-        evaluate = None
         if eval_ds is not None:
             eval_ds.transform = create_transform(cfg["input_size"], is_training=False,
                                                  interpolation=cfg["interpolation"], mean=cfg["mean"],
                                                  std=cfg["std"], crop_pct=cfg["crop_pct"])
-            ids = self._holdout(len(base_train))[1] if self.val_fraction is not None else range(len(eval_ds))
-            part = Subset(eval_ds, list(ids)[d.rank::d.world_size])  # disjoint, no padding duplicates
-            evaluate = DataLoader(part, batch_size=a.validation_batch_size or a.batch_size, shuffle=False, **common)
-        return train, evaluate
+        return self._loaders(train_ds, eval_ds, held)
 
     # ----- steps -----
     def train_step(self, model: nn.Module, batch: Any) -> Tuple[torch.Tensor, Dict[str, float]]:

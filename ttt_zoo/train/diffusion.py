@@ -7,11 +7,13 @@ that trains the learned-range variance with the mean detached (KL to the true po
 discretized-Gaussian decoder NLL at t = 0, computed with the exact normal CDF).  Labels are dropped to the null class
 with the model's ``class_dropout_prob`` inside its ``y_embedder``, as in DiT, for classifier-free guidance.
 
-Data: ``--data-dir`` with ``train/`` and ``val/`` class folders (timm's folder reader).  Pixel space by default
-(``in_chans=3``, the model's ``input_size`` = ``--img-size``, images scaled to [-1, 1]); ``--vae DIR`` trains on the
-latents of a local diffusers ``AutoencoderKL`` (``input_size = img_size / 2**(levels - 1)``, ``scaling_factor``
-and ``shift_factor`` from its config).  EMA: diffusers' ``EMAModel`` (decay ``--model-ema-decay``; diffusers' own
-``(1 + n) / (10 + n)`` warmup below it, whereas DiT's EMA is a constant 0.9999 from a copy of the initial weights).
+Data: ``--data-dir`` with ``train/`` and ``val/`` class folders (timm's folder reader), classes taken by name as in
+classification (empty folders and stray files refused; ``val/`` may hold a subset; ``class_names`` in run.json).
+Pixel space by default (``in_chans=3``, the model's ``input_size`` = ``--img-size``, images scaled to [-1, 1]);
+``--vae DIR`` trains on the latents of a local diffusers ``AutoencoderKL``
+(``input_size = img_size / 2**(levels - 1)``, ``scaling_factor`` and ``shift_factor`` from its config).
+EMA: diffusers' ``EMAModel`` (decay ``--model-ema-decay``; diffusers' own ``(1 + n) / (10 + n)`` warmup below it,
+whereas DiT's EMA is a constant 0.9999 from a copy of the initial weights).
 
 Randomness: timesteps, noise, VAE posterior samples and label dropout of update ``n`` on rank ``r`` come from seeds
 derived from ``(--seed, r, n)``; the counter ``n`` is :meth:`DiffusionTask.state_dict`, so a resumed run draws
@@ -30,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .classification import ImageFolderTask
 from .distributed import DistInfo, all_reduce_sum
-from .task import add_dataset_args, Task
 from ttt_zoo.flags import MAX_SEED, Range
 
 __all__ = ["DiffusionTask", "DiTDiffusion", "DiffusersEMA", "build_dit", "load_vae", "dit_model_kwargs",
@@ -224,36 +226,28 @@ def build_dit(model_name: str, linearize_from: Optional[str] = None, pretrained:
 
 # ----- the task -----
 
-class DiffusionTask(Task):
+class DiffusionTask(ImageFolderTask):
+    """An image folder's classes are taken by name, as in classification (:meth:`ImageFolderTask._class_map`)."""
     name = "diffusion"
     eval_metric = "loss"
     eval_mode = "min"
+    data_group = "diffusion data (--task diffusion)"
+    linearize_help = ("DiT5", "softmax DiT (dit_*)", "the paper's 2x, ttt_zoo.linearize.LR_SCALES['dit']")
 
     @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("diffusion data (--task diffusion)")
-        add_dataset_args(g)
+    def add_data_args(g) -> None:
         g.add_argument("--hflip", type=Range(float, ge=0, le=1), default=0.5,
                        help="horizontal flip probability of training images (DiT: 0.5; 0 for digits or text)")
         g.add_argument("--vae", default=None, metavar="DIR",
                        help="train on the latents of this local diffusers AutoencoderKL folder (default: pixels)")
         g.add_argument("--eval-seed", type=Range(int, ge=0, le=MAX_SEED), default=0,
                        help="seed of the eval loss's fixed timesteps and noise (the same every epoch)")
-        g = parser.add_argument_group("linearize (DiT5)")
-        g.add_argument("--linearize-from", default="", metavar="MODEL",
-                       help="softmax DiT (dit_*) to linearize into DiT5 before training (needs --pretrained or "
-                            "--initial-checkpoint)")
-        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
-                       help="lr multiplier (lr_scale) of the new TTT parameters (default: the paper's 2x, "
-                            "ttt_zoo.linearize.LR_SCALES['dit'])")
 
     def __init__(self, args: argparse.Namespace, dist: DistInfo):
         super().__init__(args, dist)
         self.step = 0  # train_step calls so far: the whole RNG state of the task
-        self.new_param_names: List[str] = []
         self.vae = load_vae(args.vae, dist.device) if getattr(args, "vae", None) else None
         self.diffusion: Optional[DiTDiffusion] = None
-        self._train_ds = self._eval_ds = None
 
     # --- data ---
     def _img_size(self) -> int:
@@ -273,42 +267,23 @@ class DiffusionTask(Task):
         if self._train_ds is None:
             from timm.data import create_dataset
             a = self.args
-            if not getattr(a, "data_dir", None) and not getattr(a, "dataset", ""):
-                raise ValueError("No data: give --data-dir DIR (an image folder with train/ and val/ class folders) "
-                                 "or --dataset NAME.")
-            ds = lambda split, train: create_dataset(getattr(a, "dataset", ""), root=a.data_dir,  # noqa: E731
-                                                     split=split, is_training=train, transform=self._transform(train))
-            self._train_ds = ds(getattr(a, "train_split", "train"), True)
-            val = getattr(a, "val_split", "validation")
-            self._eval_ds = ds(val, False) if val else None
+            self._require_data()
+            class_map = self._class_map(a.val_split)
+            ds = lambda split, train: create_dataset(a.dataset, root=a.data_dir, split=split,  # noqa: E731
+                                                     is_training=train, transform=self._transform(train),
+                                                     class_map=class_map)
+            self._train_ds = ds(a.train_split, True)
+            self._eval_ds = ds(a.val_split, False) if a.val_split else None
         return self._train_ds, self._eval_ds
 
     def _num_classes(self) -> int:
-        if getattr(self.args, "num_classes", None):
-            return int(self.args.num_classes)
-        reader = getattr(self._datasets()[0], "reader", None)
-        classes = getattr(reader, "class_to_idx", None)
-        if not classes:
+        n = self._checked_num_classes()
+        if not n:
             raise ValueError("Cannot tell the number of classes from the data: give --num-classes.")
-        return len(classes)
+        return n
 
     def build_loaders(self) -> Tuple[Iterable, Optional[Iterable]]:
-        from torch.utils.data import DataLoader, DistributedSampler, Subset
-        a, d = self.args, self.dist
-        train_ds, eval_ds = self._datasets()
-        # one permutation per epoch from (seed, epoch) (the Trainer calls set_epoch), split over ranks
-        sampler = DistributedSampler(train_ds, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=a.seed)
-        common = dict(num_workers=a.workers, pin_memory=bool(getattr(a, "pin_mem", False)) and d.device.type == "cuda")
-        train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler, drop_last=True, **common)
-        if len(train) == 0:
-            raise ValueError(f"The training set has {len(train_ds)} images, fewer than --batch-size "
-                             f"{a.batch_size} x {d.world_size} processes: lower -b.")
-        evaluate = None
-        if eval_ds is not None:
-            part = Subset(eval_ds, range(d.rank, len(eval_ds), d.world_size))  # disjoint, no padding duplicates
-            evaluate = DataLoader(part, batch_size=getattr(a, "validation_batch_size", None) or a.batch_size,
-                                  shuffle=False, **common)
-        return train, evaluate
+        return self._loaders(*self._datasets())
 
     # --- model ---
     def build_model(self) -> nn.Module:
