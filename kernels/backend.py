@@ -31,6 +31,7 @@ from timm.layers import is_exportable
 
 # the GPU verification (records, kernel source hashes) lives in verify.py; re-exported here
 from . import verify
+from .registry import _OPS, available_ops, register_op  # the ops' paths (below this module and verify.py)
 from .verify import (KERNELS_DIR, RECORDS_ENV, clear_verification_cache, gpu_verified, kernel_folder,
                      kernel_source_hash, kernel_sources, load_gpu_records, records_path)
 
@@ -55,17 +56,6 @@ MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_sw
 
 class BackendError(RuntimeError):
     """A forced backend cannot run this op on these inputs."""
-
-
-_OPS: Dict[str, Dict[str, Callable]] = {}
-
-
-def register_op(name: str, torch_impl: Callable, triton_impl: Optional[Callable] = None,
-                naive_impl: Optional[Callable] = None) -> None:
-    """Register an op's paths: ``torch`` (required), ``triton`` (the custom op), ``torch_naive`` (the reference)."""
-    _OPS[name] = {"torch": torch_impl, "torch_naive": naive_impl or torch_impl}
-    if triton_impl is not None:
-        _OPS[name]["triton"] = triton_impl
 
 
 _BACKEND_SET: Optional[str] = None  # set_backend's choice; None: TTT_ZOO_BACKEND or auto
@@ -162,7 +152,3 @@ def get_op(name: str, device: torch.device, backend: Optional[str] = None, dtype
         raise KeyError(f"Unknown TTT op {name!r}; registered: {sorted(_OPS)}")
     return _OPS[name][resolve_backend(backend, device, dtype, head_dim, name)]
 
-
-def available_ops() -> Dict[str, Dict[str, bool]]:
-    return {n: {"torch": True, "torch_naive": impls["torch_naive"] is not impls["torch"], "triton": "triton" in impls}
-            for n, impls in sorted(_OPS.items())}

@@ -11,8 +11,8 @@
    user's cache folder (:func:`cache_path`), keyed by device name, torch and Triton versions, the op's source hash
    and the dtype, so it runs once.  A failed check warns once and PyTorch runs.
 
-No check runs while torch.compile traces, while a graph is exported (torch.export, torch.jit) or under timm's
-``exportable`` flag: there only the records and the cache count, else PyTorch runs.  Forcing a backend
+No check runs while torch.compile traces, while a graph is exported (torch.export, torch.jit), under timm's
+``exportable`` flag or while a CUDA graph is captured: there only the records and the cache count, else PyTorch runs.  Forcing a backend
 (``backend=``, ``set_backend``, ``TTT_ZOO_BACKEND``) never runs a check.
 """
 import ast
@@ -32,16 +32,13 @@ from timm.layers import is_exportable
 
 from ttt_zoo.fileio import atomic_write
 
+from .registry import _OPS
+
 RECORDS_ENV = "TTT_ZOO_GPU_RECORDS"  # path of the GPU verification records (default: gpu_verified.json here)
 CACHE_ENV = "TTT_ZOO_CACHE"  # the user's cache folder of the local checks (default: $XDG_CACHE_HOME/ttt_zoo)
 REPORT_HOW = "please attach the output of `ttt-zoo kernels --verify --json` to an issue of ttt-zoo"
 KERNELS_DIR = Path(__file__).resolve().parent  # the installed ttt_zoo.kernels folder
 _PACKAGE = "ttt_zoo.kernels"
-
-
-def _registered_ops() -> Dict[str, dict]:
-    from .backend import _OPS  # backend imports this module: read its registry at call time
-    return _OPS
 
 
 # ------------------------------------------------------------------------------------------- GPU verification
@@ -52,7 +49,7 @@ _RECORDS: Dict[str, List[dict]] = {}      # records file -> its records, read on
 def kernel_folder(op: Optional[str]) -> Optional[str]:
     """The folder under ``kernels/`` of ``op``'s Triton kernel (from the module of its registered implementation),
     or None (unknown op, no kernel, or registered from outside this package)."""
-    impl = _registered_ops().get(op or "", {}).get("triton")
+    impl = _OPS.get(op or "", {}).get("triton")
     parts = (getattr(impl, "__module__", None) or "").split(".")
     return parts[2] if parts[:2] == _PACKAGE.split(".") and len(parts) > 2 else None
 
@@ -199,8 +196,10 @@ def _linear_attention(shape, rnd):
 
 # shapes: heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d); key norm (B, N, C);
 # scans (B, heads, N, d, mini_batch).  GPU: a long sequence (N in the thousands), odd sizes, and last the timing
-# shape (a training batch of the models' size); the interpreter (CPU): one small odd shape.
+# shape (a training batch of the models' size); the interpreter (CPU): one small odd shape.  Every head dim is within
+# the op's kernel limit (backend.MAX_HEAD_DIM; tests/test_kernel_verify.py checks).
 _HEADS = [(1, 2, 8192, 64), (1, 2, 8192, 32), (2, 3, 999, 24), (8, 6, 1024, 32)]
+_HEADS_32 = [s for s in _HEADS if s[3] <= 32]  # T5: its kernel takes head dims up to 32
 _QKV = [(1, 3, 64, 128, 64), (2, 2, 15, 13, 24), (8, 3, 28, 28, 64)]
 _SCAN = [(1, 2, 8192, 64, 16), (2, 2, 999, 32, 16), (8, 3, 1024, 64, 16)]
 CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input builder, GPU shapes, CPU shapes)
@@ -208,7 +207,7 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "vit3_dwconv_ttt": (_dwconv, [(1, 64, 96, 96), (2, 8, 33, 31), (8, 192, 28, 28)], [(1, 4, 5, 7)]),
     "vit3_qkv_ttt": (_qkv, _QKV, [(1, 2, 4, 3, 8)]),
     "vit3_variant_qkv_ttt": (_variant, _QKV, [(1, 2, 4, 3, 8)]),
-    "t5_swiglu_ttt": (_heads(3, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
+    "t5_swiglu_ttt": (_heads(3, lambda d: (d ** -0.5,)), _HEADS_32, [(1, 2, 21, 16)]),
     "dit5_mlp_ttt": (_heads(2, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
     "key_instance_norm": (_key_norm, [(1, 8192, 192), (2, 999, 72), (8, 1024, 192)], [(2, 9, 12)]),
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),
@@ -219,14 +218,8 @@ HEAD_DIM_AT = {"ttt_linear": 3, "ttt_linear_bidir": 3, "linear_attention": 3, "v
 
 
 def case_shapes(op: str, device: torch.device) -> List[tuple]:
-    """The shapes ``op`` is checked at on ``device`` (GPU or interpreter), those above its head-dim limit left out
-    (forcing the kernel there is refused); the last one is the timing shape."""
-    from .backend import MAX_HEAD_DIM
-    if op not in CASES:
-        return []
-    shapes = CASES[op][1] if device.type == "cuda" else CASES[op][2]
-    limit = MAX_HEAD_DIM.get(op)
-    return [s for s in shapes if limit is None or s[HEAD_DIM_AT.get(op, -1)] <= limit]
+    """The shapes ``op`` is checked at on ``device`` (a GPU, or the interpreter); the last one is the timing shape."""
+    return list(CASES[op][1] if device.type == "cuda" else CASES[op][2]) if op in CASES else []
 
 
 def case_inputs(op: str, shape: tuple, device: torch.device, dtype: torch.dtype, seed: int = 0) -> list:
@@ -247,10 +240,8 @@ def _first(out):
 def compare_paths(op: str, new: list, ref: list, dtype: torch.dtype) -> Tuple[float, str]:
     """The largest relative error of ``op``'s Triton path on ``new`` against its PyTorch path on ``ref`` (float32
     copies), over the output and every input gradient, and what it was measured on."""
-    from .backend import TRITON_BACKEND, get_op
-    device = _first(new).device if isinstance(_first(new), torch.Tensor) else torch.device("cpu")
-    out = _first(get_op(op, device, TRITON_BACKEND, dtype)(*new))
-    expected = _first(get_op(op, device, "torch", torch.float32)(*ref))
+    out = _first(_OPS[op]["triton"](*new))
+    expected = _first(_OPS[op]["torch"](*ref))
     if out.dtype != dtype or out.shape != expected.shape:
         raise ValueError(f"output {out.dtype} {tuple(out.shape)}, expected {dtype} {tuple(expected.shape)}")
     grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).to(expected.device)
@@ -273,8 +264,7 @@ def compare_paths(op: str, new: list, ref: list, dtype: torch.dtype) -> Tuple[fl
 def _time_ms(op: str, backend: str, inputs: list, dtype: torch.dtype) -> float:
     """Median time of a forward + backward of ``op``'s ``backend`` path (torch.utils.benchmark: CUDA-synchronised)."""
     from torch.utils.benchmark import Timer
-    from .backend import get_op
-    fn = get_op(op, inputs[0].device, backend, dtype)
+    fn = _OPS[op][backend]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step():
@@ -423,9 +413,11 @@ def _store(entry: dict) -> None:
 
 
 def checks_allowed() -> bool:
-    """Not while torch.compile traces, a graph is exported or scripted, or timm's ``exportable`` flag is set."""
+    """Not while torch.compile traces, a graph is exported or scripted, timm's ``exportable`` flag is set, or a CUDA
+    graph is being captured (a check launches and synchronises)."""
     return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-                or torch.jit.is_scripting() or is_exportable() or _CHECKING[0])
+                or torch.jit.is_scripting() or is_exportable() or _CHECKING[0]
+                or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()))
 
 
 @torch.compiler.assume_constant_result  # as gpu_verified: decided once while torch.compile traces, a constant after
@@ -448,24 +440,3 @@ def verified(op: Optional[str], device: torch.device, dtype: Optional[torch.dtyp
                           stacklevel=2)
     _DECIDED[memo] = entry is None or entry.get("choice") == "triton"
     return _DECIDED[memo]
-
-
-def status(op: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> dict:
-    """What ``auto`` runs for ``op`` on ``device`` and why (for ``ttt-zoo kernels``); runs no check."""
-    from .backend import ENV_VAR, default_backend, triton_unsupported
-    dtype = dtype or torch.float32
-    forced = default_backend()
-    if forced != "auto":
-        return dict(pick=forced, why=f"forced ({ENV_VAR} or set_backend)")
-    # off CUDA, the limits that hold anywhere (the meta device: no complaint about the CPU itself)
-    reason = triton_unsupported(device if device.type == "cuda" else torch.device("meta"), dtype, None, op)
-    if reason is not None:
-        return dict(pick="torch", why=f"limit: {reason}")
-    if device.type != "cuda":
-        return dict(pick="torch", why="not CUDA: auto runs the kernels on CUDA only")
-    if gpu_verified(op):
-        return dict(pick="triton", why="repository record (gpu_verified.json) matches the kernel sources")
-    entry = cache_entry(op, device, dtype) if device_name(device) is not None else None
-    if entry is None:
-        return dict(pick="torch until checked", why="not checked here yet: checked on first use (or --verify)")
-    return dict(pick=entry["choice"], why=entry["why"])

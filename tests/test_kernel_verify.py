@@ -61,6 +61,20 @@ def _perturb(monkeypatch, op, forward=1.0, backward=1.0):
     monkeypatch.setitem(B._OPS[op], "triton", wrong)
 
 
+def test_every_kernel_op_has_check_cases_within_its_limits():
+    assert sorted(V.CASES) == KERNEL_OPS  # a new kernel without cases fails here (and its check fails)
+    for op in KERNEL_OPS:
+        limit = B.MAX_HEAD_DIM.get(op)
+        for device in (CPU, CUDA):
+            shapes = V.case_shapes(op, device)
+            assert shapes and all(limit is None or s[V.HEAD_DIM_AT.get(op, -1)] <= limit for s in shapes), op
+    maps = {"vit3_dwconv_ttt", "vit3_qkv_ttt", "vit3_variant_qkv_ttt"}  # (.., H, W, ..): N = H W
+    for op in KERNEL_OPS:
+        tokens = [s[2] * s[3] if op in maps else s[1] if op == "key_instance_norm" else s[2]
+                  for s in V.case_shapes(op, CUDA)]
+        assert max(tokens) >= 4096 and any(n % 2 for n in tokens), (op, tokens)  # a long sequence, an odd size
+
+
 @triton_test
 def test_a_correct_kernel_passes_its_check():
     entry = V.check_op(OP, CPU)

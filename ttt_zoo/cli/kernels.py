@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Dict, List
 
-__all__ = ["add_parser", "kernel_report"]
+__all__ = ["add_parser", "auto_pick", "kernel_report"]
 
 
 
@@ -27,6 +27,28 @@ def _device(name: str):
     if device.type not in ("cuda", "cpu"):
         raise UsageError(f"--device {name}: the kernels run on cuda or cpu (interpreter); use one of those")
     return device
+
+
+def auto_pick(op: str, device, dtype) -> Dict[str, str]:
+    """What ``auto`` runs for ``op`` on ``device`` and why; runs no check."""
+    import torch
+    from ttt_zoo.kernels import verify as V
+    from ttt_zoo.kernels.backend import ENV_VAR, default_backend, triton_unsupported
+    forced = default_backend()
+    if forced != "auto":
+        return dict(pick=forced, why=f"forced ({ENV_VAR} or set_backend)")
+    # off CUDA, the limits that hold anywhere (the meta device: no complaint about the CPU itself)
+    reason = triton_unsupported(device if device.type == "cuda" else torch.device("meta"), dtype, None, op)
+    if reason is not None:
+        return dict(pick="torch", why=f"limit: {reason}")
+    if device.type != "cuda":
+        return dict(pick="torch", why="not CUDA: auto runs the kernels on CUDA only")
+    if V.gpu_verified(op):
+        return dict(pick="triton", why="repository record (gpu_verified.json) matches the kernel sources")
+    entry = V.cache_entry(op, device, dtype) if V.device_name(device) is not None else None
+    if entry is None:
+        return dict(pick="torch until checked", why="not checked here yet: checked on first use (or --verify)")
+    return dict(pick=entry["choice"], why=entry["why"])
 
 
 def kernel_report(device_name: str = "auto", verify: bool = False, dtypes=("float32",)) -> Dict:
@@ -49,7 +71,7 @@ def kernel_report(device_name: str = "auto", verify: bool = False, dtypes=("floa
                 entry = V.cache_entry(op, device, dtype)  # an earlier check on this machine, or None
             if entry is not None:
                 row["check"] = {k: entry[k] for k in ("passed", "error", "tol", "case", "ms", "choice", "why")}
-            row.update(V.status(op, device, dtype))
+            row.update(auto_pick(op, device, dtype))
             if not row.get("check", {"passed": True})["passed"]:
                 row["why"] += f"; {row['check']['why']}"
             rows.append(row)
