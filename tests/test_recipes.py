@@ -31,8 +31,8 @@ def _check_value(action: argparse.Action, value):
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         assert isinstance(value, bool), f"{action.dest}: a switch takes true/false, got {value!r}"
         return
-    from timm.utils import ParseKwargs
-    if isinstance(action, ParseKwargs):  # --model-kwargs k=v ... (the zoo's range-checked subclass): a mapping in YAML
+    from ttt_zoo.flags import ModelKwargs
+    if isinstance(action, ModelKwargs):  # --model-kwargs k=v ... (timm's ParseKwargs, range-checked): a mapping in YAML
         assert isinstance(value, dict) and all(isinstance(k, str) for k in value), f"{action.dest}: {value!r}"
         return
     if action.nargs not in (None, "?"):
