@@ -5,7 +5,7 @@ of the official ``DiT5/models.py``.  Official keys: ``w1, w2, qk_scale_ttt, qk_o
 k_conv2d``; ``qkv`` and ``proj`` have the shapes of softmax attention, so they are inherited when linearising.
 """
 
-from typing import Final, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,16 +15,15 @@ from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_as_map
-from .mixer import TTTMixer, register_mixer
+from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import dit5_form, qkv_inputs, silu_gate_features
-from .variants import VariantOptions, init_plain_step_variant
+from .t5_ttt import PlainStepTTT, dit5_form, qkv_inputs, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
 
 @register_mixer("dit5_mixed")
-class DiT5MixedAttention(VariantOptions, TTTMixer):
+class DiT5MixedAttention(PlainStepTTT):
     """out = proj(0.5 * NA(q, k, v) + 0.5 * TTT(q, k, v)).
 
     TTT path: per-channel affine on q and k (``qk_scale_ttt``/``qk_offset_ttt``, (1, 1, C, 2), [..., 0] for q),
@@ -60,10 +59,6 @@ class DiT5MixedAttention(VariantOptions, TTTMixer):
             depends on the weights (regression loss), so k steps are *not* k times one step.
     """
     inner_param_names = ("w1", "w2")
-    share_qk: Final[bool]
-    inner_update: Final[str]
-    linear: Final[bool]
-    gradient_ascent: Final[bool]
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, kernel_size: int = 5,
                  dilation: int = 1, proj_drop: float = 0.0, use_natten: Optional[bool] = None,
@@ -71,10 +66,8 @@ class DiT5MixedAttention(VariantOptions, TTTMixer):
                  normalize_grad: bool = False, gradient_ascent: bool = False, share_qk: bool = False,
                  inner_steps: int = 1):
         super().__init__()
-        d = self._init_heads(dim, num_heads)
-        init_plain_step_variant(self, inner_update, inner_model, normalize_grad, gradient_ascent, share_qk,
-                                inner_steps)
-        self.scale = d ** -0.5
+        d = self._init_plain_step(dim, num_heads, inner_update, inner_model, normalize_grad, gradient_ascent,
+                                  share_qk, inner_steps)
         self.kernel_size = kernel_size
         self.dilation = dilation
         self.use_natten: Optional[bool] = use_natten
@@ -84,10 +77,7 @@ class DiT5MixedAttention(VariantOptions, TTTMixer):
         self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.qk_scale_ttt = nn.Parameter(torch.ones(1, 1, dim, 2))
         self.qk_offset_ttt = nn.Parameter(torch.zeros(1, 1, dim, 2))
-        self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
-        if share_qk:  # no query: the projection makes [k, v] only ([..., 0] of the q/k affine is unused)
-            self.qkv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-            del self.q_conv2d
+        self._init_qk_projections(dim, qkv_bias, proj_drop)  # share_qk: [..., 0] of the q/k affine is unused
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:

@@ -22,7 +22,7 @@ from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 from .variants import VariantOptions, init_plain_step_variant
 
-__all__ = ["T5TTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form"]
+__all__ = ["T5TTT", "PlainStepTTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form"]
 
 def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
     """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
@@ -95,8 +95,33 @@ def dit5_form(m: nn.Module, t: Dict[str, torch.Tensor], fs: Tuple[int, int]) -> 
                       clamp)
 
 
+class PlainStepTTT(VariantOptions, TTTMixer):
+    """What the T5 and DiT5 mixers share: the paper-variant options of one plain inner step (TorchScript constants:
+    only the live branches are compiled), the heads and scale, and the qkv projection with the q/k convs
+    (``share_qk``: the projection makes [k, v] only and there is no q conv)."""
+    share_qk: Final[bool]
+    inner_update: Final[str]
+    linear: Final[bool]
+    gradient_ascent: Final[bool]
+
+    def _init_plain_step(self, dim: int, num_heads: int, inner_update: str, inner_model: Optional[str],
+                         normalize_grad: bool, gradient_ascent: bool, share_qk: bool, inner_steps: int) -> int:
+        """Heads, variant options and ``scale``; returns the head dim."""
+        d = self._init_heads(dim, num_heads)
+        init_plain_step_variant(self, inner_update, inner_model, normalize_grad, gradient_ascent, share_qk,
+                                inner_steps)
+        self.scale = d ** -0.5
+        return d
+
+    def _init_qk_projections(self, dim: int, qkv_bias: bool, proj_drop: float) -> None:
+        self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
+        if self.share_qk:  # no query: the projection makes [k, v] only
+            self.qkv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            del self.q_conv2d
+
+
 @register_mixer("t5")
-class T5TTT(VariantOptions, TTTMixer):
+class T5TTT(PlainStepTTT):
     """T5 mixer: q, k, v = qkv(x); k <- instance-norm(k); q, k += dwconv3x3(q, k); one inner SwiGLU step; proj.
 
     Official keys, in order: ``w1, w2, w3`` (1, heads, d, d), ``qkv`` (C -> 3C), ``proj`` (C -> C),
@@ -135,11 +160,6 @@ class T5TTT(VariantOptions, TTTMixer):
     # new relative to a softmax ViT: the inner weights and the q/k convs (the official recipe trains all of
     # them with the larger "new parameter" learning rate, and `linearize` initialises exactly these)
     inner_param_names = ("w1", "w2", "w3", "q_conv2d", "k_conv2d")
-    # TorchScript constants: only the live branches are compiled (q_conv2d, w1, w2 may not exist)
-    share_qk: Final[bool]
-    inner_update: Final[str]
-    linear: Final[bool]
-    gradient_ascent: Final[bool]
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, proj_drop: float = 0.0,
                  na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None,
@@ -147,12 +167,10 @@ class T5TTT(VariantOptions, TTTMixer):
                  normalize_grad: bool = False, gradient_ascent: bool = False, share_qk: bool = False,
                  inner_steps: int = 1):
         super().__init__()
-        d = self._init_heads(dim, num_heads)
-        init_plain_step_variant(self, inner_update, inner_model, normalize_grad, gradient_ascent, share_qk,
-                                inner_steps)
+        d = self._init_plain_step(dim, num_heads, inner_update, inner_model, normalize_grad, gradient_ascent,
+                                  share_qk, inner_steps)
         if na_kernel < 0 or (na_kernel and na_kernel % 2 == 0):
             raise ValueError(f"na_kernel must be 0 (no neighbourhood attention) or odd (3, 5, ...), got {na_kernel}")
-        self.scale = d ** -0.5
         self.na_kernel = na_kernel
         self.key_norm_eps = key_norm_eps
         self.backend = backend
@@ -161,10 +179,7 @@ class T5TTT(VariantOptions, TTTMixer):
             self.w1 = nn.Parameter(torch.empty(1, num_heads, d, d))
             self.w2 = nn.Parameter(torch.empty(1, num_heads, d, d))
         self.w3 = nn.Parameter(torch.empty(1, num_heads, d, d))
-        self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
-        if share_qk:  # no query: the projection makes [k, v] only
-            self.qkv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-            del self.q_conv2d
+        self._init_qk_projections(dim, qkv_bias, proj_drop)
         self.reset_inner_parameters()
 
     def reset_inner_parameters(self) -> None:
