@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ttt_zoo.errors import CheckpointError  # noqa: F401  (re-exported)
+from ttt_zoo.hub_format import HUB_ORG  # noqa: F401  (re-exported: the Hub organisation of converted weights)
 
 __all__ = ["CheckpointError", "WeightsError", "safe_torch_load", "load_checkpoint_file", "unwrap_checkpoint", "mmengine_backbone",
            "default_filter_fn", "validate_state_dict", "check_finite", "check_dtypes", "damaged_weights",
@@ -345,9 +346,6 @@ def validate_state_dict(state_dict: Dict[str, torch.Tensor], model: nn.Module,
 
 
 # ----- pretrained=True: Hugging Face Hub first, then the authors' URL, or a local file -----
-
-from ttt_zoo.hub_format import HUB_ORG  # noqa: E402  (re-exported; light, for the commands' --help)
-
 
 def with_hub_ids(cfgs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Give every cfg with released weights (a ``url``) the hub id ``ttt-zoo/<model>.<tag>``.
