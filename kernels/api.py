@@ -6,6 +6,7 @@ from timm.layers import register_notrace_function
 
 from .backend import (BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend, set_backend,
                       use_backend)
+from . import inner_mlp, key_norm, linear_attention, ttt_linear as _ttt_linear, vit3_ttt, vit3_variant
 from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
 from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
@@ -16,8 +17,10 @@ from .vit3_variant import variant_qkv_naive, variant_qkv_op, variant_qkv_torch
 from .vit3_ttt import (dwconv_ttt_op, dwconv_ttt_reference, dwconv_ttt_torch, qkv_ttt_naive, qkv_ttt_op, qkv_ttt_torch,
                        swiglu_ttt_op, swiglu_ttt_reference, swiglu_ttt_torch)
 
-# every op: torch (the lean PyTorch path, any device), triton (the ttt_zoo::* custom op, whose kernels run Triton),
-# torch_naive (the reference under autograd).  ``backend.resolve_backend`` picks one per call.
+# every op's paths, for the tools and ``backend.available_ops``: torch (the lean PyTorch path, any device), triton (the
+# ttt_zoo::* custom op, whose kernels run Triton), torch_naive (the reference under autograd).  Each wrapper below
+# asks its folder's ``choose()`` (one per op folder) for the callable to run, once per call; TorchScript compiles
+# the wrapper's ``is_scripting`` branch (the reference) instead.
 register_op("vit3_swiglu_ttt", swiglu_ttt_torch, swiglu_ttt_op, swiglu_ttt_reference)
 register_op("vit3_dwconv_ttt", dwconv_ttt_torch, dwconv_ttt_op, dwconv_ttt_reference)
 register_op("vit3_qkv_ttt", qkv_ttt_torch, qkv_ttt_op, qkv_ttt_naive)
@@ -33,17 +36,12 @@ register_op("last_layer_ttt", last_layer_ttt_torch, None, last_layer_ttt_referen
 register_op("linear_attention", la_chunk_torch, linear_attention_op, la_scan_naive)
 
 
-def _op(name: str, t: torch.Tensor, backend: Optional[str], head_dim: Optional[int] = None):
-    """The implementation of ``name`` for inputs like ``t`` (device, dtype, head dim = last dim)."""
-    return get_op(name, t.device, backend, t.dtype, t.shape[-1] if head_dim is None else head_dim)
-
-
 def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                scale: float, normalize_grad: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """ViT3 SwiGLU inner step + apply; see ``vit3_ttt.naive.swiglu_ttt_reference``."""
     if torch.jit.is_scripting():
         return swiglu_ttt_reference(q, k, v, w1, w2, scale, normalize_grad)
-    return _op("vit3_swiglu_ttt", q, backend)(q, k, v, w1, w2, scale, normalize_grad)
+    return vit3_ttt.choose("vit3_swiglu_ttt", backend, q, q.shape[-1])(q, k, v, w1, w2, scale, normalize_grad)
 
 
 def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tensor,
@@ -51,7 +49,7 @@ def dwconv_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w3: torch.Tens
     """ViT3 3x3 depthwise-conv inner step + apply; see ``vit3_ttt.naive.dwconv_ttt_reference``."""
     if torch.jit.is_scripting():
         return dwconv_ttt_reference(q, k, v, w3, scale, normalize_grad)
-    return _op("vit3_dwconv_ttt", q, backend, q.shape[1])(q, k, v, w3, scale, normalize_grad)
+    return vit3_ttt.choose("vit3_dwconv_ttt", backend, q, q.shape[1])(q, k, v, w3, scale, normalize_grad)
 
 
 @register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
@@ -60,7 +58,7 @@ def t5_swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.T
     """T5 3-matrix SwiGLU inner step + apply; see ``inner_mlp.naive.t5_swiglu_ttt_reference``."""
     if torch.jit.is_scripting():
         return t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale)
-    return _op("t5_swiglu_ttt", q, backend)(q, k, v, w1, w2, w3, scale)
+    return inner_mlp.choose("t5_swiglu_ttt", backend, q, q.shape[-1])(q, k, v, w1, w2, w3, scale)
 
 
 @register_notrace_function  # device dispatch: a leaf for torch.fx
@@ -69,7 +67,7 @@ def mlp_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor,
     """DiT5 2-layer SiLU-MLP regression inner step + apply; see ``inner_mlp.naive.mlp_ttt_reference``."""
     if torch.jit.is_scripting():
         return mlp_ttt_reference(q, k, v, w1, w2, scale)
-    return _op("dit5_mlp_ttt", q, backend)(q, k, v, w1, w2, scale)
+    return inner_mlp.choose("dit5_mlp_ttt", backend, q, q.shape[-1])(q, k, v, w1, w2, scale)
 
 
 @register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
@@ -77,7 +75,7 @@ def key_instance_norm(k: torch.Tensor, eps: float = 1.0, backend: Optional[str] 
     """T5 / DiT5 key instance-norm of (B, N, C) tokens over N; see ``key_norm.naive``."""
     if torch.jit.is_scripting():
         return key_norm_reference(k, eps)
-    return _op("key_instance_norm", k, backend, 0)(k, eps)
+    return key_norm.choose("key_instance_norm", backend, k)(k, eps)
 
 
 def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
@@ -92,12 +90,8 @@ def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """
     if torch.jit.is_scripting():
         return qkv_ttt_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin)
-    op = _op("vit3_qkv_ttt", x, backend, x.shape[-1] // heads)
-    if op is qkv_ttt_torch and _compiling():
-        # the same PyTorch inner steps as opaque custom ops: dynamo traces the projection only
-        return qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, triton=False,
-                          recompute=recompute)
-    return op(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, recompute=recompute)
+    return vit3_ttt.choose("vit3_qkv_ttt", backend, x, x.shape[-1] // heads)(
+        x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, recompute=recompute)
 
 
 def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
@@ -109,24 +103,8 @@ def vit3_variant_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if torch.jit.is_scripting():
         return variant_qkv_naive(x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
                                  last_only, lr, share_qk, steps)
-    return _op("vit3_variant_qkv_ttt", x, backend, x.shape[-1] // heads)(
+    return vit3_variant.choose("vit3_variant_qkv_ttt", backend, x, x.shape[-1] // heads)(
         x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
-
-
-def _compiling() -> bool:
-    """Inside torch.compile but not torch.export (export keeps every op traceable, for ONNX)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-
-
-def _opaque_scan(name: str, q: torch.Tensor, backend: Optional[str], return_grad_norm: bool) -> Optional[str]:
-    """Under torch.compile the default backends run the TTT-Linear scan as its custom op (one opaque node, the
-    same kernels: Triton where chosen, else the recomputing PyTorch scan), so dynamo does not unroll the loop over
-    mini-batches into a graph fixed to the traced token count: the chosen backend then, else None.  (torch.export
-    takes the loop op instead, see ``ttt_linear.export``.)"""
-    if return_grad_norm or not _compiling():
-        return None
-    chosen = resolve_backend(backend, q.device, q.dtype, q.shape[-1], name)
-    return None if chosen == "torch_naive" else chosen
 
 
 def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=True, eps=1e-6,
@@ -136,12 +114,9 @@ def ttt_linear(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch=16, ln_residual=
     torch: recomputing backward (``ttt_linear.torch``); triton: the fused scan kernels; torch_naive: the plain
     per-mini-batch scan (``ttt_linear_naive``) under autograd.
     """
-    chosen = _opaque_scan("ttt_linear", q, backend, return_grad_norm)
-    if chosen:
-        return ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
-                             triton=chosen == "triton")
-    return _op("ttt_linear", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
-                                                    eps, return_grad_norm)
+    inputs = (q, k, v, lr, tau, w0, b0, ln_w, ln_b)
+    return _ttt_linear.choose("ttt_linear", backend, q, q.shape[-1], inputs, return_grad_norm)(
+        *inputs, mini_batch, ln_residual, eps, return_grad_norm)
 
 
 @register_notrace_function  # a leaf for torch.fx: dispatch inspects the device, the scan loops over mini-batches
@@ -159,19 +134,16 @@ def ttt_linear_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torc
     if torch.jit.is_scripting():
         return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                         eps, return_grad_norm)
-    chosen = _opaque_scan("ttt_linear_bidir", q, backend, return_grad_norm)
-    if chosen:
-        return ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps,
-                                   triton=chosen == "triton")
-    return _op("ttt_linear_bidir", q, backend)(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch,
-                                                          ln_residual, rope_theta, eps, return_grad_norm)
+    inputs = (q, k, v, lr, tau, w0, b0, ln_w, ln_b)
+    return _ttt_linear.choose("ttt_linear_bidir", backend, q, q.shape[-1], inputs, return_grad_norm)(
+        *inputs, mini_batch, ln_residual, rope_theta, eps, return_grad_norm)
 
 
 def last_layer_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, scale: float,
                    loss: str = "dot", steps: int = 1, backend: Optional[str] = None) -> torch.Tensor:
     """T5 / DiT5 variants V1 / V3: ``steps`` inner steps of a linear last layer on fixed features, applied to q;
     see ``inner_mlp.naive.last_layer_ttt_reference``."""
-    return _op("last_layer_ttt", q, backend)(q, k, v, w, scale, loss, steps)
+    return inner_mlp.choose("last_layer_ttt", backend, q, q.shape[-1])(q, k, v, w, scale, loss, steps)
 
 
 def linear_attention_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
@@ -179,7 +151,8 @@ def linear_attention_bidir(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr
                            rope_theta: Optional[float] = 10000.0, backend: Optional[str] = None) -> torch.Tensor:
     """Plain linear-attention Vision-TTT scan in both directions, summed; see ``linear_attention.naive``.
     torch: the chunk-parallel form; triton: the Triton forward (custom op); torch_naive: the recurrent scan."""
-    return la_bidir(_op("linear_attention", q, backend), q, k, v, lr, tau, w0, b0, mini_batch, rope_theta)
+    return la_bidir(linear_attention.choose("linear_attention", backend, q, q.shape[-1]), q, k, v, lr, tau, w0, b0,
+                    mini_batch, rope_theta)
 
 
 __all__ = ["last_layer_ttt", "linear_attention_bidir", "mlp_inner_update_reference", "BACKENDS", "BackendError", "available_ops", "get_op", "register_op", "resolve_backend",

@@ -36,9 +36,11 @@ from .verify import (KERNELS_DIR, RECORDS_ENV, clear_verification_cache, gpu_ver
                      kernel_source_hash, kernel_sources, load_gpu_records, records_path)
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
-           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "default_backend", "exporting", "get_op",
+           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "compiling", "default_backend", "exporting",
+           "get_op",
            "gpu_verified", "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path",
-           "register_op", "resolve_backend", "set_backend", "triton_unsupported", "use_backend"]
+           "needs_grad", "register_op", "resolve_backend", "set_backend", "triton_choice", "triton_unsupported",
+           "use_backend"]
 
 from ttt_zoo.flags import BACKENDS, TRITON_BACKEND  # noqa: E402  (the names a command line gives)
 ENV_VAR = "TTT_ZOO_BACKEND"
@@ -51,7 +53,12 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # backward pass go through shared memory, which on an H200 (sm_90, 227 KB a block) ran out from d = 48 in fp16
 # (T5, 3 weights) and d = 72 (DiT5, 2 weights): ``OutOfResources`` in the lease of 2026-11-26
 # (experiments/results/gpu_h200_20261126); ``experiments/compile_kernels.py`` reports each kernel's shared memory.
-MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 32, "dit5_mlp_ttt": 64}
+# ``vit3_qkv_fused``: the ViT3 mixer core's fused kernels (``vit3_ttt/fused.py``, whole d x d tiles per program; at
+# 128 the sm_90 compile spills and _bwd_update needs 311,296 bytes of shared memory, experiments/results/
+# vit3_triton_compile.md); above it ``vit3_qkv_ttt`` runs the per-branch kernels, which take any head dim.
+# The one table of the kernels' limits: every op folder's ``choose()`` reads it (through ``triton_unsupported``).
+MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 32, "dit5_mlp_ttt": 64,
+                                "vit3_qkv_fused": 64}
 
 
 class BackendError(RuntimeError):
@@ -101,6 +108,25 @@ def exporting() -> bool:
     export decision: ``auto`` runs PyTorch, and the ops that branch on it (the ViT3 ops) run a path both exporters
     trace (no autograd.Function, no strided view, no grouped conv with a traced group count)."""
     return torch.compiler.is_exporting() or torch.jit.is_tracing() or is_exportable()
+
+
+def compiling() -> bool:
+    """Inside torch.compile but not torch.export: the ops' choosers then hand dynamo opaque custom ops (export keeps
+    every op traceable, for ONNX)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def needs_grad(*ts) -> bool:
+    """Autograd will differentiate through these inputs (else an op may take its inference path)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def triton_choice(triton: Optional[bool], t: torch.Tensor, op: str, head_dim: Optional[int]) -> bool:
+    """The ``triton`` argument of an op's custom-op entry called directly (not through its chooser): as given, or
+    for None whether the kernels can run these inputs under ``op``'s own name (:func:`triton_unsupported`)."""
+    if triton is not None:
+        return bool(triton)
+    return triton_unsupported(t.device, t.dtype, head_dim, op) is None
 
 
 def _interpreter_on() -> bool:

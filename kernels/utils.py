@@ -5,8 +5,10 @@ from types import ModuleType
 
 import torch
 
+from .backend import needs_grad  # noqa: F401  (defined with the other path decisions)
+
 __all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
-           "triton_module", "count_flops_as", "launches_kernel", "kernel_choice"]
+           "triton_module", "count_flops_as", "launches_kernel"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,10 +37,6 @@ def reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.shape[0] == 1 and t.shape[0] != 1:
         t = t.sum(0, keepdim=True)
     return t
-
-
-def needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def triton_module(package: str) -> ModuleType:
@@ -72,16 +70,6 @@ def launches_kernel(triton: bool, t: torch.Tensor) -> bool:
     its caller made once (``backend.resolve_backend``, under the op's own name); an empty batch needs no launch and
     meta tensors run only the fake."""
     return triton and t.numel() != 0 and t.device.type != "meta"
-
-
-def kernel_choice(triton, t: torch.Tensor, op: str, head_dim: int) -> bool:
-    """The ``triton`` argument an op's ``triton`` entry hands its custom op: the caller's choice as given (the
-    wrappers of ``api.py``: ``backend.resolve_backend`` under the op's own name), or for ``None`` (a direct call)
-    whether the kernels can run these inputs, again under ``op``'s own name (``backend.triton_unsupported``)."""
-    if triton is not None:
-        return bool(triton)
-    from .backend import triton_unsupported
-    return triton_unsupported(t.device, t.dtype, head_dim, op) is None
 
 
 def count_flops_as(custom_op, impl) -> None:

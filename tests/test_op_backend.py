@@ -259,6 +259,7 @@ def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
     and backward alike, whatever ran before; the kernels are spied on (stand-ins computing the PyTorch path)."""
     import types
     from ttt_zoo.kernels.vit3_ttt import ops as vit3_ops
+    from ttt_zoo.kernels.vit3_ttt import qkv_ttt_op
     calls = []
 
     def spy(name, impl):
@@ -274,7 +275,7 @@ def test_the_custom_ops_run_the_backend_they_are_given(monkeypatch):
     outs, grads = {}, {}
     for triton in (True, False, True):
         calls.clear()
-        out = vit3_ops.qkv_ttt_op(x, weight, bias, w1, w2, w3, (h, w), heads, 0.5, True, triton=triton)
+        out = qkv_ttt_op(x, weight, bias, w1, w2, w3, (h, w), heads, 0.5, True, triton=triton)
         grads[triton] = torch.autograd.grad(out.sum(), (x, weight, bias))
         outs[triton] = out.detach()
         assert calls == (["fused_fwd", "fused_bwd"] if triton else []), calls

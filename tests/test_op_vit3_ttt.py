@@ -16,7 +16,7 @@ import torch
 
 from _ops import BACKENDS, DEV, META_BACKENDS, TRITON_OK, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import available_ops, dwconv_ttt, get_op, swiglu_ttt, vit3_qkv_ttt
-from ttt_zoo.kernels.vit3_ttt import ops
+from ttt_zoo.kernels.vit3_ttt import ops, qkv_ttt_op
 from ttt_zoo.kernels.vit3_ttt.naive import dwconv_ttt_reference, qkv_ttt_naive, swiglu_ttt_reference
 from ttt_zoo.kernels.vit3_ttt.torch import (dwconv_ttt_torch, normalize_columns, normalize_columns_bwd, qkv_ttt_torch,
                                             swiglu_ttt_torch)
@@ -290,7 +290,7 @@ def test_qkv_triton_path_with_rope(recompute):
     inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
               torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
               torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
-    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, cos, sin, triton=True, recompute=recompute),
+    _compare(lambda *a: qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, cos, sin, triton=True, recompute=recompute),
              lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True, cos, sin), inputs, torch.float32)
 
 
@@ -302,7 +302,7 @@ def test_qkv_triton_path_above_the_fused_head_dims():
     inputs = [torch.randn(b, h * w, c, device=DEV), torch.randn(3 * c + 3 * d, c, device=DEV) * 0.1,
               torch.randn(3 * c + 3 * d, device=DEV) * 0.1, torch.randn(1, heads, d, d, device=DEV) * 0.05,
               torch.randn(1, heads, d, d, device=DEV) * 0.05, torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
-    _compare(lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, triton=True),
+    _compare(lambda *a: qkv_ttt_op(*a, (h, w), heads, 1 / 3, True, triton=True),
              lambda *a: qkv_ttt_naive(*a, (h, w), heads, 1 / 3, True), inputs, torch.float32)
 
 
@@ -447,7 +447,7 @@ def test_qkv_custom_op_gradcheck(rope):
     # QKVTTTOps: the mixer core over the ttt_zoo::vit3_* custom ops (their float64 kernels run PyTorch)
     heads, h, w = 2, 2, 3
     args, cos, sin = _qkv_leaves(h, w, rope, heads=heads)
-    f = lambda *a: ops.qkv_ttt_op(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
+    f = lambda *a: qkv_ttt_op(*a, (h, w), heads, 0.7, True, cos, sin)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, fast_mode=True)
 
 

@@ -16,7 +16,8 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ..utils import compute_dtype, count_flops_as, kernel_choice, launches_kernel, triton_module
+from ..backend import triton_choice
+from ..utils import compute_dtype, count_flops_as, launches_kernel, triton_module
 from . import torch as R
 
 __all__ = ["t5_swiglu_ttt_op", "mlp_ttt_op"]
@@ -42,15 +43,15 @@ def _fake_bwd(q: Tensor, ws, triton: bool) -> List[Tensor]:
     return grads + [torch.empty_like(w, memory_format=torch.contiguous_format) for w in ws]
 
 
-def _fwd_impl(q, ws, triton, torch_fwd, triton_fwd, *args):
-    impl = triton_fwd() if launches_kernel(triton, q) else torch_fwd
-    out, *wn = impl(*args)
+def _fwd_impl(q, k, v, ws, scale: float, gated: bool, triton: bool):
+    impl = _t().inner_fwd_triton if launches_kernel(triton, q) else R.inner_fwd
+    out, wn = impl(q, k, v, ws, scale, gated)
     return (out,) + tuple(w.to(compute_dtype(q.dtype)).contiguous() for w in wn)
 
 
-def _bwd_impl(q, triton, torch_bwd, triton_bwd, *args):
+def _bwd_impl(do, q, k, v, ws, wn, scale: float, gated: bool, triton: bool):
     kernel = launches_kernel(triton, q)
-    grads = (triton_bwd() if kernel else torch_bwd)(*args)
+    grads = (_t().inner_bwd_triton if kernel else R.inner_bwd)(do, q, k, v, ws, wn, scale, gated)
     if kernel:
         return [t if i < 3 else t.contiguous() for i, t in enumerate(grads)]
     return [t.contiguous() for t in grads]
@@ -60,7 +61,7 @@ def _bwd_impl(q, triton, torch_bwd, triton_bwd, *args):
 @torch.library.custom_op("ttt_zoo::t5_swiglu_fwd", mutates_args=())
 def t5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
               scale: float, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fwd_impl(q, (w1, w2, w3), triton, R.t5_fwd, lambda: _t().t5_fwd_triton, q, k, v, w1, w2, w3, scale)
+    return _fwd_impl(q, k, v, (w1, w2, w3), scale, True, triton)
 
 
 @t5_fwd_op.register_fake
@@ -71,7 +72,7 @@ def _(q, k, v, w1, w2, w3, scale, triton):
 @torch.library.custom_op("ttt_zoo::t5_swiglu_bwd", mutates_args=())
 def t5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, w1n: Tensor,
               w2n: Tensor, w3n: Tensor, scale: float, triton: bool) -> List[Tensor]:
-    return _bwd_impl(q, triton, R.t5_bwd, lambda: _t().t5_bwd_triton, do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale)
+    return _bwd_impl(do, q, k, v, (w1, w2, w3), (w1n, w2n, w3n), scale, True, triton)
 
 
 @t5_bwd_op.register_fake
@@ -99,7 +100,7 @@ count_flops_as(t5_bwd_op, R.t5_bwd)
 @torch.library.custom_op("ttt_zoo::dit5_mlp_fwd", mutates_args=())
 def dit5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
                 scale: float, triton: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    return _fwd_impl(q, (w1, w2), triton, R.dit5_fwd, lambda: _t().dit5_fwd_triton, q, k, v, w1, w2, scale)
+    return _fwd_impl(q, k, v, (w1, w2), scale, False, triton)
 
 
 @dit5_fwd_op.register_fake
@@ -110,7 +111,7 @@ def _(q, k, v, w1, w2, scale, triton):
 @torch.library.custom_op("ttt_zoo::dit5_mlp_bwd", mutates_args=())
 def dit5_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w1n: Tensor, w2n: Tensor,
                 scale: float, triton: bool) -> List[Tensor]:
-    return _bwd_impl(q, triton, R.dit5_bwd, lambda: _t().dit5_bwd_triton, do, q, k, v, w1, w2, w1n, w2n, scale)
+    return _bwd_impl(do, q, k, v, (w1, w2), (w1n, w2n), scale, False, triton)
 
 
 @dit5_bwd_op.register_fake
@@ -137,14 +138,14 @@ count_flops_as(dit5_bwd_op, R.dit5_bwd)
 # --------------------------------------------------------------------------------------------- public entry
 def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float, triton=None) -> Tensor:
     """T5 inner step + apply through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path,
-    None: the kernels where they can run, ``utils.kernel_choice``)."""
+    None: the kernels where they can run, ``backend.triton_choice``)."""
     R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
-    triton = kernel_choice(triton, q, "t5_swiglu_ttt", q.shape[-1])
+    triton = triton_choice(triton, q, "t5_swiglu_ttt", q.shape[-1])
     return t5_fwd_op(q, k, v, w1, w2, w3, float(scale), triton)[0]
 
 
 def mlp_ttt_op(q, k, v, w1, w2, scale: float, triton=None) -> Tensor:
     """DiT5 inner step + apply through the custom op (the ``triton`` backend; ``triton`` as above)."""
     R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
-    triton = kernel_choice(triton, q, "dit5_mlp_ttt", q.shape[-1])
+    triton = triton_choice(triton, q, "dit5_mlp_ttt", q.shape[-1])
     return dit5_fwd_op(q, k, v, w1, w2, float(scale), triton)[0]

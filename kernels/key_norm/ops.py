@@ -14,7 +14,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..utils import count_flops_as, kernel_choice, launches_kernel, triton_module
+from ..backend import triton_choice
+from ..utils import count_flops_as, launches_kernel, triton_module
 from .torch import check_key_norm, key_norm_bwd, key_norm_fwd
 
 __all__ = ["key_norm_op"]
@@ -71,6 +72,6 @@ count_flops_as(key_norm_bwd_op, key_norm_bwd)
 
 def key_norm_op(x: Tensor, eps: float = 1.0, triton=None) -> Tensor:
     """Key instance-norm through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path, None:
-    the kernel where it can run, ``utils.kernel_choice``)."""
+    the kernel where it can run, ``backend.triton_choice``)."""
     check_key_norm(x, eps)
-    return key_norm_fwd_op(x, float(eps), kernel_choice(triton, x, "key_instance_norm", 0))[0]
+    return key_norm_fwd_op(x, float(eps), triton_choice(triton, x, "key_instance_norm", 0))[0]

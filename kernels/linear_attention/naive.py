@@ -19,9 +19,8 @@ from typing import List, Optional
 
 import torch
 
-from ..ttt_linear.common import bidir_inputs, bidir_outputs
+from ..ttt_linear.common import bidir_inputs, bidir_outputs, check_scan_args
 from ..utils import compute_dtype
-from .common import check_la_args
 
 __all__ = ["la_scan_naive", "la_bidir_reference"]
 
@@ -36,7 +35,7 @@ def la_scan_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.T
     Returns:
         (B, heads, N, d) in q's dtype (fp16/bf16 computed in float32).
     """
-    check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch, state_per_sample=True)
     out_dtype = q.dtype
     cd = compute_dtype(q.dtype)
     q, k, v, lr, tau, w, b = q.to(cd), k.to(cd), v.to(cd), lr.to(cd), tau.to(cd), w0.to(cd), b0.to(cd)

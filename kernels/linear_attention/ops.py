@@ -9,8 +9,9 @@ from typing import List
 import torch
 from torch import Tensor
 
-from ..utils import count_flops_as, kernel_choice, launches_kernel, triton_module
-from .common import check_la_args
+from ..backend import triton_choice
+from ..utils import count_flops_as, launches_kernel, triton_module
+from ..ttt_linear.common import check_scan_args
 from .torch import la_chunk_torch
 
 __all__ = ["la_fwd_op", "linear_attention_op"]
@@ -51,8 +52,8 @@ count_flops_as(la_fwd_op, la_chunk_torch)
 
 
 def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16, triton=None) -> Tensor:
-    """The scan through the custom op (the ``triton`` backend; ``triton`` as ``utils.kernel_choice``); arguments
+    """The scan through the custom op (the ``triton`` backend; ``triton`` as ``backend.triton_choice``); arguments
     as ``naive.la_scan_naive``."""
-    check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
-    triton = kernel_choice(triton, q, "linear_attention", q.shape[-1])
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch, state_per_sample=True)
+    triton = triton_choice(triton, q, "linear_attention", q.shape[-1])
     return la_fwd_op(q, k, v, lr, tau, w0, b0, int(mini_batch), triton)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import compute_dtype, no_autocast
-from .common import check_la_args
+from ..ttt_linear.common import check_scan_args
 
 __all__ = ["la_chunk_torch"]
 
@@ -29,7 +29,7 @@ def la_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.
                    w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16) -> torch.Tensor:
     """Same arguments and result as ``naive.la_scan_naive``; no loop over the mini-batches.  Computed in float32
     (float64 for float64 inputs) whatever the autocast state, as the Triton path."""
-    check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch, state_per_sample=True)
     with no_autocast(q.device):
         return _la_chunk(q, k, v, lr, tau, w0, b0, mini_batch)
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import block_d, load_tile, prec, store_tile
-from .common import check_la_args
+from ..ttt_linear.common import check_scan_args
 
 __all__ = ["la_fwd_triton"]
 
@@ -57,7 +57,7 @@ def _la_fwd(Q, K, V, LR, TAU, W0, B0, O,
 def la_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
                   w0: torch.Tensor, b0: torch.Tensor, mini_batch: int = 16) -> torch.Tensor:
     """Same arguments and result as ``naive.la_scan_naive`` (forward only)."""
-    check_la_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch, state_per_sample=True)
     bsz, h, n, d = q.shape
     out = torch.empty_like(q)
     if out.numel() == 0:

@@ -1,5 +1,5 @@
 """Helpers shared by the TTT-Linear reference (``naive.py``) and the fast paths (``torch.py``, ``ops.py``, the
-linear-attention scan): the position factor inside a mini-batch, in-chunk RoPE, the argument checks and the stacking
+linear-attention scan): the position factor inside a mini-batch, the one argument check of the scans (TTT-Linear and linear attention) and the stacking
 of both scan directions on the batch axis.  All TorchScript-compilable."""
 
 from typing import Optional, Tuple
@@ -7,9 +7,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..rope import inner_rope
 from ..utils import compute_dtype as _compute_dtype  # fp16/bf16: state and LN statistics in float32
 
-__all__ = ["token_tau", "inner_rope", "check_scan_args", "scan_setup", "bidir_inputs", "bidir_outputs"]
+__all__ = ["token_tau", "inner_rope", "check_scan_args", "check_bidir_state", "scan_setup", "bidir_inputs", "bidir_outputs"]
 
 
 def token_tau(tau_offset: torch.Tensor) -> torch.Tensor:
@@ -19,37 +20,30 @@ def token_tau(tau_offset: torch.Tensor) -> torch.Tensor:
     return F.relu(1.0 / pos + tau_offset)
 
 
-def inner_rope(x: torch.Tensor, mini_batch: int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of the position inside the mini-batch (``t mod b``) on ``x: (B, heads, N, d)``.
-
-    Rotate-half layout: channel p pairs with channel p + d/2.  The angle table has only ``b x d/2`` entries (built
-    in float64, then cast); it is gathered to the N positions.  Its size does not depend on N, so a traced graph
-    (TorchScript's exporter) holds at every token count.
-    """
-    n, d = x.shape[-2], x.shape[-1]
-    if d % 2:
-        raise ValueError(f"inner RoPE needs an even head dim, got {d}")
-    half = d // 2
-    freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
-    ang = torch.arange(mini_batch, device=x.device, dtype=torch.float64)[:, None] * freq[None, :]
-    pos = torch.arange(n, device=x.device) % mini_batch
-    cos, sin = ang.cos().to(x.dtype)[pos], ang.sin().to(x.dtype)[pos]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([torch.addcmul(x1 * cos, x2, sin, value=-1.0), torch.addcmul(x2 * cos, x1, sin)], dim=-1)
-
-
 def check_scan_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
-                     w0: torch.Tensor, b0: torch.Tensor, mini_batch: int) -> None:
+                    w0: torch.Tensor, b0: torch.Tensor, mini_batch: int, state_per_sample: bool = False) -> None:
+    """The one argument check of the scans (TTT-Linear and linear attention, every path): q, k, v (B, heads, N, d),
+    lr (B, heads, N), tau (mini_batch,), w0 (S, heads, d, d) and b0 (S, heads, 1, d) with one leading S (1: shared;
+    B or per direction: checked where the scan forms its directions, or here with ``state_per_sample``: 1 or B)."""
+    if q.dim() != 4 or list(k.shape) != list(q.shape) or list(v.shape) != list(q.shape):
+        raise ValueError(f"q, k, v must share a (B, heads, N, d) shape, got {list(q.shape)}, {list(k.shape)}, "
+                         f"{list(v.shape)}")
     bsz, heads, n, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
-    if list(k.shape) != list(q.shape) or list(v.shape) != list(q.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if list(lr.shape) != [bsz, heads, n]:
         raise ValueError(f"lr must be (B, heads, N) = {[bsz, heads, n]}, got {list(lr.shape)}")
-    if list(tau.shape) != [mini_batch]:
+    if mini_batch < 1 or list(tau.shape) != [mini_batch]:
         raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {list(tau.shape)}")
-    if w0.dim() != 4 or b0.dim() != 4 or list(w0.shape[1:]) != [heads, d, d] or list(b0.shape[1:]) != [heads, 1, d]:
-        raise ValueError(f"w0 must be (B|1, {heads}, {d}, {d}) and b0 (B|1, {heads}, 1, {d}); "
-                         f"got {list(w0.shape)} and {list(b0.shape)}")
+    if (w0.dim() != 4 or b0.dim() != 4 or list(w0.shape[1:]) != [heads, d, d] or list(b0.shape[1:]) != [heads, 1, d]
+            or b0.shape[0] != w0.shape[0] or (state_per_sample and w0.shape[0] != 1 and w0.shape[0] != bsz)):
+        lead = "1 or B" if state_per_sample else "S"
+        raise ValueError(f"w0 must be ({lead}, {heads}, {d}, {d}) and b0 ({lead}, {heads}, 1, {d}) with the same "
+                         f"leading dim; got {list(w0.shape)} and {list(b0.shape)}")
+
+
+def check_bidir_state(w0: torch.Tensor, b0: torch.Tensor) -> None:
+    """The initial state of a bidirectional scan: one shared by both directions (leading 1) or one per direction (2)."""
+    if (w0.shape[0] != 1 and w0.shape[0] != 2) or b0.shape[0] != w0.shape[0]:
+        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {list(w0.shape)}")
 
 
 def scan_setup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor, tau: torch.Tensor,
@@ -74,8 +68,7 @@ def bidir_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Te
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both scan directions stacked on the batch axis (2B), in-chunk RoPE applied, W0/b0 per direction."""
     bsz = q.shape[0]
-    if (w0.shape[0] != 1 and w0.shape[0] != 2) or b0.shape[0] != w0.shape[0]:
-        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {list(w0.shape)}")
+    check_bidir_state(w0, b0)
     q2, v2 = _flip_both(q), _flip_both(v)
     if rope_theta is not None:
         q2 = inner_rope(q2, mini_batch, rope_theta)

@@ -18,9 +18,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..backend import triton_choice
 from ..utils import needs_grad as _needs_grad
-from ..utils import count_flops_as, kernel_choice, launches_kernel, triton_module
+from ..utils import count_flops_as, launches_kernel, triton_module
 from . import torch as R
+from .common import check_scan_args
 
 __all__ = ["scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
@@ -89,13 +91,13 @@ def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_r
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                   eps: float = 1e-6, return_grad_norm: bool = False, triton=None) -> Tuple[Tensor, Optional[Tensor]]:
     """Causal scan through the custom ops (the ``triton`` backend; ``triton=False``: their PyTorch path, the opaque
-    node torch.compile sees for the ``torch`` backend; None: as ``utils.kernel_choice``); signature of
+    node torch.compile sees for the ``torch`` backend; None: as ``backend.triton_choice``); signature of
     ``naive.ttt_linear_naive``."""
-    if return_grad_norm:
-        return R.ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
-    R._check(q, k, v, lr, tau, w0, b0, mini_batch)
+    if return_grad_norm:  # the map is the torch backend's (the chunked forward)
+        return R.ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = R.single_inputs(q, k, w0, b0)
-    triton = kernel_choice(triton, q, "ttt_linear", q.shape[-1])
+    triton = triton_choice(triton, q, "ttt_linear", q.shape[-1])
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
@@ -106,10 +108,10 @@ def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 
 
     In-chunk RoPE runs in PyTorch before the op (one rotated q, k per direction, in original token order).
     """
-    if return_grad_norm:
+    if return_grad_norm:  # as above
         return R.ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                         eps, True)
-    R._check(q, k, v, lr, tau, w0, b0, mini_batch)
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
-    triton = kernel_choice(triton, q, "ttt_linear_bidir", q.shape[-1])
+    triton = triton_choice(triton, q, "ttt_linear_bidir", q.shape[-1])
     return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps, triton), None

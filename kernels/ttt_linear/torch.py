@@ -1,5 +1,5 @@
 """The ``torch`` backend of the TTT-Linear scan: the recomputing scan (training), and the one switch between the
-three PyTorch algorithms, each in its own file with the same contract (the signatures of ``naive.py``):
+three PyTorch algorithms (``torch_algorithm``, which ``ttt_linear.choose`` asks), each in its own file with the same contract (the signatures of ``naive.py``):
 
 - training (a gradient needed, eager): this file's recomputing scan, an autograd.Function with an analytic
   backward (below);
@@ -35,20 +35,23 @@ directions; direction 1 scans the sequence reversed):
         the incoming (W; b) of every ``ck``-th mini-batch, ``ck = ceil(sqrt(n_mb))``, ``n_ck = ceil(n_mb / ck)``
         (n_mb = ceil(N / mini_batch)); the backward recomputes the states inside a segment of ck mini-batches.
 """
-from typing import List, Optional, Tuple
+from functools import wraps
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backend import exporting
+from ..backend import exporting, needs_grad
+from ..rope import rope_1d, rope_1d_tables
 from ..utils import compute_dtype as _cd
-from ..utils import needs_grad as _needs_grad
 from ..utils import no_autocast as _no_autocast  # the scan chooses its own precision (fp32 state)
+from .common import check_bidir_state, check_scan_args
 from .chunked import _ln_grad, ttt_linear_bidir_chunked, ttt_linear_chunked
 from .export import ttt_linear_bidir_export, ttt_linear_export
 
 __all__ = ["scan_fwd", "scan_bwd", "TTTLinearScan", "TTTLinearRopeScan", "ttt_linear_torch", "ttt_linear_bidir_torch",
-           "rope_at", "bidir_inputs", "single_inputs", "ckpt_every", "ttt_linear_chunked", "ttt_linear_bidir_chunked"]
+           "ttt_linear_scan", "ttt_linear_bidir_scan", "torch_algorithm",
+           "bidir_inputs", "single_inputs", "ckpt_every", "ttt_linear_chunked", "ttt_linear_bidir_chunked"]
 
 
 def _ln(z: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
@@ -375,27 +378,6 @@ class TTTLinearScan(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _rope_cos_sin(pos: Tensor, d: int, theta: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """cos and sin of the in-chunk RoPE angles at positions ``pos: (N,)``: (N, d / 2) each (float64, then cast)."""
-    if d % 2:
-        raise ValueError(f"inner RoPE needs an even head dim, got {d}")
-    freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float64) / d))
-    ang = pos.to(torch.float64)[:, None] * freq[None, :]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotation: channel p pairs with p + d/2 (``-sin`` rotates back: the rotation is orthogonal)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rope_at(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """In-chunk RoPE (rotate-half, as :func:`inner_rope`) at explicit positions ``pos: (N,)``."""
-    cos, sin = _rope_cos_sin(pos, x.shape[-1], theta, x.dtype)
-    return _rotate(x, cos, sin)
-
-
 def _bidir_positions(n: int, mini_batch: int, device: torch.device) -> Tuple[Tensor, Tensor]:
     """In-chunk positions of every token in the forward scan (``t mod b``) and in the reversed one."""
     t = torch.arange(n, device=device)
@@ -403,7 +385,7 @@ def _bidir_positions(n: int, mini_batch: int, device: torch.device) -> Tuple[Ten
 
 
 def _rope_tables(x: Tensor, mini_batch: int, theta: float) -> List[Tuple[Tensor, Tensor]]:
-    return [_rope_cos_sin(p, x.shape[-1], theta, x.dtype) for p in _bidir_positions(x.shape[-2], mini_batch, x.device)]
+    return [rope_1d_tables(p, x.shape[-1], theta, x.dtype) for p in _bidir_positions(x.shape[-2], mini_batch, x.device)]
 
 
 class TTTLinearRopeScan(torch.autograd.Function):
@@ -430,18 +412,18 @@ class TTTLinearRopeScan(torch.autograd.Function):
         q2, k2 = TTTLinearRopeScan._rotated(qc, k, tables, shared_qk)
         dq2, dk2, *rest = scan_bwd(do.contiguous(), q2, k2, v, lr, tau, w0, b0, ln_w, ln_b, st, 2, mini_batch,
                                    ln_residual, eps, shared_qk)  # shared: dq2 holds both gradients, dk2 is None
-        back = lambda g: sum(_rotate(g[i], c, -s) for i, (c, s) in enumerate(tables)).to(q.dtype)  # noqa: E731
+        back = lambda g: sum(rope_1d(g[i], c, -s) for i, (c, s) in enumerate(tables)).to(q.dtype)  # noqa: E731
         return (back(dq2), None if dk2 is None else back(dk2), *rest, None, None, None, None, None)
 
     @staticmethod
     def _rotated(qc: Tensor, k: Tensor, tables: List[Tuple[Tensor, Tensor]], shared_qk: bool) -> Tuple[Tensor, Tensor]:
         """(2, B, H, N, d) rotated q and k in the compute dtype of ``qc`` (q already cast), one per direction,
         original token order."""
-        q2 = torch.stack([_rotate(qc, c, s) for c, s in tables])
+        q2 = torch.stack([rope_1d(qc, c, s) for c, s in tables])
         if shared_qk:
             return q2, q2
         kc = k.to(qc.dtype)
-        return q2, torch.stack([_rotate(kc, c, s) for c, s in tables])
+        return q2, torch.stack([rope_1d(kc, c, s) for c, s in tables])
 
 
 def bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, rope_theta: Optional[float]
@@ -451,20 +433,16 @@ def bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, 
     With RoPE each direction needs its own rotated q, k (position ``t mod b`` forward, ``(N-1-t) mod b`` for the
     reversed scan), stacked as (2, B, H, N, d); without RoPE q, k get a broadcast leading axis of 1.
     """
-    _check_bidir_state(w0, b0)
+    check_bidir_state(w0, b0)
     if rope_theta is not None:
         pf, pb = _bidir_positions(q.shape[2], mini_batch, q.device)
-        q2 = torch.stack([rope_at(q, pf, rope_theta), rope_at(q, pb, rope_theta)])
+        (cf, sf), (cb, sb) = (rope_1d_tables(p, q.shape[-1], rope_theta, q.dtype) for p in (pf, pb))
+        q2 = torch.stack([rope_1d(q, cf, sf), rope_1d(q, cb, sb)])
         # shared q/k: an alias, not q2 itself (torch.compile cannot trace an autograd.Function given one tensor twice)
-        k2 = q2.view_as(q2) if k is q else torch.stack([rope_at(k, pf, rope_theta), rope_at(k, pb, rope_theta)])
+        k2 = q2.view_as(q2) if k is q else torch.stack([rope_1d(k, cf, sf), rope_1d(k, cb, sb)])
     else:
         q2, k2 = q[None], k[None]
     return q2, k2, w0[:, None], b0[:, None]
-
-
-def _check_bidir_state(w0: Tensor, b0: Tensor) -> None:
-    if w0.shape[0] not in (1, 2) or b0.shape[0] != w0.shape[0]:
-        raise ValueError(f"w0/b0 need a leading dim of 1 (shared) or 2 (per direction), got {tuple(w0.shape)}")
 
 
 def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -474,39 +452,21 @@ def single_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor) -> Tuple[Tensor,
     return q[None], k[None], w0[None], b0[None]
 
 
-def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
-                     eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Causal scan, same signature as ``naive.ttt_linear_naive``.
-
-    Export runs :func:`~.export.ttt_linear_export`; inference (no gradient needed) and the grad-norm map
-    :func:`~.chunked.ttt_linear_chunked` (the faster forward); training the recomputing scan.
-    """
-    if exporting() and not return_grad_norm:
-        return ttt_linear_export(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps)
-    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
-        with _no_autocast(q.device):  # fp32 state: autocast would run the per-mini-batch GEMMs in half precision
-            return ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps,
-                                      return_grad_norm)
-    _check(q, k, v, lr, tau, w0, b0, mini_batch)
+def ttt_linear_scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                    eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Causal recomputing scan (training), same signature as ``naive.ttt_linear_naive`` (no grad-norm map)."""
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = single_inputs(q, k, w0, b0)
     return TTTLinearScan.apply(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps), None
 
 
-def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
-                           rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
-                           ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Bidirectional scan (both directions in one batched pass), same signature as ``naive.ttt_linear_bidir_naive``.
-
-    Export, inference and training as :func:`ttt_linear_torch`.
-    """
-    if exporting() and not return_grad_norm:
-        return ttt_linear_bidir_export(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta, eps)
-    if return_grad_norm or not _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b):
-        with _no_autocast(q.device):  # as in ttt_linear_torch
-            return ttt_linear_bidir_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual,
-                                            rope_theta, eps, return_grad_norm)
-    _check(q, k, v, lr, tau, w0, b0, mini_batch)
-    _check_bidir_state(w0, b0)
+def ttt_linear_bidir_scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                          rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
+                          ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Bidirectional recomputing scan (training, both directions in one batched pass), same signature as
+    ``naive.ttt_linear_bidir_naive`` (no grad-norm map)."""
+    check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
+    check_bidir_state(w0, b0)
     if rope_theta is not None:
         return TTTLinearRopeScan.apply(q, k, v, lr, tau, w0[:, None], b0[:, None], ln_w, ln_b, mini_batch,
                                        ln_residual, eps, float(rope_theta), k is q), None
@@ -514,15 +474,40 @@ def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int
     return TTTLinearScan.apply(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps), None
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, mini_batch: int) -> None:
-    bsz, heads, n, d = q.shape
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if lr.shape != (bsz, heads, n):
-        raise ValueError(f"lr must be (B, heads, N) = {(bsz, heads, n)}, got {tuple(lr.shape)}")
-    if tau.shape != (mini_batch,):
-        raise ValueError(f"tau must have one entry per mini-batch position ({mini_batch}), got {tuple(tau.shape)}")
-    if w0.dim() != 4 or w0.shape[-3:] != (heads, d, d) or b0.dim() != 4 or b0.shape[-3:] != (heads, 1, d):
-        raise ValueError(f"w0 must be (B|1|2, {heads}, {d}, {d}) and b0 (B|1|2, {heads}, 1, {d}); "
-                         f"got {tuple(w0.shape)} and {tuple(b0.shape)}")
+def torch_algorithm(bidir: bool, inputs: Sequence[Tensor], return_grad_norm: bool = False) -> Callable:
+    """The ``torch`` backend's algorithm (``ttt_linear.choose`` asks here; the signature of the references): export
+    -> ``export.py``; the grad-norm map, or no gradient needed for ``inputs`` -> ``chunked.py`` (autocast off: the
+    state stays fp32); else the recomputing scan of this file."""
+    if exporting() and not return_grad_norm:
+        return ttt_linear_bidir_export if bidir else ttt_linear_export
+    if return_grad_norm or not needs_grad(*inputs):
+        return _INFERENCE[bidir]
+    return ttt_linear_bidir_scan if bidir else ttt_linear_scan
 
+
+def _fp32_state(fn: Callable) -> Callable:
+    @wraps(fn)
+    def run(q, *args):
+        with _no_autocast(q.device):  # autocast would run the per-mini-batch GEMMs in half precision
+            return fn(q, *args)
+    return run
+
+
+_INFERENCE = {False: _fp32_state(ttt_linear_chunked), True: _fp32_state(ttt_linear_bidir_chunked)}
+
+
+def ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                     eps: float = 1e-6, return_grad_norm: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Causal scan on the ``torch`` backend (:func:`torch_algorithm`), same signature as ``naive.ttt_linear_naive``."""
+    inputs = (q, k, v, lr, tau, w0, b0, ln_w, ln_b)
+    return torch_algorithm(False, inputs, return_grad_norm)(*inputs, mini_batch, ln_residual, eps, return_grad_norm)
+
+
+def ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
+                           rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False
+                           ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Bidirectional scan on the ``torch`` backend (:func:`torch_algorithm`), same signature as
+    ``naive.ttt_linear_bidir_naive``."""
+    inputs = (q, k, v, lr, tau, w0, b0, ln_w, ln_b)
+    return torch_algorithm(True, inputs, return_grad_norm)(*inputs, mini_batch, ln_residual, rope_theta, eps,
+                                                           return_grad_norm)

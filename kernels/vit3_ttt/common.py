@@ -1,34 +1,15 @@
-"""Helpers shared by the ViT3 reference (``naive.py``) and the PyTorch / Triton paths: H-ViT3's 2-D RoPE and the
-qkv projection split into both branches' q, k, v (TorchScript-compilable)."""
+"""Helpers shared by the ViT3 reference (``naive.py``) and the PyTorch / Triton paths: the qkv projection split into
+both branches' q, k, v with H-ViT3's RoPE (``kernels/rope.py``), TorchScript-compilable."""
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..backend import exporting
-from ..utils import compute_dtype, no_autocast
+from ..rope import rope_2d
+from ..utils import no_autocast
 
-__all__ = ["rope_2d", "qkv_split", "backward_inputs"]
-
-
-def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """H-ViT3's 2-D RoPE on (B, H, W, C) (same as ``ttt_zoo.layers.rope.apply_rope_2d``); ``-sin`` inverts it.
-
-    In eager, for channel pairs that can be viewed as complex numbers, one complex multiply (two launches with the
-    table instead of nine); the real form under TorchScript, torch.compile and export."""
-    dt = compute_dtype(x.dtype)
-    if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling() and not exporting():
-            xd = x.to(dt)
-            if xd.stride(-1) == 1 and xd.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xd.stride()[:-1]):
-                turn = torch.complex(cos.to(dt), sin.to(dt))
-                return torch.view_as_real(torch.view_as_complex(xd.unflatten(-1, (-1, 2))) * turn).flatten(-2).to(
-                    x.dtype)
-    xr = x.to(dt).unflatten(-1, (-1, 2))
-    re, im = xr[..., 0], xr[..., 1]
-    cos, sin = cos.to(dt), sin.to(dt)
-    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2).to(x.dtype)
+__all__ = ["qkv_split", "backward_inputs"]
 
 
 def qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], feat_size: Tuple[int, int],

@@ -19,7 +19,7 @@ Backward (dO = the output's cotangent, dqkv the (B, N, 3C + 3d) buffer of the pr
   3. ``_bwd_update``: dk, dv of both branches into dqkv; dW += k^T dz (fp32 atomic adds).
 Extra memory: fp32 partials (d x 2d per chunk of TILES * BLOCK_N tokens, 16 per conv chunk), G, W', dG (d x 2d per
 (batch, head)) and 16 floats per (batch, channel); nothing of size N x d beyond the outputs themselves.
-Every program holds whole d x d tiles: ``ops.FUSED_MAX_HEAD_DIM`` (64) is the largest head dim the op sends here.
+Every program holds whole d x d tiles: ``backend.MAX_HEAD_DIM["vit3_qkv_fused"]`` (64) is the largest head dim the op sends here.
 """
 from __future__ import annotations
 

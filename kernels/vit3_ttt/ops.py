@@ -31,13 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..utils import autocast_state, compute_dtype, count_flops_as, kernel_choice, launches_kernel, no_autocast, \
+from ..backend import MAX_HEAD_DIM, triton_choice
+from ..utils import autocast_state, compute_dtype, count_flops_as, launches_kernel, no_autocast, \
     triton_module
 from . import torch as R
-from .common import backward_inputs, qkv_split, rope_2d
+from ..rope import rope_2d
+from .common import backward_inputs, qkv_split
 from .torch import make_qkv_function
 
-__all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_ttt_op"]
+__all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_torch_ops", "qkv_triton_ops", "qkv_fused"]
 
 
 def _t():
@@ -151,14 +153,14 @@ count_flops_as(dwconv_bwd_op, R.dwconv_bwd)
 # --------------------------------------------------------------------------------------------- public entry
 def swiglu_ttt_op(q, k, v, w1, w2, scale: float, normalize_grad: bool = True, triton=None) -> Tensor:
     """SwiGLU inner step + apply through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path,
-    None: the kernels where they can run, ``utils.kernel_choice``)."""
-    triton = kernel_choice(triton, q, "vit3_swiglu_ttt", q.shape[-1])
+    None: the kernels where they can run, ``backend.triton_choice``)."""
+    triton = triton_choice(triton, q, "vit3_swiglu_ttt", q.shape[-1])
     return swiglu_fwd_op(q, k, v, w1, w2, float(scale), bool(normalize_grad), triton)[0]
 
 
 def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True, triton=None) -> Tensor:
     """3x3 depthwise-conv inner step + apply through the custom op (the ``triton`` backend; ``triton`` as above)."""
-    triton = kernel_choice(triton, q, "vit3_dwconv_ttt", q.shape[1])
+    triton = triton_choice(triton, q, "vit3_dwconv_ttt", q.shape[1])
     return dwconv_fwd_op(q, k, v, w3, float(scale), bool(normalize_grad), triton)[0]
 
 
@@ -296,24 +298,24 @@ def _qkv_function(name: str, triton: bool):
 
 
 QKVTorchOps = _qkv_function("QKVTorchOps", False)
-QKVTritonOps = _qkv_function("QKVTritonOps", True)  # head dims above FUSED_MAX_HEAD_DIM (DiT3-XL's 72)
-#: the largest head dim the fused kernels run (whole d x d tiles per program): at 128 the sm_90 compile spills and
-#: _bwd_update needs 311,296 bytes of shared memory (> 232,448; experiments/results/vit3_triton_compile.md)
-FUSED_MAX_HEAD_DIM = 64
+QKVTritonOps = _qkv_function("QKVTritonOps", True)  # head dims above backend.MAX_HEAD_DIM["vit3_qkv_fused"]
 
 
-def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
-               cos=None, sin=None, triton=None, recompute: bool = True) -> Tensor:
-    """ViT3 mixer core (projection + both inner steps): ``triton``: the fused op (``vit3_qkv_fwd`` / ``_bwd``, 3
-    launches each way; head dims above ``FUSED_MAX_HEAD_DIM``: the per-branch ops' kernels); False: the per-branch
-    custom ops on their PyTorch path (the opaque nodes torch.compile sees for the ``torch`` backend); None: as
-    ``swiglu_ttt_op``."""
-    triton = kernel_choice(triton, x, "vit3_qkv_ttt", x.shape[-1] // heads)
-    # feat_size stays symbolic under torch.compile(dynamic=True) (int() would fix it to the traced size)
-    args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
-            bool(normalize_grad))
-    if not triton:
-        return QKVTorchOps.apply(*args, bool(recompute))
-    if x.shape[-1] // heads > FUSED_MAX_HEAD_DIM:
-        return QKVTritonOps.apply(*args, bool(recompute))
-    return QKVFused.apply(*args, True, bool(recompute))
+def _core(function, fused: bool):
+    """The mixer core over ``function`` as a plain call (``qkv_ttt_torch``'s signature)."""
+    def run(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
+            cos=None, sin=None, recompute: bool = True) -> Tensor:
+        # feat_size stays symbolic under torch.compile(dynamic=True) (int() would fix it to the traced size)
+        args = (x, weight, bias, w1, w2, w3, cos, sin, (feat_size[0], feat_size[1]), int(heads), float(scale),
+                bool(normalize_grad))
+        return function.apply(*args, True, bool(recompute)) if fused else function.apply(*args, bool(recompute))
+    run.__name__ = run.__qualname__ = f"qkv_{function.__name__}"
+    return run
+
+
+#: the mixer-core paths ``vit3_ttt.choose`` picks from: the per-branch custom ops on their PyTorch path (the opaque
+#: nodes torch.compile sees for the ``torch`` backend), the per-branch kernels, the fused kernels (3 launches each way)
+qkv_torch_ops, qkv_triton_ops, qkv_fused = _core(QKVTorchOps, False), _core(QKVTritonOps, False), _core(QKVFused, True)
+
+
+FUSED_MAX_HEAD_DIM = MAX_HEAD_DIM["vit3_qkv_fused"]  # the table's row, under the name experiments/compile_kernels.py reads

@@ -25,7 +25,8 @@ from ..backend import exporting
 from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
-from .common import backward_inputs, qkv_split, rope_2d
+from ..rope import rope_2d
+from .common import backward_inputs, qkv_split
 
 __all__ = [
     "swiglu_ttt_torch", "dwconv_ttt_torch", "swiglu_fwd", "swiglu_bwd", "dwconv_fwd", "dwconv_bwd",

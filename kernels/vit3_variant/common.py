@@ -5,7 +5,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..vit3_ttt.common import rope_2d
+from ..rope import rope_2d
 
 __all__ = ["variant_qkv_split"]
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..backend import exporting
 from ..utils import autocast_state, compute_dtype, no_autocast, reduce_to
-from ..vit3_ttt.common import rope_2d
+from ..rope import rope_2d
 from ..vit3_ttt.torch import _dwconv, _taps, normalize_columns, normalize_columns_bwd, swiglu_bwd, swiglu_fwd
 from .common import variant_qkv_split
 from .naive import variant_qkv_naive  # k > 1 full SwiGLU steps: no closed form, the reference's loop (run_variant)

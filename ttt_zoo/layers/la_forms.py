@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ttt_zoo.kernels.key_norm import key_norm_reference as key_norm  # the one key norm (T5 / DiT5), over the tokens
+from ttt_zoo.kernels.rope import inner_rope as rope_half  # the one 1-D RoPE: position inside the mini-batch
+
 from .neighborhood import neighborhood_attention_2d_torch, neighborhood_indices
 
 __all__ = ["SwiGLUForm", "PatchForm", "KernelForm", "ScanForm", "ViT3Form", "T5Form", "VisionTTTForm",
@@ -43,21 +46,6 @@ def inner_grads(loss_fn: Callable[..., Tensor], weights: Sequence[Tensor], batch
 def col_norm(u: Tensor, dims: List[int]) -> Tensor:
     """The gradient normaliser ``||u|| + 1`` over ``dims``."""
     return torch.linalg.vector_norm(u, ord=2, dim=dims, keepdim=True) + 1.0
-
-
-def key_norm(k: Tensor, eps: float) -> Tensor:
-    """Instance norm of the keys over the tokens (T5 / DiT5)."""
-    return (k - k.mean(1, keepdim=True)) / torch.sqrt(k.var(1, unbiased=False, keepdim=True) + eps)
-
-
-def rope_half(x: Tensor, b: int, theta: float) -> Tensor:
-    """Rotary embedding of the position inside the mini-batch (t mod b), rotate-half pairs (p, p + d/2)."""
-    n, d = x.shape[-2], x.shape[-1]
-    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    ang = (torch.arange(n, device=x.device) % b).to(torch.float64)[:, None] * freq
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def ln_grad(z: Tensor, target: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
