@@ -1,13 +1,17 @@
 """``ttt-zoo list``: the generated table (ttt_zoo/assets/model_stats.json) against the registry, the listing
-reading it, and timm's wildcard filters.  Each model's row against a fresh measurement is a column of
-tests/test_registry_contract.py."""
+reading it, and timm's wildcard filters; the papers' counts beside ours in docs/models.md (ttt_zoo/assets/
+paper_stats.json), within tolerance where a paper counts the same thing.  Each model's row against a fresh
+measurement is a column of tests/test_registry_contract.py."""
+import importlib.util
 import json
+import os
 
 import pytest
 
 import ttt_zoo
 from ttt_zoo.cli import main
 from ttt_zoo.cli import list as list_cmd
+from ttt_zoo.hub.cards import load_paper_stats, paper_counts
 
 REGISTRY = ttt_zoo.list_zoo_models(include_diffusion=True)
 TABLE = list_cmd.load_stats_table()
@@ -70,8 +74,6 @@ def test_a_closed_pipe_ends_the_listing_quietly(monkeypatch, capsys):
 # ----- the papers' counts beside ours (docs/models.md, ttt_zoo/assets/paper_stats.json) -----
 
 def _generator():
-    import importlib.util
-    import os
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gen_model_stats.py")
     spec = importlib.util.spec_from_file_location("gen_model_stats", path)
     module = importlib.util.module_from_spec(spec)
@@ -80,8 +82,6 @@ def _generator():
 
 
 GEN = _generator()
-from ttt_zoo.hub.cards import load_paper_stats, paper_counts  # noqa: E402
-
 PAPER = load_paper_stats()
 PAPER_ROWS = sorted(PAPER["models"])
 
