@@ -57,6 +57,20 @@ def _bwd_impl(do, q, k, v, ws, wn, scale: float, gated: bool, triton: bool):
     return [t.contiguous() for t in grads]
 
 
+def register_autograd(fwd_op, bwd_op) -> None:
+    """``fwd_op(q, k, v, *ws, scale, triton)`` differentiable: saves q, k, v, W and the updated W', the backward
+    runs ``bwd_op`` with the forward's ``triton``."""
+    def setup(ctx, inputs, output):
+        *tensors, scale, triton = inputs
+        ctx.save_for_backward(*tensors, *output[1:])
+        ctx.scale, ctx.triton = scale, triton
+
+    def backward(ctx, dout, *_):
+        return (*bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton), None, None)
+
+    fwd_op.register_autograd(backward, setup_context=setup)
+
+
 # ------------------------------------------------------------------------------------------------------ T5
 @torch.library.custom_op("ttt_zoo::t5_swiglu_fwd", mutates_args=())
 def t5_fwd_op(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
@@ -80,18 +94,7 @@ def _(do, q, k, v, w1, w2, w3, w1n, w2n, w3n, scale, triton):
     return _fake_bwd(q, (w1, w2, w3), triton)
 
 
-def _t5_setup(ctx, inputs, output):
-    q, k, v, w1, w2, w3, scale, triton = inputs
-    ctx.save_for_backward(q, k, v, w1, w2, w3, *output[1:])
-    ctx.scale, ctx.triton = scale, triton
-
-
-def _t5_backward(ctx, dout, *_):
-    grads = t5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton)
-    return (*grads, None, None)
-
-
-t5_fwd_op.register_autograd(_t5_backward, setup_context=_t5_setup)
+register_autograd(t5_fwd_op, t5_bwd_op)
 count_flops_as(t5_fwd_op, R.t5_fwd)
 count_flops_as(t5_bwd_op, R.t5_bwd)
 
@@ -119,18 +122,7 @@ def _(do, q, k, v, w1, w2, w1n, w2n, scale, triton):
     return _fake_bwd(q, (w1, w2), triton)
 
 
-def _dit5_setup(ctx, inputs, output):
-    q, k, v, w1, w2, scale, triton = inputs
-    ctx.save_for_backward(q, k, v, w1, w2, *output[1:])
-    ctx.scale, ctx.triton = scale, triton
-
-
-def _dit5_backward(ctx, dout, *_):
-    grads = dit5_bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton)
-    return (*grads, None, None)
-
-
-dit5_fwd_op.register_autograd(_dit5_backward, setup_context=_dit5_setup)
+register_autograd(dit5_fwd_op, dit5_bwd_op)
 count_flops_as(dit5_fwd_op, R.dit5_fwd)
 count_flops_as(dit5_bwd_op, R.dit5_bwd)
 

@@ -300,18 +300,23 @@ def dwconv_bwd(do, q, k, v, w3, g, scale: float, normalize_grad: bool = True):
 
 
 # ---------------------------------------------------------------------------------------------- autograd glue
-SwiGLUTTT = make_function("SwiGLUTTT", swiglu_fwd, swiglu_bwd, 2)
-DWConvTTT = make_function("DWConvTTT", dwconv_fwd, dwconv_bwd, 1)
+def step_functions(name: str, swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_bwd):
+    """The differentiable SwiGLU and conv inner steps + apply (the references' signatures) over a ``*_fwd`` /
+    ``*_bwd`` pair each (this file's, or the Triton kernels'), via ``utils.make_function``."""
+    swiglu_fn = make_function(f"SwiGLUTTT{name}", swiglu_fwd, swiglu_bwd, 2)
+    dwconv_fn = make_function(f"DWConvTTT{name}", dwconv_fwd, dwconv_bwd, 1)
+
+    def swiglu_ttt(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+        return swiglu_fn.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
+
+    def dwconv_ttt(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
+        return dwconv_fn.apply(q, k, v, w3, float(scale), bool(normalize_grad))
+
+    return swiglu_ttt, dwconv_ttt
 
 
-def swiglu_ttt_torch(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
-    """ViT3 SwiGLU inner step + apply (same signature as ``swiglu_ttt_reference``), recomputing backward."""
-    return SwiGLUTTT.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
-
-
-def dwconv_ttt_torch(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
-    """ViT3 3x3 depthwise-conv inner step + apply (same signature as ``dwconv_ttt_reference``)."""
-    return DWConvTTT.apply(q, k, v, w3, float(scale), bool(normalize_grad))
+#: ViT3's SwiGLU and 3x3 depthwise-conv inner steps + apply with the recomputing backward
+swiglu_ttt_torch, dwconv_ttt_torch = step_functions("", swiglu_fwd, swiglu_bwd, dwconv_fwd, dwconv_bwd)
 
 
 # ------------------------------------------------------------------------------- qkv projection + both branches

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch import make_function, normalize_columns, normalize_columns_bwd
+from .torch import normalize_columns, normalize_columns_bwd, step_functions
 from ..utils import compute_dtype
 from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
     store_tile, tile_rows, wstrides as _wstrides
@@ -351,14 +351,5 @@ def dwconv_bwd_triton(do, q, k, v, w3, g, scale: float, normalize_grad: bool = T
 
 
 # ---------------------------------------------------------------- differentiable entry points (no custom op)
-SwiGLUTTTTriton = make_function("SwiGLUTTTTriton", swiglu_fwd_triton, swiglu_bwd_triton, 2)
-DWConvTTTTriton = make_function("DWConvTTTTriton", dwconv_fwd_triton, dwconv_bwd_triton, 1)
-
-
-def swiglu_ttt_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True) -> torch.Tensor:
-    return SwiGLUTTTTriton.apply(q, k, v, w1, w2, float(scale), bool(normalize_grad))
-
-
-def dwconv_ttt_triton(q, k, v, w3, scale: float, normalize_grad: bool = True) -> torch.Tensor:
-    return DWConvTTTTriton.apply(q, k, v, w3, float(scale), bool(normalize_grad))
-
+swiglu_ttt_triton, dwconv_ttt_triton = step_functions("Triton", swiglu_fwd_triton, swiglu_bwd_triton,
+                                                      dwconv_fwd_triton, dwconv_bwd_triton)
