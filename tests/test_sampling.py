@@ -172,3 +172,41 @@ def test_grid_upscale_is_nearest_neighbour_and_sized(tmp_path):
         image_grid(images, upscale=0)
     path = save_image_grid(images, str(tmp_path / "big.png"), upscale=3)
     assert Image.open(path).size == (2 * 21 + 3 * 2, 2 * 15 + 3 * 2)
+
+
+def test_grid_upscale_shows_samples_at_the_model_image_size():
+    from ttt_zoo.sampling import MIN_CELL_PX, grid_upscale
+    assert MIN_CELL_PX == 128
+    assert grid_upscale((256, 256)) == 1  # decoded by the VAE: already the image size
+    assert grid_upscale((32, 32), (256, 256)) == 8  # a 256-px model's latents without the VAE: as the image
+    assert grid_upscale((16, 16)) == 8  # the digits DiT3's 16-px samples: 128 px, not a speck
+    assert grid_upscale((20, 24)) == 7  # the short side reaches 128 (140 x 168)
+    assert grid_upscale((16, 16), min_side=1) == 1
+
+
+def _grid_cells(path, side, padding=2):
+    """(columns, rows) of a grid of square cells ``side`` px with make_grid's padding; fails on any other size."""
+    w, h = Image.open(path).size
+    cols, rem_w = divmod(w - padding, side + padding)
+    rows, rem_h = divmod(h - padding, side + padding)
+    assert rem_w == rem_h == 0, (w, h, side)
+    return cols, rows
+
+
+def test_sample_cli_grid_is_at_the_model_image_size_and_nrow_arranges_it(tmp_path, capsys):
+    """A 256-px latent model (32-px latents) sampled without a VAE: each cell is 256 px (was 32), 5 samples
+    ``--nrow 2`` are 2 columns x 3 rows, ``--nrow 5`` one row; the tiny model with its VAE decodes to 32 px and is
+    shown at 128; ``--upscale 1`` keeps the sampled size."""
+    from ttt_zoo.cli import main
+    base = ["sample", "--model", "dit_s_2", "--model-kwargs", "hidden_size=32", "depth=1", "num_heads=2",
+            "num_classes=5", "input_size=32", "--labels", "0", "1", "2", "3", "4", "--steps", "1", "--device", "cpu"]
+    assert main(base + ["--nrow", "2", "--out", str(tmp_path / "a.png")]) == 0
+    assert "(518 x 776 px, 2 per row, each 256 x 256 px, enlarged 8x)" in capsys.readouterr().out
+    assert _grid_cells(tmp_path / "a.png", 256) == (2, 3)
+    assert main(base + ["--nrow", "5", "--out", str(tmp_path / "b.png")]) == 0
+    assert _grid_cells(tmp_path / "b.png", 256) == (5, 1)
+    assert main(base + ["--upscale", "1", "--out", str(tmp_path / "c.png")]) == 0
+    assert _grid_cells(tmp_path / "c.png", 32) == (3, 2)  # default nrow: about square
+    assert main(["sample", "--model", "dit3_s_2", "--tiny", "--steps", "1", "--labels", "1", "2", "--device", "cpu",
+                 "--out", str(tmp_path / "d.png")]) == 0
+    assert _grid_cells(tmp_path / "d.png", 128) == (2, 1)  # 16-px latents, a 2x VAE: 32-px images at 128 px

@@ -18,13 +18,17 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["make_scheduler", "sample", "save_image_grid", "image_grid", "SD_VAE_FACTOR"]
+__all__ = ["make_scheduler", "sample", "save_image_grid", "image_grid", "grid_upscale", "grid_nrow",
+           "SD_VAE_FACTOR", "MIN_CELL_PX"]
 
 SCHEDULERS = ("ddpm", "ddim")
 
 #: spatial downsampling of the SD VAE (stabilityai/sd-vae-ft-ema) the DiTs are trained on: a 256-px image is a 32-px
 #: latent; a latent model without its VAE at hand is taken to be this VAE's
 SD_VAE_FACTOR = 8
+
+#: the least side a sample is shown at in a grid unless told otherwise (a 16-px sample alone would be a speck)
+MIN_CELL_PX = 128
 
 
 def _diffusers():
@@ -96,6 +100,8 @@ def sample(
             returned, else the final latents.
         vae_scaling_factor: latent scale; default ``vae.config.scaling_factor`` (0.18215 for the SD VAE).
         eta: DDIM noise (0 = deterministic).
+        progress: show the steps (:class:`ttt_zoo.progress.Progress`: a bar on a terminal, else lines, once the
+            run has taken a few seconds).
     Returns:
         (B, 3, H*f, W*f) images in [0, 1] with a VAE, else (B, in_chans, H, W) latents.
     """
@@ -134,10 +140,9 @@ def sample(
     step_kwargs = {"eta": eta} if "eta" in inspect.signature(scheduler.step).parameters else {}
     if eta and not step_kwargs:
         raise ValueError(f"eta={eta} is only meaningful for DDIM; {type(scheduler).__name__} has no eta.")
+    from ttt_zoo.progress import Progress
     steps = scheduler.timesteps
-    if progress:
-        from tqdm.auto import tqdm  # diffusers depends on tqdm
-        steps = tqdm(steps)
+    bar = Progress(len(steps), "sample", interval=max(1, len(steps) // 10), unit="step", enabled=progress)
     for t in steps:
         inp = scheduler.scale_model_input(x, t)
         tt = torch.full((x.shape[0],), int(t), device=device, dtype=torch.long)
@@ -148,6 +153,8 @@ def sample(
         if not learned_var:
             out = out[:, :model.in_chans]
         x = scheduler.step(out, t, x, generator=generator, **step_kwargs).prev_sample
+        bar.update(items=1)
+    bar.close()
     if use_cfg:
         x = x[:n]
     if vae is None:
@@ -157,6 +164,20 @@ def sample(
     vdtype = next(vae.parameters()).dtype
     images = vae.decode(x.to(vdtype) / scale + shift).sample
     return ((images.float() + 1) / 2).clamp(0, 1)
+
+
+def grid_upscale(sample_hw: Tuple[int, int], image_hw: Optional[Tuple[int, int]] = None,
+                 min_side: int = MIN_CELL_PX) -> int:
+    """The whole factor a grid enlarges each sample by: to the model's image size ``image_hw`` (a latent shown
+    without its VAE: the size it decodes to) and to at least ``min_side`` px."""
+    h, w = sample_hw
+    big_h, big_w = image_hw or sample_hw
+    return max(1, math.ceil(max(big_h / h, big_w / w, min_side / min(h, w))))
+
+
+def grid_nrow(count: int, nrow: Optional[int] = None) -> int:
+    """Images per grid row: ``nrow``, else about square."""
+    return nrow or math.ceil(math.sqrt(count))
 
 
 def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 2,
@@ -186,8 +207,7 @@ def image_grid(images: torch.Tensor, nrow: Optional[int] = None, padding: int = 
     x = x.clamp(0, 1)
     if upscale > 1:
         x = torch.nn.functional.interpolate(x, scale_factor=int(upscale), mode="nearest")
-    nrow = nrow or math.ceil(math.sqrt(x.shape[0]))
-    grid = make_grid(x, nrow=nrow, padding=padding, pad_value=0.0)
+    grid = make_grid(x, nrow=grid_nrow(x.shape[0], nrow), padding=padding, pad_value=0.0)
     if x.shape[0] == 1 and padding:  # make_grid leaves a single image unframed; frame it like the others
         grid = torch.nn.functional.pad(grid, (padding,) * 4)
     return (grid.permute(1, 2, 0) * 255).round().to(torch.uint8)

@@ -9,7 +9,9 @@
 state dict; a ``.safetensors``) or the output folder of ``ttt-zoo train --task diffusion``, whose ``args.yaml``
 gives the model, its kwargs, the VAE and the image size, and whose EMA weights are used when it has them.  The
 model's input size, channels and classes are read from the weights.  ``--vae`` is a local diffusers
-``AutoencoderKL`` folder (never downloaded); pixel-space models (3 input channels) need none.
+``AutoencoderKL`` folder (never downloaded); pixel-space models (3 input channels) need none.  The grid shows each
+sample at the model's image size (latents without ``--vae``: the size they decode to) and at least 128 px, ``--nrow``
+per row (torchvision's ``make_grid`` name); ``--upscale N`` sets the enlargement instead.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
     from ttt_zoo.checkpoint import load_checkpoint_file
     from ttt_zoo.models.dit import checkpoint_filter_fn
     from ttt_zoo.run_folder import resolve_checkpoint
+    from ttt_zoo.sampling import SD_VAE_FACTOR
     from ttt_zoo.train.diffusion import build_dit, load_vae, vae_factor
     resolved = resolve_checkpoint(args.checkpoint)  # a run folder: its EMA weights first; any file: checked
     run_args, weights = resolved.run, resolved.weights
@@ -90,7 +93,7 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
         model_kwargs = _shape_kwargs(sd, model_kwargs)
     if args.image_size and "input_size" not in args.model_kwargs:
         in_chans = model_kwargs.get("in_chans", 4)
-        f = vae_factor(vae) if vae is not None else (1 if in_chans == 3 else 8)
+        f = vae_factor(vae) if vae is not None else (1 if in_chans == 3 else SD_VAE_FACTOR)
         if args.image_size % f:
             raise ValueError(f"--image-size {args.image_size} is not divisible by the VAE factor {f}.")
         model_kwargs["input_size"] = args.image_size // f
@@ -105,7 +108,7 @@ def _build(args) -> Tuple[Any, Any, Dict[str, Any]]:
 def run(args) -> int:
     import torch
     from ttt_zoo.checkpoint import CheckpointError
-    from ttt_zoo.sampling import sample, save_image_grid
+    from ttt_zoo.sampling import SD_VAE_FACTOR, grid_nrow, grid_upscale, sample, save_image_grid
     from ttt_zoo.torchcompile import check_torchcompile, compile_model
     from ._common import UsageError, check_out
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -131,7 +134,7 @@ def run(args) -> int:
     pixels = vae is None and model.in_chans == 3
     images = sample(model, labels, num_steps=args.steps, scheduler=args.scheduler, cfg_scale=args.cfg,
                     guidance_channels=args.guidance_channels or min(3, model.in_chans), seed=args.seed, vae=vae,
-                    progress=sys.stderr.isatty())
+                    progress=True)
     from ttt_zoo.finite import FiniteCheck
     finite = FiniteCheck(f"the samples of {args.model or 'the run'}", "samples")
     finite.add(images, lambda i: f"sample {i}, label {labels[i]}")
@@ -140,11 +143,18 @@ def run(args) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    save_image_grid(images, args.out, nrow=args.nrow, value_range=(-1.0, 1.0) if pixels else None,
-                    upscale=args.upscale)
-    what = "images" if vae is not None or pixels else "latents (no --vae: first 3 channels, min-max scaled)"
-    print(f"wrote {args.out}: {len(labels)} {what} of {tuple(images.shape[1:])} from {args.model or 'the run'}, "
-          f"{args.steps} {args.scheduler} steps, cfg {args.cfg}, labels {list(labels)}")
+    decoded = vae is not None or pixels
+    side = tuple(images.shape[-2:])
+    image_hw = side if decoded else tuple(SD_VAE_FACTOR * s for s in side)  # a latent: the image it stands for
+    upscale = args.upscale or grid_upscale(side, image_hw)
+    nrow = grid_nrow(len(labels), args.nrow)
+    from PIL import Image
+    save_image_grid(images, args.out, nrow=nrow, value_range=(-1.0, 1.0) if pixels else None, upscale=upscale)
+    what = "images" if decoded else "latents (no --vae: first 3 channels, min-max scaled)"
+    grid_w, grid_h = Image.open(args.out).size
+    print(f"wrote {args.out} ({grid_w} x {grid_h} px, {nrow} per row, each {upscale * side[0]} x {upscale * side[1]} "
+          f"px{f', enlarged {upscale}x' if upscale > 1 else ''}): {len(labels)} {what} of {tuple(images.shape[1:])} "
+          f"from {args.model or 'the run'}, {args.steps} {args.scheduler} steps, cfg {args.cfg}, labels {list(labels)}")
     return 0
 
 
@@ -173,9 +183,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda when available")
     add_torchcompile_args(p)
     p.add_argument("--nrow", type=Range(int, ge=1, le=1024), default=None,
-                   help="images per grid row (default: about square)")
-    p.add_argument("--upscale", type=Range(int, ge=1, le=64), default=1, metavar="N",
-                   help="enlarge every image N times in the grid (nearest neighbour), e.g. 8 for 16-px samples")
+                   help="images per grid row, as torchvision's make_grid / save_image (default: about square)")
+    p.add_argument("--upscale", type=Range(int, ge=1, le=64), default=None, metavar="N",
+                   help="enlarge every image N times in the grid (nearest neighbour); default: to the model's image "
+                        "size (latents without --vae: the size they decode to, 8x) and at least 128 px, e.g. 8 for "
+                        "16-px samples; 1: as sampled")
     p.add_argument("--tiny", action="store_true", help="tiny random model and VAE (no files; a smoke test)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
