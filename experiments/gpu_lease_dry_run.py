@@ -89,6 +89,12 @@ def section(title, cmd, rc, stdout, files, outside):
     lines += sorted(files) + ["```", ""]
     lines += ["`$OUT/versions.txt` (written before anything else):", "", "```", outside["versions.txt"].rstrip(),
               "```", "", "`$OUT/summary.md`:", "", outside["summary.md"].rstrip(), ""]
+    for row in outside["summary.md"].splitlines()[2:]:  # a failed unit: the end of its log
+        unit, status = (c.strip() for c in row.split("|")[1:3])
+        log = files.get(f"gpu_lease/{unit}.log", b"").decode(errors="replace").rstrip().splitlines()
+        if status.startswith("failed") and log:
+            lines += [f"The end of `gpu_lease/{unit}.log` ({status}):", "", "```", *[x[:300] for x in log[-8:]],
+                      "```", ""]
     for name in sorted(files):
         if name.endswith("/results.csv"):
             rows = list(csv.DictReader(io.StringIO(files[name].decode())))
