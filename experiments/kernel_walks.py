@@ -46,8 +46,8 @@ MODELS = {
 DECISIONS = ["resolve_backend", "get_op", "default_backend", "triton_unsupported", "kernel_choice", "gpu_verified",
              "verified", "choose", "qkv_custom_op", "_opaque_scan", "_op", "triton_choice"]
 PREDICATES = ["exporting", "needs_grad", "_needs_grad", "compiling", "_compiling"]
-DECIDERS = ["choose", "qkv_custom_op", "ttt_linear_torch", "ttt_linear_bidir_torch", "qkv_ttt_torch", "run_variant",
-            "ttt_linear_op", "ttt_linear_bidir_op", "qkv_ttt_op", "_opaque_scan"]  # + every function of api.py
+DECIDERS = ["choose", "qkv_custom_op", "torch_algorithm", "ttt_linear_torch", "ttt_linear_bidir_torch", "qkv_ttt_torch",
+            "run_variant", "ttt_linear_op", "ttt_linear_bidir_op", "qkv_ttt_op", "_opaque_scan"]  # + every function of api.py
 
 CHILD = r'''
 import json, os, sys

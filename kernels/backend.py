@@ -121,11 +121,9 @@ def needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def triton_choice(triton: Optional[bool], t: torch.Tensor, op: str, head_dim: Optional[int]) -> bool:
-    """The ``triton`` argument of an op's custom-op entry called directly (not through its chooser): as given, or
-    for None whether the kernels can run these inputs under ``op``'s own name (:func:`triton_unsupported`)."""
-    if triton is not None:
-        return bool(triton)
+def triton_choice(t: torch.Tensor, op: str, head_dim: Optional[int]) -> bool:
+    """The ``triton`` argument of an op's custom-op entry called directly without one (``triton=None``; the choosers
+    pass theirs): whether the kernels can run these inputs under ``op``'s own name (:func:`triton_unsupported`)."""
     return triton_unsupported(t.device, t.dtype, head_dim, op) is None
 
 

@@ -132,12 +132,12 @@ def t5_swiglu_ttt_op(q, k, v, w1, w2, w3, scale: float, triton=None) -> Tensor:
     """T5 inner step + apply through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path,
     None: the kernels where they can run, ``backend.triton_choice``)."""
     R._check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
-    triton = triton_choice(triton, q, "t5_swiglu_ttt", q.shape[-1])
+    triton = triton_choice(q, "t5_swiglu_ttt", q.shape[-1]) if triton is None else bool(triton)
     return t5_fwd_op(q, k, v, w1, w2, w3, float(scale), triton)[0]
 
 
 def mlp_ttt_op(q, k, v, w1, w2, scale: float, triton=None) -> Tensor:
     """DiT5 inner step + apply through the custom op (the ``triton`` backend; ``triton`` as above)."""
     R._check(q, k, v, (w1, w2), "dit5_mlp_ttt")
-    triton = triton_choice(triton, q, "dit5_mlp_ttt", q.shape[-1])
+    triton = triton_choice(q, "dit5_mlp_ttt", q.shape[-1]) if triton is None else bool(triton)
     return dit5_fwd_op(q, k, v, w1, w2, float(scale), triton)[0]

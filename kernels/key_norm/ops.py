@@ -74,4 +74,5 @@ def key_norm_op(x: Tensor, eps: float = 1.0, triton=None) -> Tensor:
     """Key instance-norm through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path, None:
     the kernel where it can run, ``backend.triton_choice``)."""
     check_key_norm(x, eps)
-    return key_norm_fwd_op(x, float(eps), triton_choice(triton, x, "key_instance_norm", 0))[0]
+    triton = triton_choice(x, "key_instance_norm", 0) if triton is None else bool(triton)
+    return key_norm_fwd_op(x, float(eps), triton)[0]

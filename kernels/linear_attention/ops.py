@@ -55,5 +55,5 @@ def linear_attention_op(q, k, v, lr, tau, w0, b0, mini_batch: int = 16, triton=N
     """The scan through the custom op (the ``triton`` backend; ``triton`` as ``backend.triton_choice``); arguments
     as ``naive.la_scan_naive``."""
     check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch, state_per_sample=True)
-    triton = triton_choice(triton, q, "linear_attention", q.shape[-1])
+    triton = triton_choice(q, "linear_attention", q.shape[-1]) if triton is None else bool(triton)
     return la_fwd_op(q, k, v, lr, tau, w0, b0, int(mini_batch), triton)

@@ -97,7 +97,7 @@ def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln
         return R.ttt_linear_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, eps, True)
     check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
     q1, k1, w1, b1 = R.single_inputs(q, k, w0, b0)
-    triton = triton_choice(triton, q, "ttt_linear", q.shape[-1])
+    triton = triton_choice(q, "ttt_linear", q.shape[-1]) if triton is None else bool(triton)
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
@@ -113,5 +113,5 @@ def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 
                                         eps, True)
     check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
     q2, k2, w2, b2 = R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
-    triton = triton_choice(triton, q, "ttt_linear_bidir", q.shape[-1])
+    triton = triton_choice(q, "ttt_linear_bidir", q.shape[-1]) if triton is None else bool(triton)
     return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps, triton), None

@@ -48,5 +48,6 @@ def qkv_ttt_op(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float,
     the kernels (:func:`qkv_custom_op`), False: the per-branch ops' PyTorch path, None: the kernels where they can
     run (``backend.triton_choice``)."""
     head_dim = x.shape[-1] // heads
-    return qkv_custom_op(triton_choice(triton, x, "vit3_qkv_ttt", head_dim), head_dim)(
+    triton = triton_choice(x, "vit3_qkv_ttt", head_dim) if triton is None else bool(triton)
+    return qkv_custom_op(triton, head_dim)(
         x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, recompute=recompute)

@@ -154,13 +154,13 @@ count_flops_as(dwconv_bwd_op, R.dwconv_bwd)
 def swiglu_ttt_op(q, k, v, w1, w2, scale: float, normalize_grad: bool = True, triton=None) -> Tensor:
     """SwiGLU inner step + apply through the custom op (the ``triton`` backend; ``triton=False``: its PyTorch path,
     None: the kernels where they can run, ``backend.triton_choice``)."""
-    triton = triton_choice(triton, q, "vit3_swiglu_ttt", q.shape[-1])
+    triton = triton_choice(q, "vit3_swiglu_ttt", q.shape[-1]) if triton is None else bool(triton)
     return swiglu_fwd_op(q, k, v, w1, w2, float(scale), bool(normalize_grad), triton)[0]
 
 
 def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True, triton=None) -> Tensor:
     """3x3 depthwise-conv inner step + apply through the custom op (the ``triton`` backend; ``triton`` as above)."""
-    triton = triton_choice(triton, q, "vit3_dwconv_ttt", q.shape[1])
+    triton = triton_choice(q, "vit3_dwconv_ttt", q.shape[1]) if triton is None else bool(triton)
     return dwconv_fwd_op(q, k, v, w3, float(scale), bool(normalize_grad), triton)[0]
 
 
