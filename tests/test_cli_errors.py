@@ -536,7 +536,7 @@ def test_hub_offline_in_python(hf_cache, monkeypatch):
 FEATURES_PHRASE = "has no features_only: DiT, DiT3 and DiT5 are diffusion models"
 
 
-@pytest.mark.parametrize("name", ["dit3_s_2", "dit5_s_2", "dit3_b_2.in1k_256"])
+@pytest.mark.parametrize("name", ["dit_s_2", "dit3_s_2", "dit5_s_2", "dit3_b_2.in1k_256"])
 def test_features_only_of_a_diffusion_model_is_one_clear_error(name):
     """``timm.create_model('dit3_s_2', features_only=True)`` was an AttributeError from timm's FeatureListNet: now
     a RuntimeError (what timm raises for a model without a feature path) that says what to use instead, and one
@@ -552,8 +552,7 @@ def test_features_only_of_a_diffusion_model_is_one_clear_error(name):
 
 def test_every_model_has_features_only_or_says_why():
     """The registry walked (a new model cannot slip past): every zoo model either builds with ``features_only=True``
-    (on the meta device: no memory, no weights) or raises :class:`NoFeaturesError`; every diffusion model raises it.
-    The plain DiT family is checked apart (its module is another helper's)."""
+    (on the meta device: no memory, no weights) or raises :class:`NoFeaturesError`; every diffusion model raises it."""
     import timm
     from ttt_zoo.errors import NoFeaturesError
     from ttt_zoo.registry import is_diffusion_model, list_zoo_models
@@ -570,8 +569,6 @@ def test_every_model_has_features_only_or_says_why():
     assert refused == [n for n in names if is_diffusion_model(n)]
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="ttt_zoo/models/dit.py (not N4's) does not call dit3.refuse_features_only yet")
 def test_features_only_of_plain_dit_is_one_clear_error():
     import timm
     with pytest.raises(RuntimeError, match=FEATURES_PHRASE):

@@ -21,6 +21,7 @@ from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
+from ttt_zoo.errors import NoFeaturesError
 from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_as_map
 from ._common import (build_ttt_model, check_image, check_sizes, run_blocks, unwrap_checkpoint, validate_state_dict,
                       with_hub_ids)
@@ -329,8 +330,20 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: DiT) -> Dict[str, to
     return sd
 
 
+def refuse_features_only(variant: str, kwargs: Dict[str, Any]) -> None:
+    """A DiT-skeleton model (dit, dit3, dit5) has no feature maps (timm's FeatureListNet would fail on its missing ``feature_info``):
+    ``features_only`` raises one clear :class:`~ttt_zoo.errors.NoFeaturesError` before anything is built."""
+    if kwargs.get("features_only"):
+        raise NoFeaturesError(
+            f"{variant} has no features_only: DiT, DiT3 and DiT5 are diffusion models (forward(x, t, y) returns the "
+            f"denoiser output) and have no feature maps or forward_features; create it without features_only, and "
+            f"for a block's tokens register a forward hook on model.blocks[i]; features_only is for the image "
+            f"backbones (vit3_*, hvit3_*, visionttt_*)")
+
+
 def create_dit(variant: str, pretrained: bool = False, **kwargs) -> DiT:
     """Build any DiT-skeleton model through timm (shared by dit, dit3 and dit5)."""
+    refuse_features_only(variant, kwargs)
     return build_ttt_model(DiT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
                            feature_cfg=None, **kwargs)
 

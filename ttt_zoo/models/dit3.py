@@ -10,12 +10,10 @@ from typing import Any, Dict
 
 from timm.models import generate_default_cfgs, register_model
 
-from ttt_zoo.errors import NoFeaturesError
-
 from ._common import with_hub_ids
 from .dit import DiT, checkpoint_filter_fn, create_dit, dit_args, dit_cfg
 
-__all__ = ["checkpoint_filter_fn", "refuse_features_only", "ONE_BLOCK_KWARGS"]
+__all__ = ["checkpoint_filter_fn", "ONE_BLOCK_KWARGS"]
 
 #: family -> the overrides that shrink its smallest model to one block (sizes: ``dit.DIT_SIZES``; compile checks)
 ONE_BLOCK_KWARGS = {"dit3": dict(depth=1)}
@@ -40,19 +38,7 @@ default_cfgs = generate_default_cfgs(with_hub_ids({
 }))
 
 
-def refuse_features_only(variant: str, kwargs: Dict[str, Any]) -> None:
-    """A DiT-skeleton model has no feature maps (timm's FeatureListNet would fail on its missing ``feature_info``):
-    ``features_only`` raises one clear :class:`~ttt_zoo.errors.NoFeaturesError` before anything is built."""
-    if kwargs.get("features_only"):
-        raise NoFeaturesError(
-            f"{variant} has no features_only: DiT, DiT3 and DiT5 are diffusion models (forward(x, t, y) returns the "
-            f"denoiser output) and have no feature maps or forward_features; create it without features_only, and "
-            f"for a block's tokens register a forward hook on model.blocks[i]; features_only is for the image "
-            f"backbones (vit3_*, hvit3_*, visionttt_*)")
-
-
 def _dit3(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:
-    refuse_features_only(f"dit3_{size}_{patch}", kwargs)
     args = dict(dit_args(size, patch), mixer="vit3", cpe=True)
     return create_dit(f"dit3_{size}_{patch}", pretrained, **dict(args, **kwargs))
 

@@ -11,7 +11,6 @@ from typing import Any, Dict
 from timm.models import generate_default_cfgs, register_model
 
 from .dit import DiT, create_dit, dit_args, dit_cfg
-from .dit3 import refuse_features_only
 
 __all__ = ["dit5_cfg_for", "ONE_BLOCK_KWARGS"]
 
@@ -37,7 +36,6 @@ default_cfgs = generate_default_cfgs({
 
 
 def _dit5(size: str, patch: int, pretrained: bool, kwargs: Dict[str, Any]) -> DiT:
-    refuse_features_only(f"dit5_{size}_{patch}", kwargs)
     args = dict(dit_args(size, patch), mixer="dit5_mixed", cpe=False)
     return create_dit(f"dit5_{size}_{patch}", pretrained, **dict(args, **kwargs))
 
