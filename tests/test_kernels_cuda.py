@@ -12,11 +12,12 @@ import os
 import pytest
 import torch
 
-from ttt_zoo.bench.ops import OPS as BENCH_OPS
 from ttt_zoo.kernels import available_ops, get_op
 from ttt_zoo.kernels.backend import MAX_HEAD_DIM, TRITON_BACKEND, triton_unsupported
 # max |kernel - reference| / max |reference|, per output and gradient: the one table, the local check's too
-from ttt_zoo.kernels.verify import TOL
+from ttt_zoo.kernels.verify import CASES as CHECK_CASES, HEAD_DIM_AT, TOL
+
+BUILD = {op: case[0] for op, case in CHECK_CASES.items()}  # each op's input builder, the local check's
 
 DEVICE = os.environ.get("TTT_ZOO_CUDA_TESTS_DEVICE", "cuda")
 TINY = DEVICE != "cuda"
@@ -26,19 +27,6 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not RUNNABLE, reason=f"the ke
 DTYPES = {"fp32": torch.float32} if TINY else {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _la(shape, rnd):
-    b, h, n, d, mb = shape
-    return [rnd(b, h, n, d) for _ in range(3)] + [rnd(b, h, n, scale=1.0 / d, uniform=True),
-                                                  rnd(mb, uniform=True, shift=0.5), rnd(1, h, d, d, scale=0.02),
-                                                  rnd(1, h, 1, d, scale=0.02), mb]
-
-
-def _variant(last_only):
-    def build(shape, rnd):
-        return BENCH_OPS["vit3_qkv_ttt"][0](shape, rnd) + [last_only, 1.0, False, 1]
-    return build
-
-
 # op -> (input builder, GPU cases, tiny case): heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d);
 # key norm (B, N, C); scans (B, heads, N, d, mini_batch)
 _HEADS = [(1, 2, 20000, 64), (1, 2, 20000, 32), (1, 1, 16500, 128)] + [(2, 2, 999, d) for d in
@@ -46,21 +34,21 @@ _HEADS = [(1, 2, 20000, 64), (1, 2, 20000, 32), (1, 1, 16500, 128)] + [(2, 2, 99
 _QKV = [(1, 3, 128, 160, 64), (2, 2, 17, 19, 128), (2, 3, 14, 14, 32), (2, 2, 15, 13, 72), (3, 4, 9, 7, 16)]
 _SCAN = [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 8), (2, 2, 999, 32, 16), (2, 2, 999, 48, 16), (2, 3, 999, 64, 64)]
 CASES = {
-    "vit3_swiglu_ttt": (BENCH_OPS["vit3_swiglu_ttt"][0], _HEADS, (1, 2, 21, 16)),
-    "vit3_dwconv_ttt": (BENCH_OPS["vit3_dwconv_ttt"][0], [(1, 64, 160, 128), (2, 8, 33, 31), (2, 96, 17, 23)],
+    "vit3_swiglu_ttt": (BUILD["vit3_swiglu_ttt"], _HEADS, (1, 2, 21, 16)),
+    "vit3_dwconv_ttt": (BUILD["vit3_dwconv_ttt"], [(1, 64, 160, 128), (2, 8, 33, 31), (2, 96, 17, 23)],
                         (1, 4, 5, 7)),
-    "vit3_qkv_ttt": (BENCH_OPS["vit3_qkv_ttt"][0], _QKV, (1, 2, 4, 3, 8)),
-    "vit3_variant_qkv_ttt": (_variant(False), _QKV, (1, 2, 4, 3, 8)),
-    "t5_swiglu_ttt": (BENCH_OPS["t5_swiglu_ttt"][0], _HEADS, (1, 2, 21, 16)),
-    "dit5_mlp_ttt": (BENCH_OPS["dit5_mlp_ttt"][0], _HEADS, (1, 2, 21, 16)),
-    "key_instance_norm": (BENCH_OPS["key_instance_norm"][0], [(1, 20000, 192), (2, 999, 72), (3, 77, 16)],
+    "vit3_qkv_ttt": (BUILD["vit3_qkv_ttt"], _QKV, (1, 2, 4, 3, 8)),
+    "vit3_variant_qkv_ttt": (BUILD["vit3_variant_qkv_ttt"], _QKV, (1, 2, 4, 3, 8)),
+    "t5_swiglu_ttt": (BUILD["t5_swiglu_ttt"], _HEADS, (1, 2, 21, 16)),
+    "dit5_mlp_ttt": (BUILD["dit5_mlp_ttt"], _HEADS, (1, 2, 21, 16)),
+    "key_instance_norm": (BUILD["key_instance_norm"], [(1, 20000, 192), (2, 999, 72), (3, 77, 16)],
                           (2, 9, 12)),
-    "ttt_linear": (BENCH_OPS["ttt_linear"][0], _SCAN, (1, 1, 21, 16, 8)),
-    "ttt_linear_bidir": (BENCH_OPS["ttt_linear_bidir"][0], _SCAN, (1, 1, 21, 16, 8)),
-    "linear_attention": (_la, [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 16), (2, 2, 999, 128, 16)], (1, 1, 21, 16, 8)),
+    "ttt_linear": (BUILD["ttt_linear"], _SCAN, (1, 1, 21, 16, 8)),
+    "ttt_linear_bidir": (BUILD["ttt_linear_bidir"], _SCAN, (1, 1, 21, 16, 8)),
+    "linear_attention": (BUILD["linear_attention"], [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 16), (2, 2, 999, 128, 16)],
+                         (1, 1, 21, 16, 8)),
 }
 KERNEL_OPS = sorted(op for op, impls in available_ops().items() if impls[TRITON_BACKEND])
-HEAD_DIM_AT = {"ttt_linear": 3, "ttt_linear_bidir": 3, "linear_attention": 3}  # else the last dim
 
 
 def _within_limit(op, shape):
