@@ -12,8 +12,8 @@
    and the dtype, so it runs once.  A failed check warns once and PyTorch runs.
 
 No check runs while torch.compile traces, while a graph is exported (torch.export, torch.jit), under timm's
-``exportable`` flag or while a CUDA graph is captured: there only the records and the cache count, else PyTorch runs.  Forcing a backend
-(``backend=``, ``set_backend``, ``TTT_ZOO_BACKEND``) never runs a check.
+``exportable`` flag or while a CUDA graph is captured: there only the records and the cache count, else PyTorch
+runs.  Forcing a backend (``backend=``, ``set_backend``, ``TTT_ZOO_BACKEND``) never runs a check.
 """
 import ast
 import contextlib
