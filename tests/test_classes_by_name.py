@@ -206,8 +206,9 @@ def test_eval_split_by_name_during_training(env, tmp_path, capsys):
     lack = _copy(env["data"], tmp_path / "lack", drop=["ant"])
     import argparse
     from ttt_zoo.train.classification import ClassificationTask
+    from ttt_zoo.train.task_flags import add_task_args
     p = argparse.ArgumentParser()
-    ClassificationTask.add_args(p)
+    add_task_args(p, "classification")
     p.add_argument("--data-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-b", "--batch-size", type=int, default=8)

@@ -36,6 +36,8 @@ def main(argv: Optional[Sequence[str]] = None, before_command: Optional[Callable
 
     def go() -> int:
         args = build_parser().parse_args(argv)
+        if getattr(args, "check_args", None) is not None:  # a command's own parse that needs no torch
+            args.check_args(args)
         if before_command is not None:
             before_command()
         args.debug = debug

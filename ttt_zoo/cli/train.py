@@ -6,7 +6,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", add_help=False, prefix_chars="\x01",
                        help="train a model (timm train.py flags; --task classification|diffusion|sd3)")
     p.add_argument("argv", nargs="*")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, check_args=_help)
+
+
+def _help(args) -> None:
+    """``train -h``: the trainer's parser (no torch) prints its help before the package is imported."""
+    if {"-h", "--help"} & set(args.argv):
+        from ttt_zoo.train.args import parse_args
+        parse_args(args.argv)
 
 
 def _run(args) -> int:

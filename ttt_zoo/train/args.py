@@ -6,13 +6,13 @@ names, e.g. ``batch_size``, as written to ``args.yaml``) become parser defaults;
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ttt_zoo import flags
 from ttt_zoo.flags import MAX_IMG_SIDE, MAX_SEED, Range
 from ttt_zoo.torchcompile import add_torchcompile_args
 
-from .task import TASKS, get_task_class
+from .task_flags import TASKS, add_task_args
 
 __all__ = ["build_parser", "parse_args"]
 
@@ -30,8 +30,9 @@ def _config_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -> argparse.ArgumentParser:
-    """The full parser: shared Trainer flags plus ``task_cls.add_args``."""
+def build_parser(task: Union[str, type, None] = None, prog: str = "ttt-zoo train") -> argparse.ArgumentParser:
+    """The full parser: shared Trainer flags plus the flags of ``task`` (a ``--task`` name, or its Task class),
+    from ``task_flags`` (no torch: ``ttt-zoo train --help`` builds it before the package is imported)."""
     p = argparse.ArgumentParser(prog=prog, parents=[_config_parser()],
                                 description="Train a ttt-zoo / timm model (one process, or many under torchrun).",
                                 formatter_class=flags.DefaultsHelpFormatter)
@@ -110,8 +111,8 @@ def build_parser(task_cls: Optional[type] = None, prog: str = "ttt-zoo train") -
     g.add_argument("--log-interval", type=Range(int, ge=1, le=1_000_000_000), default=50,
                    help="batches between log lines")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    if task_cls is not None:
-        task_cls.add_args(p)
+    if task is not None:
+        add_task_args(p, task if isinstance(task, str) else task.name)
     return p
 
 
@@ -129,8 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train"
         if not isinstance(cfg, dict):
             raise SystemExit(f"{prog}: error: --config {first.config} must hold a mapping of flag names to values.")
     task = first.task or cfg.get("task") or "classification"
-    task_cls = get_task_class(task)
-    parser = build_parser(task_cls, prog)
+    parser = build_parser(task, prog)
     known = {a.dest for a in parser._actions}
     unknown = sorted(k for k in cfg if k not in known and k not in _NOT_FLAGS)
     if unknown:
@@ -140,4 +140,5 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "ttt-zoo train"
     args = parser.parse_args(argv)
     flags.check_ranges(parser, args, f" (from --config {first.config})" if first.config else "")
     args.task = task
-    return args, task_cls
+    from .task import get_task_class  # the task's module (torch) only once the arguments are good
+    return args, get_task_class(task)

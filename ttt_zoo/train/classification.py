@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from .distributed import all_reduce_sum
-from .task import add_dataset_args, Task
+from .task import Task
 from ttt_zoo.flags import Range
 
 __all__ = ["ClassificationTask", "ImageFolderTask", "build_classifier", "scan_folder", "class_folders",
@@ -251,26 +251,6 @@ class ImageFolderTask(Task):
     """What the classification and diffusion tasks share: the data-set and ``--linearize-from`` flags, the data
     check, an image folder's classes taken by name (:attr:`class_names`, recorded in run.json), the number of
     classes and the loaders.  Subclasses set the flag texts and define ``_datasets()``."""
-    data_group = "data"  # title of the task's data flags
-    #: for the --linearize-from help: (the family it makes, the models it takes, the default --ttt-lr-scale)
-    linearize_help = ("T5", "softmax ViT/DeiT", "the paper's 20x")
-
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group(cls.data_group)
-        add_dataset_args(g)
-        cls.add_data_args(g)
-        family, source, default = cls.linearize_help
-        g = parser.add_argument_group(f"linearize ({family})")
-        g.add_argument("--linearize-from", default="", metavar="MODEL",
-                       help=f"{source} to linearize into {family} before training (needs --pretrained or "
-                            "--initial-checkpoint)")
-        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=None,
-                       help=f"lr multiplier (lr_scale) of the new TTT parameters (default: {default})")
-
-    @staticmethod
-    def add_data_args(group) -> None:
-        """The task's own data flags (beside --dataset / --train-split / --val-split)."""
 
     def __init__(self, args, dist):
         super().__init__(args, dist)
@@ -329,36 +309,7 @@ class ClassificationTask(ImageFolderTask):
     name = "classification"
     eval_metric = "top1"
     eval_mode = "max"
-    data_group = "classification data and augmentation (timm)"
 
-    @staticmethod
-    def add_data_args(g) -> None:
-        from ttt_zoo import flags
-        g.add_argument("--crop-pct", type=flags.CROP_PCT, default=None)
-        g.add_argument("--interpolation", default="", help="eval resize interpolation")
-        g.add_argument("--mean", type=flags.MEAN, nargs="+", default=None)
-        g.add_argument("--std", type=flags.STD, nargs="+", default=None)
-        g.add_argument("--no-aug", action="store_true", help="no training augmentation (resize + crop only)")
-        g.add_argument("--scale", type=Range(float, gt=0, le=1), nargs=2, default=[0.08, 1.0])
-        g.add_argument("--ratio", type=Range(float, gt=0, le=100), nargs=2, default=[3.0 / 4.0, 4.0 / 3.0])
-        g.add_argument("--hflip", type=Range(float, ge=0, le=1), default=0.5)
-        g.add_argument("--vflip", type=Range(float, ge=0, le=1), default=0.0)
-        g.add_argument("--color-jitter", type=Range(float, ge=0, le=10), default=0.4)
-        g.add_argument("--aa", default=None, help="timm auto-augment policy, e.g. rand-m9-mstd0.5-inc1")
-        g.add_argument("--reprob", type=Range(float, ge=0, le=1), default=0.0, help="random erasing probability")
-        g.add_argument("--remode", default="pixel")
-        g.add_argument("--recount", type=Range(int, ge=1, le=100), default=1)
-        g.add_argument("--train-interpolation", default="random")
-        g.add_argument("--smoothing", type=Range(float, ge=0, lt=1), default=0.1, help="label smoothing")
-        g.add_argument("--mixup", type=Range(float, ge=0, le=100), default=0.0, help="mixup alpha (on when > 0)")
-        g.add_argument("--cutmix", type=Range(float, ge=0, le=100), default=0.0, help="cutmix alpha (on when > 0)")
-        g.add_argument("--cutmix-minmax", type=Range(float, gt=0, le=1), nargs=2, default=None)
-        g.add_argument("--mixup-prob", type=Range(float, ge=0, le=1), default=1.0)
-        g.add_argument("--mixup-switch-prob", type=Range(float, ge=0, le=1), default=0.5)
-        g.add_argument("--mixup-mode", default="batch", choices=("batch", "pair", "elem"))
-        g.add_argument("--no-eval", action="store_true",
-                       help="no evaluation: no best checkpoint is picked (last.* only); for data without a "
-                            "validation split, or give --val-split FRACTION")
 
     def __init__(self, args, dist):
         super().__init__(args, dist)

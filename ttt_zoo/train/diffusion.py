@@ -231,17 +231,6 @@ class DiffusionTask(ImageFolderTask):
     name = "diffusion"
     eval_metric = "loss"
     eval_mode = "min"
-    data_group = "diffusion data (--task diffusion)"
-    linearize_help = ("DiT5", "softmax DiT (dit_*)", "the paper's 2x, ttt_zoo.linearize.LR_SCALES['dit']")
-
-    @staticmethod
-    def add_data_args(g) -> None:
-        g.add_argument("--hflip", type=Range(float, ge=0, le=1), default=0.5,
-                       help="horizontal flip probability of training images (DiT: 0.5; 0 for digits or text)")
-        g.add_argument("--vae", default=None, metavar="DIR",
-                       help="train on the latents of this local diffusers AutoencoderKL folder (default: pixels)")
-        g.add_argument("--eval-seed", type=Range(int, ge=0, le=MAX_SEED), default=0,
-                       help="seed of the eval loss's fixed timesteps and noise (the same every epoch)")
 
     def __init__(self, args: argparse.Namespace, dist: DistInfo):
         super().__init__(args, dist)

@@ -113,44 +113,6 @@ class SD3Task(Task):
     eval_metric = "loss"
     eval_mode = "min"
 
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        from ttt_zoo.linearize import LR_SCALES
-        parser.set_defaults(model="sd3_t5")  # names the experiment folder; the task builds the model
-        g = parser.add_argument_group("SD3.5-T5 (--task sd3)")
-        g.add_argument("--sd3-pipeline", default=None, metavar="DIR",
-                       help="local diffusers StableDiffusion3Pipeline folder (softmax: linearized here; SD3.5-T5: "
-                            "fine-tuned as is)")
-        g.add_argument("--teacher", default=None, metavar="DIR",
-                       help="softmax SD3 transformer folder for --distill-weight / the teacher MSE (default: the "
-                            "--sd3-pipeline transformer when it is softmax)")
-        g.add_argument("--ttt-dual-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None,
-                       help="default: the paper's layout")
-        g.add_argument("--ttt-joint-layers", type=Range(int, ge=0, le=1000), nargs="*", default=None,
-                       help="default: the paper's layout")
-        g.add_argument("--ttt-key-norm-span", default="joint", choices=("joint", "separate"))
-        g.add_argument("--ttt-rms-qk-norm", default="keep", choices=("keep", "skip"))
-        g.add_argument("--softmax", action="store_true",
-                       help="fine-tune the softmax transformer itself (the paper's SD3.5-FT baseline)")
-        g.add_argument("--ttt-lr-scale", type=Range(float, gt=0, le=1000), default=LR_SCALES["sd3"],
-                       help="lr multiplier of the new TTT parameters (the paper's SD3 recipe states none)")
-        g.add_argument("--eval-data-dir", default=None, metavar="DIR", help="default: --data-dir")
-        g.add_argument("--max-sequence-length", type=Range(int, ge=1, le=4096), default=256,
-                       help="T5 tokens per caption")
-        g.add_argument("--cache-text-embeddings", action="store_true",
-                       help="encode every caption once, then free the text encoders")
-        g.add_argument("--cache-latents", action="store_true", help="encode every image once with the VAE")
-        g.add_argument("--caption-dropout", type=Range(float, ge=0, le=1), default=0.0,
-                       help="probability of the empty caption")
-        g.add_argument("--hflip", action="store_true", help="random horizontal flips (not with --cache-latents)")
-        g.add_argument("--weighting-scheme", default="logit_normal",
-                       choices=("sigma_sqrt", "logit_normal", "mode", "cosmap", "none"))
-        g.add_argument("--logit-mean", type=Range(float, ge=-10, le=10), default=0.0)
-        g.add_argument("--logit-std", type=Range(float, gt=0, le=10), default=1.0)
-        g.add_argument("--mode-scale", type=Range(float, ge=0, le=10), default=1.29)
-        g.add_argument("--distill-weight", type=Range(float, ge=0, le=1000), default=0.0,
-                       help="weight of the MSE to the softmax teacher's prediction (0: the paper's plain fine-tune)")
-
     def __init__(self, args, dist):
         super().__init__(args, dist)
         if not args.sd3_pipeline:
@@ -219,8 +181,9 @@ class SD3Task(Task):
         return model
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-        from ttt_zoo.linearize import sd3_param_groups
-        return sd3_param_groups(model, self.new_names, lr_scale=self.args.ttt_lr_scale, weight_decay=weight_decay)
+        from ttt_zoo.linearize import LR_SCALES, sd3_param_groups
+        lr_scale = LR_SCALES["sd3"] if self.args.ttt_lr_scale is None else self.args.ttt_lr_scale
+        return sd3_param_groups(model, self.new_names, lr_scale=lr_scale, weight_decay=weight_decay)
 
     # ----- data ---------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -22,14 +22,10 @@ import torch
 from torch import nn
 
 from .distributed import DistInfo
+from .task_flags import TASKS
 
 __all__ = ["Task", "TASKS", "get_task_class"]
 
-TASKS: Dict[str, str] = {
-    "classification": "ttt_zoo.train.classification:ClassificationTask",
-    "diffusion": "ttt_zoo.train.diffusion:DiffusionTask",
-    "sd3": "ttt_zoo.train.sd3:SD3Task",
-}
 
 
 def get_task_class(name: str) -> type:
@@ -51,10 +47,6 @@ class Task:
     name: str = "classification"  # the value of --task
     eval_metric: str = "top1"     # key of evaluate()'s dict (summary.csv column eval_<key>) that picks the best checkpoint
     eval_mode: str = "max"        # "max" or "min" (diffusion: "min" on eval loss)
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        """Task-only flags (add an argument group to ``parser``); shared flags belong to the Trainer."""
 
     def __init__(self, args: argparse.Namespace, dist: DistInfo):
         self.args = args
@@ -107,9 +99,3 @@ class Task:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
 
-
-def add_dataset_args(group) -> None:
-    """The data-set flags every image-folder task shares (timm train.py's spellings)."""
-    group.add_argument("--dataset", default="", help="timm dataset name ('' = image folder at --data-dir)")
-    group.add_argument("--train-split", default="train")
-    group.add_argument("--val-split", default="validation", help="('' = no evaluation)")
