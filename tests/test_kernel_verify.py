@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _ops import triton_test
+from _ops import DEV, triton_test
 from ttt_zoo.kernels import available_ops
 from ttt_zoo.kernels import backend as B
 from ttt_zoo.kernels import verify as V
@@ -24,6 +24,7 @@ from ttt_zoo.kernels import verify as V
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_OPS = sorted(op for op, paths in available_ops().items() if paths["triton"])
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+KERNEL_DEVICE = torch.device(DEV)  # where the kernels run here: a GPU, else the CPU in the interpreter
 OP = "key_instance_norm"  # the quickest kernel in the interpreter
 
 
@@ -77,10 +78,10 @@ def test_every_kernel_op_has_check_cases_within_its_limits():
 
 @triton_test
 def test_a_correct_kernel_passes_its_check():
-    entry = V.check_op(OP, CPU)
+    entry = V.check_op(OP, KERNEL_DEVICE, timing=False)
     assert entry["passed"] and entry["error"] <= V.TOL[torch.float32], entry
-    assert entry["choice"] == "torch" and "not timed" in entry["why"]  # the interpreter is not timed
-    assert V.cache_entry(OP, CPU, torch.float32) == entry
+    assert entry["choice"] == "torch" and "not timed" in entry["why"]  # untimed: PyTorch
+    assert V.cache_entry(OP, KERNEL_DEVICE, torch.float32) == entry
 
 
 @triton_test
@@ -89,17 +90,17 @@ def test_a_wrong_kernel_fails_falls_back_and_warns_one_line(monkeypatch, where):
     _perturb(monkeypatch, OP, **{where: 1.01})  # 1e-2 relative: above the float32 tolerance (2e-3), far above noise
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert V.verified(OP, CPU, torch.float32) is False
+        assert V.verified(OP, KERNEL_DEVICE, torch.float32) is False
     assert len(caught) == 1, [str(w.message) for w in caught]
     msg = str(caught[0].message)
-    assert "\n" not in msg and OP in msg and "cpu" in msg and "PyTorch runs instead" in msg, msg
+    entry = V.cache_entry(OP, KERNEL_DEVICE, torch.float32)
+    assert "\n" not in msg and OP in msg and entry["device"] in msg and "PyTorch runs instead" in msg, msg
     assert "ttt-zoo kernels --verify --json" in msg and "relative error" in msg, msg
-    entry = V.cache_entry(OP, CPU, torch.float32)
     assert entry["case"].endswith(" output") == (where == "forward") and entry["case"] in msg, entry
     assert not entry["passed"] and 5e-3 < entry["error"] < 2e-2 and entry["choice"] == "torch", entry
     with warnings.catch_warnings(record=True) as again:  # decided: no second check, no second warning
         warnings.simplefilter("always")
-        assert V.verified(OP, CPU, torch.float32) is False
+        assert V.verified(OP, KERNEL_DEVICE, torch.float32) is False
     assert again == []
 
 
@@ -107,7 +108,7 @@ def test_a_wrong_kernel_fails_falls_back_and_warns_one_line(monkeypatch, where):
 def test_the_faster_correct_path_is_chosen(monkeypatch):
     for faster, ms in (("triton", {"triton": 1.0, "torch": 2.0}), ("torch", {"triton": 3.0, "torch": 2.0})):
         monkeypatch.setattr(V, "_time_ms", lambda op, backend, inputs, dtype: ms[backend])
-        entry = V.check_op(OP, CPU, timing=True)
+        entry = V.check_op(OP, KERNEL_DEVICE, timing=True)
         assert entry["passed"] and entry["ms"] == ms and entry["choice"] == faster, entry
 
 
