@@ -490,6 +490,7 @@ def test_bench_cli_writes_the_spread_and_warns_with_injected_timings(tmp_path, m
                     threads=1, gmacs=0.1)
 
     monkeypatch.setattr(bench_run, "run_child", fake_child)
+    monkeypatch.setattr("ttt_zoo.progress.DEFAULT_DELAY", 0.0)  # progress lines at once (else after a few seconds)
     rc = main(["bench", "--model", "vit3_tiny", "--peers", "test_vit", "--img-size", "32", "--device", "cpu",
                "--results-file", str(tmp_path / "r.csv")])
     out = capsys.readouterr()
@@ -507,6 +508,8 @@ def test_bench_cli_writes_the_spread_and_warns_with_injected_timings(tmp_path, m
     assert "| 2.22x* |" in out.out and "| 2.90x |" in out.out  # inference overlaps; training (60-62 vs 20-22) does not
     warnings = [line for line in out.err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "1 time ratio(s) marked * are not meaningful" in warnings[0], out.err
+    assert [line.split(" eta")[0] for line in out.err.splitlines() if line.startswith("bench [")] == [
+        f"bench [{i}/4]" for i in range(1, 5)]  # the measurements done, each with the run's ETA
 
 
 def test_bench_runs_a_diffusion_model_on_the_latents_of_the_image_size():
@@ -526,3 +529,34 @@ def test_bench_runs_a_diffusion_model_on_the_latents_of_the_image_size():
     assert count_gmacs("dit3_s_2", (64, 64), kwargs) == pytest.approx(counter.get_total_flops() / 2e9, rel=1e-6)
     with pytest.raises(ValueError, match="not a multiple of the VAE factor 8"):
         count_gmacs("dit3_s_2", (60, 64), kwargs)
+
+
+def test_readme_speed_table_is_the_results_files():
+    """README.md's "Measured speed" table is what experiments/cpu_speed_table.py renders from the results files
+    (regenerate and compare), every run folder's command is one of the README's commands, word for word, and the
+    README says the GPU figures are pending."""
+    import importlib.util
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("cpu_speed_table", os.path.join(root, "experiments",
+                                                                                   "cpu_speed_table.py"))
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_docs import parse_blocks
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert table.readme_block(readme) == table.render(root), "run python experiments/cpu_speed_table.py --write"
+    commands = {c.text for b in parse_blocks("README.md") for c in b.commands}
+    runs = [r for r in table.RUNS if os.path.isfile(os.path.join(root, table.FOLDER, r, "bench.md"))]
+    assert runs, "no run folder in experiments/results/cpu_speed_table"
+    for run in runs:
+        command, machine, rows = table.read_run(run, root)
+        assert command in commands, (run, command)
+        assert "2 cores" in machine and rows
+        for r in rows:  # the cells carry their spread
+            for p in ("infer", "train"):
+                if r.get(f"{p}_step_time"):
+                    assert float(r[f"{p}_step_time_min"]) <= float(r[f"{p}_step_time"]) <= float(
+                        r[f"{p}_step_time_max"])
+    assert "GPU figures are pending until they are measured" in readme

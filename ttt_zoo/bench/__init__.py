@@ -21,4 +21,4 @@ def scaling_table(models: Sequence[str], sizes: Sequence[int], iters: int = 3, t
     """Batch-1 latency and peak memory of ``models[0]`` next to the others (peers) at square ``sizes``."""
     cfg = BenchConfig(models=list(models[:1]), peers=list(models[1:]), img_sizes=[(s, s) for s in sizes],
                       phases=("train",) if train else ("infer",), num_warm_iter=1, num_bench_iter=iters)
-    return run_models(cfg, log=lambda *a: None)
+    return run_models(cfg, log=lambda *a: None, progress=False)

@@ -152,27 +152,30 @@ def _merge(runs: List[Dict]) -> Dict:
     return out
 
 
-def run_models(cfg: BenchConfig, log=print, on_rows=None) -> List[Dict]:
+def run_models(cfg: BenchConfig, log=print, on_rows=None, progress: bool = True) -> List[Dict]:
     """One row per (configuration, image size) with timm's ``infer_`` / ``train_`` keys.  ``on_rows(rows)`` is
-    called with the rows measured so far after every measurement (to write them at once: a killed run keeps them)."""
+    called with the rows measured so far after every measurement (to write them at once: a killed run keeps them);
+    ``progress``: the measurements done and the run's ETA on stderr (:class:`ttt_zoo.progress.Progress`, once the
+    run has taken a few seconds)."""
+    from ttt_zoo.progress import Progress
     configs = _configs(cfg)
+    todo = [(rep, h, w, c, p) for rep in range(cfg.repeats)  # repeats interleaved, so load from other processes
+            for h, w in cfg.img_sizes for c in configs for p in cfg.phases  # hits every config alike
+            if not (p == "train" and c.get("runtime") == "onnxruntime")]  # an inference runtime
     runs: Dict[tuple, List[Dict]] = {}
-    for rep in range(cfg.repeats):  # repeats interleaved, so load from other processes hits every config alike
-        for h, w in cfg.img_sizes:
-            for c in configs:
-                for p in cfg.phases:
-                    if p == "train" and c.get("runtime") == "onnxruntime":  # an inference runtime
-                        continue
-                    r = _run_model_child("model", cfg, c, h, w, p)
-                    runs.setdefault((c["label"], h, w, p), []).append(r)
-                    if "error" in r:
-                        log(f"FAILED {c['label']} {h}x{w} {p}: {r['error']}\n{r.get('traceback', '')}")
-                    else:
-                        log(f"{c['label']:>28} {h}x{w} {p:5s} {r['step_time']:10.2f} ms/step "
-                            f"{r['samples_per_sec']:9.2f} samples/s  peak {r['peak_mem_mb'] or 0:8.1f} MB"
-                            + (f"  (repeat {rep + 1})" if cfg.repeats > 1 else ""))
-                    if on_rows is not None:
-                        on_rows(_rows(cfg, configs, runs))
+    with Progress(len(todo), "bench", interval=1, unit="measurement", enabled=progress) as bar:
+        for rep, h, w, c, p in todo:
+            r = _run_model_child("model", cfg, c, h, w, p)
+            runs.setdefault((c["label"], h, w, p), []).append(r)
+            if "error" in r:
+                log(f"FAILED {c['label']} {h}x{w} {p}: {r['error']}\n{r.get('traceback', '')}")
+            else:
+                log(f"{c['label']:>28} {h}x{w} {p:5s} {r['step_time']:10.2f} ms/step "
+                    f"{r['samples_per_sec']:9.2f} samples/s  peak {r['peak_mem_mb'] or 0:8.1f} MB"
+                    + (f"  (repeat {rep + 1})" if cfg.repeats > 1 else ""))
+            if on_rows is not None:
+                on_rows(_rows(cfg, configs, runs))
+            bar.update()
     return _rows(cfg, configs, runs)
 
 
