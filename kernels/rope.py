@@ -28,8 +28,7 @@ def rope_1d_tables(pos: torch.Tensor, d: int, theta: float, dtype: torch.dtype) 
 
 def rope_1d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotation of ``x: (..., N, d)`` by the tables of :func:`rope_1d_tables`."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    x1, x2 = x.chunk(2, dim=-1)  # one split: its backward is one cat
     return torch.cat([torch.addcmul(x1 * cos, x2, sin, value=-1.0), torch.addcmul(x2 * cos, x1, sin)], dim=-1)
 
 
@@ -37,7 +36,8 @@ def inner_rope(x: torch.Tensor, mini_batch: int, theta: float = 10000.0) -> torc
     """1-D RoPE of the position inside the mini-batch (``t mod b``) on ``x: (B, heads, N, d)``.  The table has only
     ``b x d/2`` entries, gathered to the N positions: its size does not depend on N, so a traced graph (TorchScript's
     exporter) holds at every token count."""
-    cos, sin = rope_1d_tables(torch.arange(mini_batch, device=x.device), x.shape[-1], theta, x.dtype)
+    cos, sin = rope_1d_tables(torch.arange(mini_batch, device=x.device, dtype=torch.float64), x.shape[-1], theta,
+                              x.dtype)
     pos = torch.arange(x.shape[-2], device=x.device) % mini_batch
     return rope_1d(x, cos[pos], sin[pos])
 
