@@ -472,7 +472,6 @@ def test_channels_last_inputs_work_in_every_family():
 HUB_MODEL = "hf-hub:ttt-zoo/vit3_tiny.in1k"  # never in the test's empty cache; the hub is offline (conftest)
 HUB_PHRASES = ("from the Hugging Face Hub repo 'ttt-zoo/vit3_tiny.in1k'", "offline mode is on (HF_HUB_OFFLINE=1)",
                "not in the Hugging Face cache", "Download it once online (unset HF_HUB_OFFLINE)", "'local-dir:PATH'")
-_NOT_OURS = "prints the Hub's own FileNotFoundError message: it catches FileNotFoundError before the boundary"
 HUB = [
     ("validate --model hf-hub offline", lambda e: ["validate", "--model", HUB_MODEL, "--data-dir", e["data"],
                                                    "--pretrained", "-j", "0"]),
@@ -483,9 +482,8 @@ HUB = [
     ("export --model hf-hub offline", lambda e: ["export", "--model", HUB_MODEL, "--out",
                                                  os.path.join(e["out"], "hub.onnx")]),
     ("train --model hf-hub offline", lambda e: _train(e, "--model", HUB_MODEL, "--experiment", "hub")),
-    pytest.param("sample --model hf-hub offline", lambda e: ["sample", "--model", "hf-hub:ttt-zoo/dit3_b_2.in1k_256",
-                                                             "--out", os.path.join(e["out"], "hub.png")],
-                 marks=pytest.mark.xfail(strict=True, reason=f"cli/sample.py: {_NOT_OURS}")),
+    ("sample --model hf-hub offline", lambda e: ["sample", "--model", "hf-hub:ttt-zoo/dit3_b_2.in1k_256",
+                                                  "--out", os.path.join(e["out"], "hub.png")]),
     pytest.param("bench --model hf-hub offline", lambda e: ["bench", "--model", HUB_MODEL, "--device", "cpu"],
                  marks=pytest.mark.xfail(strict=True, reason="cli/bench.py reports each failed configuration in its "
                                                              "table (the Hub's own message) and goes on")),
@@ -499,8 +497,10 @@ def test_bad_invocation_hub_offline(env, hf_cache, capsys, name, argv):
     before = sorted(os.listdir(env["out"]))
     rc, err = cli(capsys, *argv(env))
     _record(name, argv(env), rc, (err.strip().splitlines() or [""])[-1], err)  # the xfail rows too: what they print
-    line = _check_one_line(rc, err, HUB_PHRASES[0], fix=False)  # "<what>. <how to fix>": the shared message
-    assert all(p in line for p in HUB_PHRASES), line
+    repo = next(a for a in argv(env) if a.startswith("hf-hub:"))[len("hf-hub:"):]
+    phrases = [p.replace(HUB_MODEL[len("hf-hub:"):], repo) for p in HUB_PHRASES]  # the command's own repo named
+    line = _check_one_line(rc, err, phrases[0], fix=False)  # "<what>. <how to fix>": the shared message
+    assert all(p in line for p in phrases), line
     assert hf_cache in line, line
     assert [ln for ln in err.splitlines() if "error" in ln.lower()] == [line]
     assert sorted(os.listdir(env["out"])) == before

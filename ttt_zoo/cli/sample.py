@@ -110,7 +110,7 @@ def run(args) -> int:
     from ttt_zoo.checkpoint import CheckpointError
     from ttt_zoo.sampling import SD_VAE_FACTOR, grid_nrow, grid_upscale, sample, save_image_grid
     from ttt_zoo.torchcompile import check_torchcompile, compile_model
-    from ._common import UsageError, check_out
+    from ._common import UsageError, check_out, error_line
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         check_torchcompile(args.torchcompile, args.torchcompile_mode)
@@ -125,7 +125,7 @@ def run(args) -> int:
             if bad:
                 raise ValueError(f"--labels {bad} are outside the model's {n} classes (0..{n - 1}).")
     except (CheckpointError, UsageError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e, args) or f"error: {e}", file=sys.stderr)  # (the Hub's errors: the one offline line)
         return 2
     model = model.to(device).eval()
     # the forward in place: forward_with_cfg (guidance) calls self.forward
