@@ -5,7 +5,8 @@ per call; a ``ttt_zoo::`` custom op is handed that choice as its last argument (
 forward's.  No choice outlives its call.  Values, the same for every op and layer:
 
 - ``auto`` (default): the Triton kernels for CUDA tensors where they can run (Triton installed, float32 / float16 /
-  bfloat16, head dim within the kernel's limit) and only for ops verified on a GPU (below), else ``torch``;
+  bfloat16, head dim within the kernel's limit) and only for ops verified on this GPU (``verify.verified``: a
+  repository record, else the cached or first-use local check), else ``torch``;
 - ``torch``: the lean PyTorch path with an analytic, recomputing backward (any device and dtype);
 - ``torch_naive``: the plain reference, differentiated by autograd (stores every intermediate);
 - ``triton``: the fused kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``, and the meta device for shapes).
@@ -15,11 +16,10 @@ The process-wide default: :func:`set_backend` (or, inside a block, the :func:`us
 ``set_layer_config``), else the ``TTT_ZOO_BACKEND`` environment variable, read here only (at every call), else
 ``auto``; an explicit ``backend=`` argument wins.
 
-GPU verification: ``auto`` picks an op's kernel on CUDA only if ``gpu_verified.json`` (next to this file, or the
-file ``TTT_ZOO_GPU_RECORDS`` names) holds a record for the op whose ``sha256`` equals the hash of the op's current
-kernel sources (its folder's ``triton.py`` and every package module that imports, transitively; see
-:func:`kernel_sources`).  Editing a kernel changes the hash, so its record no longer matches.  ``tools/gpu_check.py``
-writes the records after the kernel tests pass on a GPU.  Forcing ``triton`` ignores the records.
+GPU verification (``kernels/verify.py``): ``auto`` picks an op's kernel on CUDA only if ``gpu_verified.json`` (or
+the file ``TTT_ZOO_GPU_RECORDS`` names) holds a record whose ``sha256`` equals the hash of the op's current kernel
+sources, or the op's local check on this GPU passed (run once on first use, cached per GPU, torch, Triton, source
+hash and dtype).  Forcing ``triton`` runs no check and ignores the records.
 """
 import contextlib
 import importlib.util
