@@ -100,7 +100,8 @@ def test_conv_weights_laid_out_as_their_gradients():
     pointwise = torch.nn.Conv2d(8, 4, 1)  # (O, I, 1, 1): fed channels-last, its gradient comes channels-last too
     x, xp = torch.randn(2, 3, 16, 16), torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
     assert _stride_mismatches(model, x) == ["blocks.0.cpe.weight"]
-    assert _stride_mismatches(pointwise, xp) == ["weight"]
+    # (the pointwise gradient's layout before the fix depends on the CPU conv backend: channels-last on some
+    # machines, contiguous on others; after it, it matches on every one)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = model(x)
     patch = model.patch_embed.proj.weight.stride()

@@ -194,7 +194,8 @@ def test_train_loss_falls_then_sample_the_folder(tiny_digits, tmp_path):
                  "--cfg", "2", "--out", str(out), "--device", "cpu"]) == 0
     from PIL import Image
     img = Image.open(out)
-    assert img.format == "PNG" and img.size == (3 * 8 + 4 * 2, 8 + 2 * 2)  # 3 pixel-space 8x8 samples, padding 2
+    # 3 pixel-space 8x8 samples, each enlarged 16x to sample's 128-px cell floor (nearest), padding 2
+    assert img.format == "PNG" and img.size == (3 * 128 + 4 * 2, 128 + 2 * 2)
 
 
 def test_exact_resume_dit5_with_ema(tiny_digits, tmp_path):
@@ -264,7 +265,7 @@ def test_vae_latents_train_and_sample(tiny_digits, tmp_path):
     assert main(["sample", "--checkpoint", folder, "--steps", "3", "--labels", "1", "2", "--out", str(out),
                  "--device", "cpu"]) == 0  # the VAE comes from the run's args.yaml
     from PIL import Image
-    assert Image.open(out).size == (2 * 8 + 3 * 2, 8 + 2 * 2)
+    assert Image.open(out).size == (2 * 128 + 3 * 2, 128 + 2 * 2)  # two 8x8 decoded samples in 128-px cells
 
 
 def test_initial_checkpoint_for_latents_into_a_pixel_model_says_how(digits8, tmp_path):
