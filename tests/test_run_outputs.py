@@ -432,8 +432,11 @@ _SLOW_PREDICT = textwrap.dedent("""
 def test_sigint_during_predict_is_one_line_and_exit_130(env, tmp_path):
     penv = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     argv = ["predict", env["image"], "--checkpoint", env["run"], "--results-file", str(tmp_path / "r.csv")]
+    # as a terminal's foreground job: SIGINT at its default (a job started with `&` by a shell without job
+    # control, e.g. CI launched in the background, inherits SIGINT ignored, and Python then keeps ignoring it)
     p = subprocess.Popen([sys.executable, "-c", _SLOW_PREDICT, *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=penv, cwd=ROOT)
+                         stderr=subprocess.PIPE, env=penv, cwd=ROOT,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() == b"predicting"
         p.send_signal(signal.SIGINT)
