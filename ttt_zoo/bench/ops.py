@@ -14,44 +14,10 @@ import torch
 __all__ = ["OPS", "bench_ops", "shape_label"]
 
 
-def _heads_inputs(n_w: int, extra: Callable[[int], tuple]):
-    """q, k, v (B, heads, N, d) and ``n_w`` inner weights (1, heads, d, d) (ViT3 SwiGLU, T5, DiT5 inner steps)."""
-    def build(shape, rnd):
-        b, h, n, d = shape
-        qkv = [rnd(b, h, n, d) for _ in range(3)]
-        ws = [rnd(1, h, d, d, scale=0.02, weight=True) for _ in range(n_w)]
-        return qkv + ws + list(extra(d))
-    return build
-
-
-def _dwconv(shape, rnd):
-    b, d, hh, ww = shape
-    return [rnd(b, d, hh, ww) for _ in range(3)] + [rnd(d, 1, 3, 3, scale=0.02, weight=True), d ** -0.5, True]
-
-
-def _qkv(shape, rnd):
-    b, heads, hh, ww, d = shape
-    c = heads * d
-    return [rnd(b, hh * ww, c), rnd(3 * c + 3 * d, c, scale=c ** -0.5), rnd(3 * c + 3 * d, scale=0.02),
-            rnd(1, heads, d, d, scale=0.02, weight=True), rnd(1, heads, d, d, scale=0.02, weight=True),
-            rnd(d, 1, 3, 3, scale=0.02, weight=True), (hh, ww), heads, d ** -0.5, True, None, None]
-
-
-def _key_norm(shape, rnd):
-    b, n, c = shape
-    return [rnd(b, n, c), 1.0]
-
-
-def _ttt_linear(bidir: bool):
-    def build(shape, rnd):
-        b, h, n, d, mb = shape
-        lr = rnd(b, h, n, scale=1.0 / d, uniform=True)
-        tau = rnd(mb, uniform=True, shift=0.5)
-        tensors = [rnd(b, h, n, d) for _ in range(3)] + [lr, tau, rnd(1, h, d, d, scale=0.02),
-                                                         rnd(1, h, 1, d, scale=0.02), rnd(h, d, scale=0.1, shift=1.0),
-                                                         rnd(h, d, scale=0.1)]  # all in the benchmark dtype
-        return tensors + ([mb, True, 10000.0, 1e-6, False] if bidir else [mb, True, 1e-6, False])
-    return build
+def _inputs(op: str) -> Callable:
+    """The op's input builder: the one the kernels' local check uses (``kernels.verify.CASES``)."""
+    from ttt_zoo.kernels.verify import CASES
+    return CASES[op][0]
 
 
 def _tokens(heads: int, d: int, extra=()) -> List[tuple]:
@@ -61,20 +27,20 @@ def _tokens(heads: int, d: int, extra=()) -> List[tuple]:
 
 # op -> (input builder, shape fields, default shapes, dry-run shapes). Defaults follow the models that use the op.
 OPS: Dict[str, Tuple[Callable, str, List[tuple], List[tuple]]] = {
-    "vit3_swiglu_ttt": (_heads_inputs(2, lambda d: (d ** -0.5, True)), "B heads N d",
+    "vit3_swiglu_ttt": (_inputs("vit3_swiglu_ttt"), "B heads N d",
                         [(64, 6, 196, 32), (3, 6, 4096, 32), (1, 12, 16384, 64), (1, 2, 100, 72)], [(2, 2, 49, 16)]),
-    "vit3_dwconv_ttt": (_dwconv, "B d H W", [(64, 32, 14, 14), (3, 32, 64, 64)], [(2, 8, 7, 5)]),
-    "vit3_qkv_ttt": (_qkv, "B heads H W d", [(64, 3, 14, 14, 64), (4, 3, 32, 32, 64), (1, 3, 64, 64, 64)],
+    "vit3_dwconv_ttt": (_inputs("vit3_dwconv_ttt"), "B d H W", [(64, 32, 14, 14), (3, 32, 64, 64)], [(2, 8, 7, 5)]),
+    "vit3_qkv_ttt": (_inputs("vit3_qkv_ttt"), "B heads H W d", [(64, 3, 14, 14, 64), (4, 3, 32, 32, 64), (1, 3, 64, 64, 64)],
                      [(2, 2, 4, 3, 8)]),
-    "t5_swiglu_ttt": (_heads_inputs(3, lambda d: (d ** -0.5,)), "B heads N d", _tokens(3, 64) + [(1, 2, 4096, 72)],
+    "t5_swiglu_ttt": (_inputs("t5_swiglu_ttt"), "B heads N d", _tokens(3, 64) + [(1, 2, 4096, 72)],
                       [(2, 2, 49, 16)]),
-    "dit5_mlp_ttt": (_heads_inputs(2, lambda d: (d ** -0.5,)), "B heads N d", _tokens(6, 64), [(2, 2, 49, 16)]),
-    "key_instance_norm": (_key_norm, "B N C", [(64, 196, 192), (16, 1024, 192), (4, 4096, 192), (1, 16384, 192)],
+    "dit5_mlp_ttt": (_inputs("dit5_mlp_ttt"), "B heads N d", _tokens(6, 64), [(2, 2, 49, 16)]),
+    "key_instance_norm": (_inputs("key_instance_norm"), "B N C", [(64, 196, 192), (16, 1024, 192), (4, 4096, 192), (1, 16384, 192)],
                           [(2, 49, 16)]),
-    "ttt_linear": (_ttt_linear(False), "B heads N d mini_batch", [(max(1, 16384 // n), 3, n, 64, 16)
+    "ttt_linear": (_inputs("ttt_linear"), "B heads N d mini_batch", [(max(1, 16384 // n), 3, n, 64, 16)
                                                                   for n in (196, 1024, 4096, 16384)],
                    [(1, 1, 37, 16, 8)]),
-    "ttt_linear_bidir": (_ttt_linear(True), "B heads N d mini_batch", [(max(1, 16384 // n), 3, n, 64, 16)
+    "ttt_linear_bidir": (_inputs("ttt_linear_bidir"), "B heads N d mini_batch", [(max(1, 16384 // n), 3, n, 64, 16)
                                                                         for n in (196, 1024, 4096, 16384)],
                          [(1, 1, 37, 16, 8)]),
 }
