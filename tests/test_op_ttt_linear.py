@@ -656,3 +656,54 @@ def test_layernorm_backward_helper_takes_strided_statistics():
     xh = (zi - zi.mean(-1, keepdim=True)) * ri
     closed = (dxh - dxh.mean(-1, keepdim=True) - xh * (dxh * xh).mean(-1, keepdim=True)) * ri
     torch.testing.assert_close(R._ln_bwd(dxh, zi, mi, ri), closed, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------ the chunk-parallel forward at the sizes TTT is sold for
+LONG_N, LONG_D, LONG_MB = 3136, 64, 16  # 56 x 56 tokens: 196 mini-batches, 28 chunks of 7 per direction
+
+
+@pytest.fixture(scope="module")
+def long_case():
+    """Bidirectional scan, batch 1, one head, N = 3136, d = 64, per-direction w0; inputs rounded to float16 (so
+    the fp32 and fp16 runs share them) and the float64 reference (``naive.py``, autograd) of output and gradients.
+    The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    n, d, mb = LONG_N, LONG_D, LONG_MB
+    x = [r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n, d), torch.sigmoid(r(1, 1, n)) * 8.0 / d,
+         torch.clamp(1.0 / torch.arange(1, mb + 1, dtype=torch.float64) + 0.05 * r(mb), min=0),
+         0.05 * r(2, 1, d, d), 0.05 * r(2, 1, 1, d), 1 + 0.2 * r(1, d), 0.1 * r(1, d)]
+    x = [t.half().double() for t in x]
+    do = (r(1, 1, n, d) / 64).half().double()
+    leaves = [t.clone().requires_grad_() for t in x]
+    ref = ttt_linear_bidir_naive(*leaves, mini_batch=mb)[0]
+    return x, do, ref.detach(), torch.autograd.grad(ref, leaves, do)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+@triton_test
+def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launches):
+    """Pass 1 (states, G), pass 2 (28 chunk programs per direction) and the backward against the float64 reference:
+    output and every gradient, errors relative to each tensor's largest reference entry (measured: fp32 <= 6e-7,
+    fp16 <= 1e-3)."""
+    x, do, ref, ref_grads = long_case
+    leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
+    out = ttt_linear_bidir(*leaves, mini_batch=LONG_MB, backend="triton")[0]
+    grads = torch.autograd.grad(out, leaves, do.to(DEV, dtype))
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    for name, got, want in zip(("out",) + NAMES, (out,) + grads, (ref,) + ref_grads):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        scale = want.abs().max().item()
+        err = (got.double().cpu() - want).abs().max().item() / scale
+        assert err < tol, f"{name}: max error {err:.2e} of {scale:.3g}"
+
+
+def test_pass2_grid_grows_with_the_sequence():
+    """Vision-TTT-T (3 heads of 64, bidirectional, mini-batch 16), batch 1: pass 1 keeps one program per sequence
+    (the recurrence), pass 2 runs one per chunk x sequence: >= 100 programs at 2048 px (N = 128^2)."""
+    if T is None:
+        pytest.skip("the Triton kernels cannot run here")
+    grids = {px: T.scan_grids(2, 1, 3, (px // 16) ** 2, 16) for px in (224, 1024, 2048)}
+    assert all(g["states"] == (2, 3) for g in grids.values())
+    assert math.prod(grids[2048]["outputs"]) >= 100
+    assert math.prod(grids[224]["outputs"]) < math.prod(grids[1024]["outputs"]) <= math.prod(grids[2048]["outputs"])

@@ -1,17 +1,27 @@
 """Triton kernels of the TTT-Linear mini-batch dual-form scan (Vision-TTT), forward and backward, bidirectional.
 
-Same math and the same general contract as ``torch.py`` (which documents the formulas and the shapes).  One
-program per (direction x batch, head) sequence walks all mini-batches of its sequence; direction 1 reads and writes
-token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped copies.  The d x d
-state W and the bias b live in registers (fp32) for the whole scan.  Loads are upcast to float32 and every product
+Same math and the same general contract as ``torch.py`` (which documents the formulas and the shapes).  Direction 1
+reads and writes token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped
+copies.  The d x d state W and the bias b live in registers (fp32).  Loads are upcast to float32 and every product
 and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for fp16/bf16 inputs); results
-are stored in float32 buffers (summed over the directions in PyTorch) and cast to the input dtype.
+are stored in float32 buffers (summed over the directions in PyTorch) and cast to the input dtype.  Offsets are
+int64; the sizes that change per input (batch, heads, N, the mini-batch and chunk counts, broadcast strides) are
+``do_not_specialize``.
 
-Forward kernel ``_scan_fwd`` (fused per mini-batch, nothing but the output leaves the chip): z = k W + b, the
-    closed-form gradient of the LayerNorm-L2 loss G, eta = tril(tau_i lr_j), A = eta (q k^T + 1),
-    zb = q W + b - A G, the output LayerNorm + residual, the state update W -= k^T (e G), b -= sum e G.
-    With ``save_states`` (training) it writes the incoming (W, b) of every ck-th mini-batch (coarse checkpoints,
-    ck = ceil(sqrt(N / b)), fp32).
+The forward is chunk-parallel, in two launches.  TTT-Linear's recurrence over mini-batches is NOT linear: the inner
+gradient G_i = lnl2(K_i W_i + b_i, V_i - K_i) goes through a LayerNorm of the state's own prediction, so the state
+sequence itself cannot be formed in parallel (no associative scan, unlike linear attention).  Only the part that
+needs it runs sequentially; given G, the outputs are a linear function of the chunk-start state:
+    pass 1 ``_fwd_states``, grid (direction x batch, heads), sequential over the mini-batches: z = k W + b, G, the
+        update W -= k^T (e G), b -= sum e G.  Writes G (fp32, N x d per direction: the size of the input) and the
+        incoming (W; b) at every chunk start; a chunk is ck = ``torch.ckpt_every(n_mb)`` = max(4, ceil(n_mb / 32))
+        mini-batches, so at most ~32 states of (d + 1) x d per sequence, and they are exactly the checkpoints the
+        backward recomputes from (saved for it in training, nothing extra).
+    pass 2 ``_fwd_outputs``, grid (chunks, direction x batch, heads), every chunk in parallel (as fla's chunk_fwd_o):
+        from the chunk's stored (W; b) and G, per mini-batch zb = q W + b - (eta (q k^T + 1)) G, the output
+        LayerNorm + residual, and the (now linear) update W -= k^T (e G) to the next mini-batch.  Its grid grows
+        with the sequence up to 32 chunks (Vision-TTT-T, batch 1: 24 programs at 224 px, 192 at 1024 and 2048 px;
+        ``scan_grids``, experiments/results/visionttt_scan_grid.md).
 Backward kernel ``_scan_bwd``: walks the checkpoint segments in reverse with (dW, db) of the outgoing state in
     registers.  Per segment it first RECOMPUTES the state recursion (z, G, update) from the checkpoint, writing the
     ck incoming states to a per-program scratch buffer, then walks the segment's mini-batches in reverse, reloads
@@ -20,16 +30,16 @@ Backward kernel ``_scan_bwd``: walks the checkpoint segments in reverse with (dW
     Nothing of size N x d x d and no per-token weight is formed; the backward costs about 1.5 forward recursions
     more than the forward.
 Memory per (batch, head) and direction (d = head dim, D = d padded to a power of two >= 16, b = mini_batch,
-n_mb = ceil(N / b), ck = ceil(sqrt(n_mb))):
-    forward at inference: registers only (W, b, and b x D tiles), the fp32 N x d output;
+n_mb = ceil(N / b), ck as above):
+    forward: the fp32 N x d output and G, ceil(n_mb / ck) chunk states;
     saved for backward: the inputs plus ceil(n_mb / ck) states of (d + 1) x d fp32;
     backward: a scratch of ck states, dq, dk, dv as fp32 N x d per direction, d^2 + 4 d + b fp32 partials.
-    E.g. d = 64, b = 16, N = 4096: 16 saved + 16 scratch states = 0.53 MB (every mini-batch: 4.3 MB; per-token
+    E.g. d = 64, b = 16, N = 4096: 32 saved + 8 scratch states = 0.67 MB (every mini-batch: 4.3 MB; per-token
     weights: 67 MB); N = 16384: 32 + 32 states = 1.06 MB.
 In-chunk RoPE is applied in PyTorch before the kernels (``recompute.bidir_inputs``: one rotated copy of q, k per
 direction, in original token order).
 """
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import triton
@@ -38,7 +48,7 @@ import triton.language as tl
 from ..triton_utils import block_d as _block_d, prec as _prec
 from .torch import ckpt_every
 
-__all__ = ["scan_fwd_triton", "scan_bwd_triton"]
+__all__ = ["scan_fwd_triton", "scan_bwd_triton", "scan_grids"]
 
 
 @triton.jit
@@ -105,10 +115,11 @@ def _store_state(ptr, w, bias, offs_d, wmask, dmask, D):
 
 
 @triton.jit
-def _program(B, H, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's direction r, batch b, head h, sequence index ((direction x batch) x heads + head), the
-    mini-batch and head-dim offsets, and the head-dim and d x d masks."""
-    pid, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+def _program(pid, h, B, H, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """From the program ids of (direction x batch) and head: the direction r, batch b, head h, sequence index
+    ((direction x batch) x heads + head), all int64, the mini-batch and head-dim offsets, and the head-dim and
+    d x d masks."""
+    pid, h = pid.to(tl.int64), h.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     return pid // B, pid % B, h, pid * H + h, tl.arange(0, BLOCK_C), offs_d, dmask, dmask[:, None] & dmask[None, :]
@@ -124,25 +135,65 @@ def _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask):
     return lnw, lnb, row, Q + r * sqr + row * D, K + r * skr + row * D, V + row * D
 
 
-@triton.jit
-def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
-              sqr, skr, swr, swb, sbr, sbb,
-              B, H, N, D, n_mb, CK, n_ck, eps,
-              MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-              LN_RES: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(B, H, D, BLOCK_C, BLOCK_D)
+@triton.jit(do_not_specialize=["sqr", "skr", "swr", "swb", "sbr", "sbb", "B", "H", "N", "n_mb", "CK", "n_ck"])
+def _fwd_states(K, V, LR, TAU, W0, B0, LNW, LNB, G, ST,
+                skr, swr, swb, sbr, sbb,
+                B, H, N, D, n_mb, CK, n_ck, eps,
+                MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """Pass 1, one program per (direction x batch, head), sequential over the mini-batches: only the recurrence
+    (z = k W + b, the inner gradient G, the state update).  Writes G (fp32, token order) and the incoming (W; b) of
+    every CK-th mini-batch (the chunk starts)."""
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(0), tl.program_id(1), B, H, D, BLOCK_C,
+                                                          BLOCK_D)
     w = tl.load(W0 + r * swr + b * swb + h * D * D + offs_d[:, None] * D + offs_d[None, :], mask=wmask,
                 other=0.0).to(tl.float32)
     bias = tl.load(B0 + r * sbr + b * sbb + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
-    ob = O + (seq * N) * D
+    lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
+    gb = G + (seq * N) * D
     for m in range(n_mb):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
-        if SAVE:
-            if m % CK == 0:
-                _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+        if m % CK == 0:
+            _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
+        k = _load_rows(kb, t, offs_d, m2, D)
+        v = _load_rows(vb, t, offs_d, m2, D)
+        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+        tau_last = tl.load(TAU + c - 1).to(tl.float32)
         g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
+        tl.store(gb + t[:, None] * D + offs_d[None, :], g, mask=m2)
+        step = (tau_last * lr)[:, None] * g
+        w -= tl.dot(tl.trans(k), step, input_precision=PREC)
+        bias -= tl.sum(step, 0)
+
+
+@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
+def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
+                 sqr, skr,
+                 B, H, N, D, n_mb, CK, n_ck, eps,
+                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                 LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """Pass 2, one program per (chunk, direction x batch, head): given G the outputs are a linear recurrence, so
+    each chunk starts from its stored (W; b) and walks its CK mini-batches: zb = q W + b - (eta (q k^T + 1)) G, the
+    output LayerNorm + residual, W -= k^T (e G), b -= sum e G (the same arithmetic as pass 1)."""
+    ck = tl.program_id(0).to(tl.int64)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+                                                          BLOCK_D)
+    sb = ST + (seq * n_ck + ck) * (D + 1) * D
+    w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
+    bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
+    lnw, lnb, row, qb, kb, _ = _seq_inputs(Q, K, K, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
+    gb = G + (seq * N) * D
+    ob = O + (seq * N) * D
+    lo = ck * CK
+    hi = tl.minimum(n_mb, lo + CK)
+    for m in range(lo, hi):
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+        q = _load_rows(qb, t, offs_d, m2, D)
+        k = _load_rows(kb, t, offs_d, m2, D)
+        g = _load_rows(gb, t, offs_d, m2, D)
+        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+        tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
+        tau_last = tl.load(TAU + c - 1).to(tl.float32)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
         a = eta * (tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0)
@@ -158,14 +209,15 @@ def _scan_fwd(Q, K, V, LR, TAU, W0, B0, LNW, LNB, O, ST,
         bias -= tl.sum(step, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
 def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
               DQ, DK, DV, DLR, DTAU, DW0, DB0, DLNW, DLNB,
               sqr, skr,
               B, H, N, D, n_mb, CK, n_ck, eps,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, PREC: tl.constexpr):
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(B, H, D, BLOCK_C, BLOCK_D)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(0), tl.program_id(1), B, H, D, BLOCK_C,
+                                                          BLOCK_D)
     lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     dob = DO + row * D
     gb = seq * N  # rows of the per-direction (ndir B, H, N) gradient buffers
@@ -291,28 +343,46 @@ def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
     return _block_d(mini_batch), block_d, (8 if block_d >= 64 else 4)
 
 
+def _chunks(n: int, mini_batch: int) -> Tuple[int, int, int]:
+    """Mini-batches, mini-batches per chunk (= per saved checkpoint, ``torch.ckpt_every``) and chunks."""
+    n_mb = triton.cdiv(n, mini_batch)
+    ck = ckpt_every(n_mb)
+    return n_mb, ck, triton.cdiv(n_mb, ck)
+
+
+def scan_grids(ndir: int, bsz: int, heads: int, n: int, mini_batch: int) -> Dict[str, Tuple[int, ...]]:
+    """The launch grid of every kernel for ``n`` tokens: pass 1 and the backward one program per sequence
+    (direction x batch, head), pass 2 one per (chunk, sequence): it grows with the token count."""
+    seqs = (ndir * bsz, heads)
+    return {"states": seqs, "outputs": (_chunks(n, mini_batch)[2], *seqs), "backward": seqs}
+
+
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
                     eps: float, save_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward of the general contract (see ``torch.py``)."""
+    """Triton forward of the general contract (see ``torch.py``): pass 1 (states, G), pass 2 (outputs)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
     q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()
     tau, w0, b0 = tau.contiguous(), w0.contiguous(), b0.contiguous()
     ln_w, ln_b = ln_w.contiguous(), ln_b.contiguous()
-    n_mb = triton.cdiv(n, mini_batch)
-    ck = ckpt_every(n_mb)
-    n_ck = triton.cdiv(n_mb, ck)
-    out = torch.empty(ndir, bsz, h, n, d, device=q.device, dtype=torch.float32)
-    st = (torch.empty(ndir * bsz, h, n_ck, d + 1, d, device=q.device, dtype=torch.float32) if save_states
-          else torch.empty(0, device=q.device, dtype=torch.float32))
+    n_mb, ck, n_ck = _chunks(n, mini_batch)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    out = torch.empty(ndir, bsz, h, n, d, **f32)
+    grad = torch.empty(ndir, bsz, h, n, d, **f32)  # the inner gradients G (pass 1 -> pass 2)
+    st = torch.empty(ndir * bsz, h, n_ck, d + 1, d, **f32)  # chunk-start states = the backward's checkpoints
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
-    _scan_fwd[(ndir * bsz, h)](
-        q, k, v, lr, tau, w0, b0, ln_w, ln_b, out, st,
-        _bstride(q, 0), _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
-        bsz, h, n, d, n_mb, ck, n_ck, eps,
-        MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, SAVE=save_states,
-        PREC=_prec(q.dtype), num_warps=warps)
-    return out.sum(0).to(q.dtype), st
+    grids = scan_grids(ndir, bsz, h, n, mini_batch)
+    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
+               num_warps=warps)
+    _fwd_states[grids["states"]](
+        k, v, lr, tau, w0, b0, ln_w, ln_b, grad, st,
+        _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
+        bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+    _fwd_outputs[grids["outputs"]](
+        q, k, lr, tau, ln_w, ln_b, grad, st, out,
+        _bstride(q, 0), _bstride(k, 0),
+        bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+    return out.sum(0).to(q.dtype), (st if save_states else torch.empty(0, **f32))
 
 
 def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
@@ -333,9 +403,7 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
         raise RuntimeError("ttt_linear backward needs the forward's per-mini-batch states (save_states=True)")
     q, k, v, lr, do = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous(), do.contiguous()
     tau, ln_w, ln_b, states = tau.contiguous(), ln_w.contiguous(), ln_b.contiguous(), states.contiguous()
-    n_mb = triton.cdiv(n, mini_batch)
-    ck = ckpt_every(n_mb)
-    n_ck = triton.cdiv(n_mb, ck)
+    n_mb, ck, n_ck = _chunks(n, mini_batch)
     if states.shape[2] != n_ck:
         raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -347,7 +415,7 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     dw0 = torch.empty(seqs, d, d, **f32)
     db0, dlnw, dlnb = [torch.empty(seqs, d, **f32) for _ in range(3)]
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
-    _scan_bwd[(ndir * bsz, h)](
+    _scan_bwd[scan_grids(ndir, bsz, h, n, mini_batch)["backward"]](
         q, k, v, lr, tau, ln_w, ln_b, do, states, scratch,
         dq, dk, dv, dlr, dtau, dw0, db0, dlnw, dlnb,
         _bstride(q, 0), _bstride(k, 0),
