@@ -116,16 +116,30 @@ def vit3_fused_rows(block_ds, arch):
 
 
 def ttt_linear_rows(block_ds, arch, mini_batch=16):
-    """TTT-Linear scan kernels (one program per direction x batch x head), both LN-residual settings."""
+    """TTT-Linear scan kernels (forward pass 1 per sequence, pass 2 per chunk, the backward), both LN-residual
+    settings."""
     lines = []
     for bd in block_ds:
         bc, _, warps = LT._launch_cfg(bd, mini_batch)
         for ln in (True, False):
-            fwd = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, SAVE=True, PREC="tf32")
-            bwd = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC="tf32")
-            for fn, consts in ((LT._scan_fwd, fwd), (LT._scan_bwd, bwd)):
+            consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC="tf32")
+            for fn in (LT._fwd_states, LT._fwd_outputs, LT._scan_bwd):
                 lines.append(_row(fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts, arch))
     return lines
+
+
+_ACT = {"fp32": ("fp32", "ieee"), "fp16": ("fp16", "ieee"), "bf16": ("bf16", "ieee")}  # activations, fp32 dots
+
+
+def _row_act(act, *args, **kwargs):
+    """_row with the activations (``_IO``) in ``act`` instead of bf16 (inner_mlp section)."""
+    global _signature
+    base = _signature
+    _signature = lambda *a: {k: (f"*{act}" if v == "*bf16" else v) for k, v in base(*a).items()}  # noqa: E731
+    try:
+        return _row(*args, **kwargs)
+    finally:
+        _signature = base
 
 
 def inner_mlp_rows(block_ds, arch):
