@@ -2,13 +2,32 @@
 
 Imported only by the ``<op>/triton.py`` modules (CPU users never import Triton).  Every load is upcast to float32;
 ``d_max`` / ``n_max`` mask the padding of the head dim (to a power of two) and of the token count.
+
+Offsets: every kernel takes its program ids through ``pid64`` (int64), so every base offset built from them
+(``program x stride``, ``(batch x heads + head) x chunk size``) is 64-bit: a (B, N, C) activation passes 2^31
+elements from about batch 30 at 2048 px.  ``tests/test_triton_int64.py`` checks this statically for every kernel
+file and runs ``base_offset`` past 2^31 in the interpreter.
 """
+import inspect
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["prec", "dot_prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat",
+__all__ = ["UNSPECIALISED", "jit_sizes", "pid64", "base_offset", "prec", "dot_prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat",
            "store_mat", "tile_rows"]
+
+
+# argument names of sizes that change with the image, the batch or the model (tokens, map height / width, batch,
+# the program counts built from them, heads): not specialised, so one compiled variant per dtype and head dim serves
+# every image size (experiments/compiled_variants.py counts them)
+UNSPECIALISED = ("B", "N", "Hh", "Ww", "HEADS", "n_chunks", "n_pchunks", "n_tiles", "n_ptiles", "n_sw", "n_wb")
+
+
+def jit_sizes(fn):
+    """``triton.jit`` with ``do_not_specialize`` on the arguments of ``fn`` named in ``UNSPECIALISED``."""
+    names = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[a for a in UNSPECIALISED if a in names])
 
 
 def prec(dtype: torch.dtype) -> str:
@@ -32,6 +51,18 @@ def wstrides(w: torch.Tensor):
     """Strides of a (B | 1, heads, d, d) weight; a leading 1 broadcasts over the batch (stride 0)."""
     sb = 0 if w.shape[0] == 1 else w.stride(0)
     return sb, w.stride(1), w.stride(2), w.stride(3)
+
+
+@triton.jit
+def pid64(axis: tl.constexpr):
+    """This program's id along ``axis`` as int64: every offset computed from it is 64-bit."""
+    return tl.program_id(axis).to(tl.int64)
+
+
+@triton.jit
+def base_offset(index, stride):
+    """index x stride in int64 (either operand may be int32)."""
+    return index.to(tl.int64) * stride
 
 
 @triton.jit

@@ -10,6 +10,10 @@ thousands (fp32, fp16) and its launch count (3 Triton kernels each way, no aten 
 """
 import importlib
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,8 +323,10 @@ def _six_views(qkv, heads, d, h, w):
 
 
 FUSED_CASES = [  # (B, heads, d, H, W, per-batch weights, normalize_grad, dtype)
-    (1, 2, 32, 48, 48, False, True, torch.float32),
-    (1, 2, 32, 48, 48, False, True, torch.float16),
+    (1, 1, 32, 56, 56, False, True, torch.float32),   # N = 3136: ViT3 at 224 px, stride 4
+    (1, 1, 32, 56, 56, False, True, torch.float16),
+    (1, 1, 64, 56, 56, False, True, torch.float32),   # head dim 64: two conv channel blocks, 32-token tiles
+    (1, 1, 64, 56, 56, False, True, torch.float16),
     (2, 1, 24, 40, 30, True, True, torch.float32),    # a head dim that is not a power of two, per-batch weights
     (2, 1, 24, 40, 30, False, False, torch.float16),  # shared weights summed over the batch, no normalisation
 ]
@@ -358,6 +364,79 @@ def test_fused_qkv_op_matches_float64(case, monkeypatch):
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         print(f"{name}: max error / max |ref| = {err:.2e} (tolerance {tol:.2e})")
         assert err <= tol, (name, err, tol)
+
+
+def _fused_grads(b, heads, d, h, w, dtype, scale, v_scale=1.0):
+    """(inputs, dout, grads of qkv and the weights) of the fused op; the v columns of the SwiGLU branch scaled."""
+    torch.manual_seed(0)
+    c = heads * d
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV)
+    qkv[..., 2 * c:3 * c] *= v_scale
+    qkv = qkv.to(dtype).requires_grad_()
+    ws = [(torch.randn(1, heads, d, d, device=DEV) * 0.05).requires_grad_() for _ in range(2)]
+    ws.append((torch.randn(d, 1, 3, 3, device=DEV) * 0.05).requires_grad_())
+    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, scale, True, True)
+    dout = torch.randn_like(out)
+    return [qkv] + ws, dout, torch.autograd.grad(out, [qkv] + ws, dout)
+
+
+@triton_test
+def test_fused_backward_fp16_safe_from_subnormal_dg(monkeypatch):
+    """c dG (c = -scale / N) is subnormal in fp16 here (~1e-6, a few bits of mantissa) while dk is not (v is large):
+    the kernels scale dG to max 1 before it meets the fp16 tiles and apply c max|dG| in fp32.  Multiplying first
+    (before the fix) gave dk1 a 6e-2 error; within the fp16 tolerance now."""
+    if DEV == "cpu":
+        monkeypatch.setattr(FUSED, "BLOCK_P", 256)
+        monkeypatch.setattr(FUSED, "TILES", 2)
+    b, heads, d, h, w, scale = 1, 1, 32, 56, 56, 1e-4
+    leaves, dout, grads = _fused_grads(b, heads, d, h, w, torch.float16, scale, v_scale=64.0)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    q1, k1, v1, q2, k2, v2 = _six_views(ref_leaves[0], heads, d, h, w)
+    r1 = swiglu_ttt_reference(q1, k1, v1, *ref_leaves[1:3], scale, True)
+    r2 = dwconv_ttt_reference(q2, k2, v2, ref_leaves[3], scale, True)
+    ref = torch.cat([r1.transpose(1, 2).flatten(2), r2.flatten(2).transpose(1, 2)], -1)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    c, tol = heads * d, _fused_tol(torch.float16, h * w)
+    got_k, want_k = grads[0][..., c:2 * c].double(), ref_grads[0][..., c:2 * c]
+    cdg = want_k.abs().max() / (64.0 * math.sqrt(d))  # the order of c dG: dk ~ |v| sqrt(d) |c dG|
+    assert cdg < torch.finfo(torch.float16).tiny, cdg.item()  # the case this test is about
+    err = ((got_k - want_k).abs().max() / want_k.abs().max()).item()
+    assert want_k.abs().max() > 2 * torch.finfo(torch.float16).tiny  # dk itself is a normal fp16 number
+    assert err <= tol, (err, tol)
+    for got, want in zip(grads[1:3], ref_grads[1:3]):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= tol
+
+
+@triton_test
+def test_fused_backward_deterministic_switch(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms`` the weight gradients are summed in a fixed order by a fourth
+    launch (bitwise the same run to run) instead of relaxed atomic adds; both agree to fp32 rounding."""
+    b, heads, d, h, w = 2, 2, 16, 9, 7
+    launches = _count_triton_launches(monkeypatch)
+    _, _, fast = _fused_grads(b, heads, d, h, w, torch.float32, 1 / 3)
+    assert launches.count("_bwd_reduce") == 0
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    _, _, det = _fused_grads(b, heads, d, h, w, torch.float32, 1 / 3)
+    _, _, again = _fused_grads(b, heads, d, h, w, torch.float32, 1 / 3)
+    assert launches.count("_bwd_reduce") == 2
+    for x, y, z in zip(fast, det, again):
+        assert torch.equal(y, z)
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_kernels_compile_once_per_dtype_and_head_dim(tmp_path):
+    """Over the standard shapes (ViT3-T/S/B, H-ViT3-T's stages; 224 to 1024 px; batch 1 to 64) every fused kernel
+    has one compiled variant per dtype and head dim: the per-image sizes are not specialised
+    (experiments/compiled_variants.py, Triton's own cache key, no GPU)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "variants.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, str(root / "experiments" / "compiled_variants.py"), "--out", str(out)],
+                   check=True, env=env, cwd=root, capture_output=True, timeout=600)
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| _")]
+    assert len(rows) == 6 * 3 * 2  # six kernels, three dtypes, head dims 32 and 64
+    assert all(int(r[-1]) == 1 for r in rows), [r for r in rows if int(r[-1]) != 1]
 
 
 @pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])

@@ -13,19 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import block_d, load_tile, prec, store_tile
+from ..triton_utils import block_d, jit_sizes, load_tile, pid64, prec, store_tile
 from ..ttt_linear.common import check_scan_args
 
 __all__ = ["la_fwd_triton"]
 
 
-@triton.jit
+@jit_sizes
 def _la_fwd(Q, K, V, LR, TAU, W0, B0, O,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, slb, slh, sln,
             swb, swh, swr, swc, sbb, sbh, sbd, sob, soh, son, sod,
             H, N, D, MB,
             BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = pid64(0)
     b, h = pid // H, pid % H
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from .torch import normalize_columns, normalize_columns_bwd, step_functions
 from ..utils import compute_dtype
-from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
-    store_tile, tile_rows, wstrides as _wstrides
+from ..triton_utils import block_d as _block_d, jit_sizes, load_mat, load_tile, load_tile_pair, pid64, prec as _prec, \
+    store_mat, store_tile, tile_rows, wstrides as _wstrides
 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
            "dwconv_ttt_triton"]
@@ -60,7 +60,7 @@ COL_BLOCK = 32    # column-block width used when the padded head dim exceeds MAX
 @triton.jit
 def _program(H, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """(program, chunk or tile, column block, batch, head, head-dim offsets, column offsets) of this program."""
-    pid, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, chunk, cb = pid64(0), pid64(1), pid64(2)
     return pid, chunk, cb, pid // H, pid % H, tl.arange(0, BLOCK_D), cb * BLOCK_C + tl.arange(0, BLOCK_C)
 
 
@@ -85,7 +85,7 @@ def _swiglu_tile(x, w1, w2, PREC: tl.constexpr):
     return z1, z2, tl.sigmoid(z2)
 
 
-@triton.jit
+@jit_sizes
 def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
                 sxb, sxh, sxn, sxd, syb, syh, syn, syd, swb, swh, swr, swc, sdc, sdb, sdh, sdn, sdd,
                 H, N, D, n_chunks,
@@ -113,7 +113,7 @@ def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
     _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, p1, p2, offs_d, offs_c, D)
 
 
-@triton.jit
+@jit_sizes
 def _swiglu_apply(Q, W1, W2, O,
                   sqb, sqh, sqn, sqd, sob, soh, son, sod,
                   H, N, D,
@@ -126,7 +126,7 @@ def _swiglu_apply(Q, W1, W2, O,
     store_tile(O, b * sob + h * soh, y1 * y2 * s, offs_n, offs_c, son, sod, N, D)
 
 
-@triton.jit
+@jit_sizes
 def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
                        skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
                        sdkc, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
@@ -263,11 +263,11 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
 
 
 # ----------------------------------------------------------------------------------------------- conv kernels
-@triton.jit
+@jit_sizes
 def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
           TILES: tl.constexpr, BLOCK_P: tl.constexpr):
     """Partial t[i, j] = sum_p x[p + (i-1, j-1)] e[p] over TILES pixel tiles; writes 9 fp32 (padded to 16)."""
-    pid, chunk = tl.program_id(0), tl.program_id(1)
+    pid, chunk = pid64(0), pid64(1)
     b, c = pid // C, pid % C
     offs_t = tl.arange(0, 16)
     acc = tl.zeros((16,), dtype=tl.float32)
@@ -285,11 +285,11 @@ def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
     tl.store(P + (pid * n_chunks + chunk) * 16 + offs_t, acc)
 
 
-@triton.jit
+@jit_sizes
 def _dwconv(X, Wt, O, sxb, sxc, sxh, sxw, sob, soc, soh, sow, C, Hh, Ww, alpha,
             BLOCK_P: tl.constexpr):
     """out[p] = alpha * sum_taps w[b, c, tap] x[p + tap - 1] (zero padding), w (B, C, 16) fp32, taps 0..8."""
-    pid, tile = tl.program_id(0), tl.program_id(1)
+    pid, tile = pid64(0), pid64(1)
     b, c = pid // C, pid % C
     offs_t = tl.arange(0, 16)
     w = tl.load(Wt + pid * 16 + offs_t)
