@@ -14,10 +14,9 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
-from .block import map_to_tokens, tokens_as_map
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import PlainStepTTT, dit5_form, qkv_inputs, silu_gate_features
+from .t5_ttt import PlainStepTTT, dit5_form, fold_identity, qkv_inputs, residual_dwconv, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -109,18 +108,21 @@ class DiT5MixedAttention(PlainStepTTT):
         return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
 
     def _ttt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """(B, heads, N, d); each affine one launch, the convs' residuals folded into their weights."""
         s, o = self.qk_scale_ttt, self.qk_offset_ttt
-        k = k * s[..., 1] + o[..., 1]
-        k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
-        k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_as_map(k, feat_size))))
+        k = key_instance_norm(torch.addcmul(o[..., 1], k, s[..., 1]), 1.0, backend=self.backend)  # shared with T5
         if self.share_qk:
-            q = k
+            wk = fold_identity([self.k_conv2d.weight])[0]
+            q = k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
         else:
-            q = q * s[..., 0] + o[..., 0]
-            q = self._heads(q + map_to_tokens(self.q_conv2d(tokens_as_map(q, feat_size))))
-        return self._inner(q, k, self._heads(v)).transpose(1, 2).flatten(2)
+            wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
+            k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
+            q = self._heads(residual_dwconv(torch.addcmul(o[..., 0], q, s[..., 0]), wq, self.q_conv2d.bias,
+                                            feat_size))
+        return self._inner(q, k, self._heads(v))
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """(B, heads, N, d) from (B, N, C) q, k, v (views of the qkv output)."""
         b, n, c = q.shape
         h, w = feat_size
         q = q.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
@@ -128,16 +130,18 @@ class DiT5MixedAttention(PlainStepTTT):
         v = v.reshape(b, h, w, self.num_heads, self.head_dim).permute(0, 3, 1, 2, 4)
         out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.scale, self.use_natten,
                                         clamp_to_map=True)  # a window larger than the map covers the map
-        return out.permute(0, 2, 3, 1, 4).reshape(b, n, c)
+        return out.flatten(2, 3)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        b, n, c = x.shape
         if self.share_qk:
             k, v = self.qkv(x).chunk(2, dim=-1)
             q = k
         else:
             q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = 0.5 * self._na(q, k, v, feat_size) + 0.5 * self._ttt(q, k, v, feat_size)
-        return self.proj_drop(self.proj(x))
+        # 0.5 (NA + TTT) in one launch; NA first: its (B, N, heads, d) layout makes merging the heads free
+        x = torch.lerp(self._na(q, k, v, feat_size), self._ttt(q, k, v, feat_size), 0.5)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, dilation={self.dilation}"
