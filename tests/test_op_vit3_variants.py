@@ -128,22 +128,30 @@ def small_tiles(monkeypatch):
     if DEV == "cpu" and T is not None:  # the interpreter is slow: small tiles, so tiny inputs still span programs
         monkeypatch.setattr(T, "BLOCK_N", 16)
         monkeypatch.setattr(T, "TILES", 2)
+        monkeypatch.setattr(T.F, "launch_cfg", lambda bd: (16, 4))
+        monkeypatch.setattr(T.F, "TILES", 2)
+        monkeypatch.setattr(T.F, "BLOCK_P", 16)
         T3 = triton_kernels("vit3_ttt")
         monkeypatch.setattr(T3, "BLOCK_N", 16)
         monkeypatch.setattr(T3, "TILES", 2)
         monkeypatch.setattr(T3, "BLOCK_P", 32)
 
 
+@pytest.mark.parametrize("core", ["fused", "per_branch"])
 @pytest.mark.parametrize("case", ["v3", "v1_ascent_qk", "ascent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @triton_test
-def test_triton_path(case, dtype):
+def test_triton_path(case, dtype, core, monkeypatch):
     kind, opts = CASES[case]
     if dtype == torch.float16 and case != "v3":
         pytest.skip("covered in fp32; keeps the interpreter run short")
+    if core == "per_branch":  # the path of head dims above the fused kernels' limit
+        monkeypatch.setitem(T.MAX_HEAD_DIM, "vit3_qkv_fused", 8)
     h, w, heads = 5, 7, 2  # 35 tokens: 3 tiles of 16, the last partial
     inputs = _inputs(kind, heads=heads, d=16, h=h, w=w, share_qk=opts.get("share_qk", False), dtype=torch.float32,
                      device=DEV, scale=0.5)
+    if core == "fused":  # per-sample inner weights (batch 2): dW summed per sample, not over the batch
+        inputs[3:5] = [None if t is None else t.expand(2, -1, -1, -1).clone() for t in inputs[3:5]]
     present = [i for i, t in enumerate(inputs) if t is not None]
     names = [n for i, n in enumerate("x weight bias w1 w2 w3".split()) if i in present]
 
@@ -169,3 +177,43 @@ def test_triton_linear_kernels_alone():
         torch.testing.assert_close(T.matmul(q, wm, trans=True), q @ wm.transpose(-2, -1), **TOL[torch.float32])
     with pytest.raises(ValueError, match="w1 must be"):
         T.linear_fwd_triton(q, k, k, torch.randn(1, 3, 16, 16, device=DEV), None, 1.0, True, 1.0)
+
+
+# ------------------------------------------- the fused core (3 + 3 launches) at N in the thousands, vs float64
+FUSED_CASES = [("v1", torch.float32), ("v3", torch.float16), ("v6", torch.float32), ("ascent", torch.float16),
+               ("v1_ascent_qk", torch.float32), ("v3_steps3_qk", torch.float16)]
+FUSED_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # max error relative to the reference's max
+
+
+@pytest.mark.parametrize("case,dtype", FUSED_CASES, ids=[f"{c}-{str(t)[6:]}" for c, t in FUSED_CASES])
+@triton_test
+def test_fused_core_matches_float64_reference_at_thousands_of_tokens(case, dtype, monkeypatch):
+    """N = 56 x 56 = 3136 tokens (13 chunks / 49 tiles per head, the last partial), batch 1, two heads of d = 16,
+    the kernels' own tiles; forward and every gradient against the float64 reference on the same rounded data;
+    3 Triton launches forward and 3 backward, nothing else inside the core but the projection (and RoPE)."""
+    from ttt_zoo.bench.launches import count_launches
+    monkeypatch.undo()  # the kernels' own tile sizes
+    kind, opts = CASES[case]
+    h = w = 56
+    heads, d = 2, 16
+    share = opts.get("share_qk", False)
+    torch.manual_seed(0)
+    inputs = [t if t is None else t.to(DEV, dtype) for t in
+              _inputs(kind, b=1, heads=heads, d=d, h=h, w=w, share_qk=share, dtype=torch.float32, scale=0.5)]
+    leaves = [t.requires_grad_() for t in inputs if t is not None]
+    f = _f(T.variant_qkv_triton, h, w, heads, opts, rope=share, device=DEV)
+    fwd = count_launches(lambda: f(*inputs))
+    out = f(*inputs)
+    do = torch.randn(out.shape, device=DEV).to(dtype)
+    bwd = count_launches(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+    assert dict(fwd.triton) == {"_fwd_update": 1, "_fwd_finalize": 1, "_fwd_apply": 1}
+    assert dict(bwd.triton) == {"_bwd_apply": 1, "_bwd_finalize": 1, "_bwd_update": 1}
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_in = [None if t is None else t.detach().cpu().double().requires_grad_() for t in inputs]
+    ref = _f(variant_qkv_naive, h, w, heads, opts, rope=share)(*ref_in)
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_in if t is not None], do.cpu().double())
+    names = [n for n, t in zip("out x weight bias w1 w2 w3".split(), [out] + inputs) if t is not None]
+    for name, got, want in zip(names, [out, *grads], [ref, *ref_grads]):
+        assert got.dtype == dtype, name
+        err = float((got.detach().cpu().double() - want).abs().max() / want.abs().max())
+        assert err < FUSED_TOL[dtype], f"{name}: max error {err:.2e} relative to the reference's max"

@@ -211,9 +211,10 @@ def branch_kind(w2: Optional[torch.Tensor], last_only: bool) -> str:
     return "linear" if w2 is None else ("last" if last_only else "all")
 
 
-def run_variant(function, impls_of, x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
+def run_variant(function, infer, x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin,
                 last_only, lr, share_qk, steps):
-    """Shared entry of the torch and Triton paths: k > 1 steps of the full SwiGLU go to the reference."""
+    """Shared entry of the torch and Triton paths: k > 1 steps of the full SwiGLU go to the reference; without
+    autograd ``infer(*args)`` (``function``'s arguments) gives the output, else ``function.apply``."""
     kind = branch_kind(w2, last_only)
     if kind == "all" and abs(lr) != 1.0:
         raise ValueError(f"the full SwiGLU step takes lr = +1 (descent) or -1 (ascent), got {lr}")
@@ -226,7 +227,7 @@ def run_variant(function, impls_of, x, weight, bias, w1, w2, w3, feat_size, head
     args = (x, weight, bias, w1, w2, w3, cos, sin, fs, int(heads), float(scale),
             bool(normalize_grad), kind, lr, bool(share_qk))
     if exporting() or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:8]):
-        return variant_forward(*args, impls_of(kind))[0]
+        return infer(*args)
     return function.apply(*args)
 
 
@@ -234,5 +235,9 @@ def variant_qkv_torch(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale:
                       cos=None, sin=None, last_only: bool = False, lr: float = 1.0, share_qk: bool = False,
                       steps: int = 1) -> torch.Tensor:
     """Variant mixer core, PyTorch path (same signature as ``naive.variant_qkv_naive``)."""
-    return run_variant(VariantQKV, lambda kind: BRANCHES[kind] + (conv_fwd, conv_bwd), x, weight, bias, w1, w2, w3,
-                       feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
+    return run_variant(VariantQKV, _infer, x, weight, bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos,
+                       sin, last_only, lr, share_qk, steps)
+
+
+def _infer(*args):
+    return variant_forward(*args, BRANCHES[args[12]] + (conv_fwd, conv_bwd))[0]

@@ -14,11 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import MAX_HEAD_DIM
+from ..rope import rope_2d
 from ..triton_utils import block_d, load_mat, load_tile, prec, store_mat, store_tile, tile_rows, wstrides
-from ..utils import reduce_to
+from ..utils import autocast_state, no_autocast, reduce_to
 from ..vit3_ttt import triton as T3
 from ..vit3_ttt.torch import normalize_columns, normalize_columns_bwd
+from . import fused as F
 from . import torch as R
+from .common import variant_qkv_split
 
 __all__ = ["linear_fwd_triton", "linear_bwd_triton", "conv_fwd_triton", "conv_bwd_triton", "variant_qkv_triton"]
 
@@ -139,9 +143,65 @@ CONV = (conv_fwd_triton, conv_bwd_triton)
 VariantQKVTriton = R.make_variant_function("VariantQKVTriton", BRANCHES, CONV)
 
 
+# ------------------------------------------------------- the fused core: projection views in, 3 + 3 launches
+def _fused_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind, lr, share_qk):
+    """(out, G, W', G3, W3'): the projection under the caller's autocast, the kernels on its views."""
+    (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+    with no_autocast(x.device):
+        return F.variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize, kind, lr)
+
+
+class VariantQKVFused(torch.autograd.Function):
+    """The variant mixer core over ``fused.py`` (3 launches each way): stores x, the weights and the small
+    per-(batch, head) tensors; the backward recomputes the projection and turns the query / key cotangents back
+    through H-ViT3's RoPE (torch glue, as ``vit3_ttt.ops.QKVFused``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind, lr, share_qk):
+        out, *small = _fused_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind,
+                                     lr, share_qk)
+        ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small)
+        ctx.args = (feat_size, heads, scale, normalize, kind, lr, share_qk)
+        ctx.amp = autocast_state(x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, w1, w2, w3, cos, sin, *small = ctx.saved_tensors
+        feat_size, heads, scale, normalize, kind, lr, share_qk = ctx.args
+        b, n, c = x.shape
+        with torch.no_grad(), no_autocast(x.device, *ctx.amp):
+            (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+        with torch.no_grad(), no_autocast(x.device):
+            dqkv, dw1, dw2, dw3 = F.variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
+                                                      normalize, kind, lr, share_qk)
+            del q1, k1, v1, q2, k2, v2
+            if cos is not None and sin is not None:  # RoPE is a rotation: its transpose turns by -angle
+                nr = 1 if share_qk else 2  # the rotated rows: (q,) k
+                qk = dqkv[..., :nr * c].unflatten(-1, (nr, c)).transpose(1, 2).reshape(b * nr, *feat_size, c)
+                dqkv[..., :nr * c] = rope_2d(qk, cos, -sin).reshape(b, nr, n, c).transpose(1, 2).flatten(2)
+        with torch.no_grad(), no_autocast(x.device, *ctx.amp):  # projection backward in the forward's precision
+            dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+            dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
+            dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None else None
+        return (dx, dweight, dbias, dw1.to(w1.dtype), None if w2 is None else dw2.to(w2.dtype), dw3.to(w3.dtype)) \
+            + (None,) * 9
+
+
+def _infer_fused(*args):
+    return _fused_forward(*args)[0]
+
+
+def _infer(*args):
+    return R.variant_forward(*args, BRANCHES[args[12]] + CONV)[0]
+
+
 def variant_qkv_triton(x, weight, bias, w1, w2, w3, feat_size, heads: int, scale: float, normalize_grad: bool = True,
                        cos=None, sin=None, last_only: bool = False, lr: float = 1.0, share_qk: bool = False,
                        steps: int = 1):
-    """Variant mixer core with the Triton kernels (same signature as ``naive.variant_qkv_naive``)."""
-    return R.run_variant(VariantQKVTriton, lambda kind: BRANCHES[kind] + CONV, x, weight, bias, w1, w2, w3,
-                         feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk, steps)
+    """Variant mixer core with the Triton kernels (same signature as ``naive.variant_qkv_naive``): the fused core
+    (``fused.py``) up to ``MAX_HEAD_DIM["vit3_qkv_fused"]``, the per-branch kernels above it."""
+    fused = x.shape[-1] // heads <= MAX_HEAD_DIM["vit3_qkv_fused"]
+    return R.run_variant(VariantQKVFused if fused else VariantQKVTriton, _infer_fused if fused else _infer, x, weight,
+                         bias, w1, w2, w3, feat_size, heads, scale, normalize_grad, cos, sin, last_only, lr, share_qk,
+                         steps)
