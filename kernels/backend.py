@@ -57,7 +57,7 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 128 the sm_90 compile spills and _bwd_update needs 311,296 bytes of shared memory, experiments/results/
 # vit3_triton_compile.md); above it ``vit3_qkv_ttt`` runs the per-branch kernels, which take any head dim.
 # The one table of the kernels' limits: every op folder's ``choose()`` reads it (through ``triton_unsupported``).
-MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 32, "dit5_mlp_ttt": 64,
+MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 64, "dit5_mlp_ttt": 64,
                                 "vit3_qkv_fused": 64}
 
 

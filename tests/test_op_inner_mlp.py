@@ -285,7 +285,8 @@ OP_NAMES = {"t5": "t5_swiglu_ttt", "dit5": "dit5_mlp_ttt"}
 CASES = {  # (B, heads, N, d, per-sample weights), head dims up to each kernel's limit (backend.MAX_HEAD_DIM)
     "t5": [(1, 2, 37, 32, False),   # N not a multiple of the tile, 2 chunks of 2 tiles, shared weights
            (3, 1, 21, 24, True),    # batch 3, per-sample inner weights, head dim 24 (padded to 32)
-           (3, 1, 18, 16, False)],  # the smallest tile, batch 3 with shared weights
+           (3, 1, 18, 16, False),   # the smallest tile, batch 3 with shared weights
+           (2, 1, 40, 64, True)],   # the registered models' head dim, per-sample weights over 2 chunks
     "dit5": [(1, 2, 37, 32, False), (3, 1, 21, 64, True),
              (3, 1, 18, 48, False)],  # head dim 48 (padded to 64)
 }
@@ -317,6 +318,58 @@ def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
     inputs += [torch.randn(1, 1, d, d, device=DEV) * 0.05 for _ in range(n_w)]
     _compare_k(lambda *a: f(*a, d ** -0.5), lambda *a: ref(*a, d ** -0.5), inputs, torch.float32,
              ["q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)])
+
+
+LARGE_N_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # of each tensor's largest magnitude
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_large_n_vs_float64(op, dtype, monkeypatch):
+    # the size TTT is sold for: a 56 x 56 token map (N = 3136), head dim 64, the shipped tiles (13 chunks): the
+    # forward and every input and weight gradient against the float64 reference on the same (rounded) data; fp16
+    # would flush the inner-loss products to zero here if the kernels scaled before reducing (c = scale / N)
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    f, ref, n_w = KERNEL_OPS[op]
+    n, d = 3136, 64
+    gen = torch.Generator().manual_seed(0)
+    x = [torch.randn(1, 1, n, d, generator=gen) for _ in range(3)]
+    x += [torch.randn(1, 1, d, d, generator=gen) * 0.05 for _ in range(n_w)]
+    x = [t.to(dtype) for t in x]
+    leaves = [t.to(DEV).requires_grad_() for t in x]
+    ref_leaves = [t.double().requires_grad_() for t in x]
+    out, want = f(*leaves, d ** -0.5), ref(*ref_leaves, d ** -0.5)
+    do = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
+    got = [out] + list(torch.autograd.grad(out, leaves, do.to(DEV)))
+    want = [want] + list(torch.autograd.grad(want, ref_leaves, do.double()))
+    for name, g, w in zip(["out", "q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)], got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        err = (g.cpu().double() - w).abs().max() / w.abs().max()
+        assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} {name}: {err:.2e} of its max"
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["shared_w", "per_sample_w"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_launch_three_and_three(op, per_sample):
+    # the op is fused: 3 Triton launches forward and 3 backward, no aten op inside (the partial sums, W' = W - G
+    # and the batch sum of dW run in the finalize kernels)
+    from ttt_zoo.bench.launches import count_launches
+    n_w = KERNEL_OPS[op][2]
+    b, h, n, d = 2, 2, 40, 64
+    q, k, v, do = [torch.randn(b, h, n, d, device=DEV) for _ in range(4)]
+    ws = [torch.randn(b if per_sample else 1, h, d, d, device=DEV) * 0.05 for _ in range(n_w)]
+    names = ("t5_swiglu_fwd", "t5_swiglu_bwd") if op == "t5" else ("dit5_mlp_fwd", "dit5_mlp_bwd")
+    fwd, bwd = (getattr(torch.ops.ttt_zoo, name) for name in names)
+    res = fwd(q, k, v, *ws, 0.3, True)  # warm up (a compile would count)
+    bwd(do, q, k, v, *ws, *res[1:], 0.3, True)
+    for name, call in ((names[0], lambda: fwd(q, k, v, *ws, 0.3, True)),
+                       (names[1], lambda: bwd(do, q, k, v, *ws, *res[1:], 0.3, True))):
+        c = count_launches(call)
+        assert c.aten_total == 0 and c.triton_total == 3, (name, dict(c.aten), dict(c.triton))
+        assert dict(c.by_op) == {name: 3}
 
 
 @pytest.mark.parametrize("op", ["t5", "dit5"])

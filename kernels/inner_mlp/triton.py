@@ -1,102 +1,115 @@
-"""Triton kernels of the T5 (gated SwiGLU, dot-product loss) and DiT5 (SiLU MLP, regression loss) inner steps.
+"""Triton kernels of the T5 (gated SwiGLU, dot-product loss) and DiT5 (SiLU MLP, regression loss) inner steps:
+3 launches forward and 3 backward per call, no PyTorch op in between.
 
-One kernel family for both inner models; ``GATED`` (constexpr) switches between them (see ``torch.py`` for the
-formulas, which these kernels follow line by line).  Weight slots: A = W1, B = W2 (gated only), O = the output
-layer (T5: W3, DiT5: W2).  q, k, v may be any strided (B, heads, N, d) views (the heads split of the qkv output is
-never copied); loads are upcast to float32, every product and reduction accumulates in float32 (``tl.dot`` in IEEE
-fp32 for fp32 inputs, TF32 for fp16/bf16), results are stored in the input dtype.  d is padded to a power of two
-D >= 16 (d = 72 -> 128) and masked; N is tiled by BLOCK_N and masked.  Nothing of size N x d x d and no per-token
-weight is ever written to memory.
+One kernel family for both inner models; ``GATED`` (constexpr) switches between them (``torch.py`` documents the
+formulas, which these kernels follow).  Weight slots: A = W1, B = W2 (gated only), O = the output layer (T5: W3,
+DiT5: W2).  q, k, v may be any strided (B, heads, N, d) views (the heads split of the qkv output is never copied).
+Activations are loaded in their own dtype and every ``tl.dot`` runs on that dtype (tensor cores for fp16/bf16; fp32
+as ``triton_utils.dot_prec`` says) with fp32 accumulation; every elementwise step and reduction is fp32.  d is
+padded to a power of two D >= 16 and masked; N is tiled and masked.  Offsets are 64-bit (from the program id); the
+sizes that change per image (N, the chunk / tile counts, the weights' batch) are not specialised.
 
-Passes, per (batch, head):
-  fwd 1 ``_vjp`` (UPDATE): z = k W, silu, h, e (DiT5: f = h O, e = c (f - v)), dh = e O^T and the weight gradients
-      G = k^T (..), h^T e, fused per token tile; each program reduces TILES tiles into fp32 partials (one d x d per
-      weight per chunk), summed in PyTorch; W' = W - G on the tiny d x d tensors.
-  fwd 2 ``_apply``: out = silu(q W1') [* q W2'] O', fused; reads q once, writes out once.
-  bwd 3 ``_vjp``: recomputes y = q W', writes dq, reduces dW' (2 or 3 d x d) into partials (pass 1's algebra with
-      k -> q and e -> dO).
-  bwd 4 ``_update_bwd``: recomputes z, silu, silu', silu'', h, e, dh from k, v, W; writes dk, dv, reduces the
-      gradient through G into dW partials.
-  Token tiles: 64 (apply, update) and 32 (backward) for d <= 64; 32 / 16 / 16 for d = 72 (D = 128): chosen from
-  ptxas register / spill reports for sm_90 (``experiments/compile_kernels.py``, results in experiments/results/); 8 warps
-  for D >= 64.  Every reduction chunk spans TILES * BLOCK_N = 256 tokens.
-  Saved for the backward: q, k, v, W and W' (2 or 3 d x d fp32 per (batch, head)).  Extra memory per (batch, head):
-  W' and 2 or 3 fp32 d x d partials per chunk of TILES * BLOCK_N tokens; O(N d) only for out / dq / dk / dv.
+The inner loss gradient e = c e~ is carried unscaled (T5 e~ = v, c = -scale / N; DiT5 e~ = f - v, c = scale / N)
+and c is applied to the d x d sums in the finalize kernels, so no fp16 product goes subnormal at large N.
+Forward (per (batch, head); the partials P and cotangents CT: fp32 (n_w, B heads, ...) buffers; W' and dW one
+fp32 tensor per weight, as the custom op's outputs may not alias):
+  1. ``_fwd_update``: partial sums S of the inner gradients over chunks of TILES * BLOCK_N tokens.
+  2. ``_fwd_finalize``: per (batch, head, column block): G = c sum(S), W' = W - G (saved for the backward).
+  3. ``_fwd_apply``: out = silu(q W1') [* q W2'] O' into a heads-merged (B, N, heads, d) buffer.
+Backward (dO given):
+  4. ``_bwd_apply``: recomputes y = q W', writes dq, partials of dW' = q^T dy (and zeroes dW).
+  5. ``_bwd_finalize``: per (batch, head, column block): dW' summed over chunks, CT = -c dW' (the cotangent of S),
+     dW += dW' (relaxed atomic add: per-sample weights get one add, shared weights one per sample).
+  6. ``_bwd_update``: recomputes z, silu, silu', silu'', h, e~ from k, v, W; writes dk, dv; dW += its chunk's
+     gradient through S (relaxed atomic add, no fences: sums in fp32, their order may vary from run to run).
+Extra memory: the fp32 partials (n_w d x d per chunk), W' and CT (n_w d x d per (batch, head)); nothing of size
+N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MAX_HEAD_DIM`` caps d at what
+``experiments/compile_kernels.py`` compiled for sm_90 without spills.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import MAX_HEAD_DIM
-from ..triton_utils import block_d as _block_d, load_mat, load_tile, load_tile_pair, prec as _prec, store_mat, \
-    store_tile, tile_rows, wstrides as _wstrides
-from .torch import _check, compute_dtype, make_function, model_entry_points
+from ..triton_utils import block_d as _block_d, dot_prec, wstrides as _wstrides
+from .torch import _check, make_function, model_entry_points
 
 __all__ = ["inner_fwd_triton", "inner_bwd_triton", "t5_fwd_triton", "t5_bwd_triton", "dit5_fwd_triton",
-           "dit5_bwd_triton", "t5_swiglu_ttt_triton", "mlp_ttt_triton"]
+           "dit5_bwd_triton", "t5_swiglu_ttt_triton", "mlp_ttt_triton", "launch_cfg"]
 
-BLOCK_N = 64      # tokens per tile (32 when d pads to 128)
-TILES = 4         # tiles reduced per program in the reduction kernels
-
-
-def _block_n(bd: int, pass_: str) -> int:
-    """Tokens per tile, chosen from ptxas register/spill reports for sm_90 (experiments/compile_kernels.py): the
-    backward kernels hold more d x d matrices, so they take shorter token tiles."""
-    cap = {"apply": (64, 32), "update": (64, 16), "bwd": (32, 16)}[pass_][1 if bd > 64 else 0]
-    return min(BLOCK_N, cap)
+BLOCK_N = 64      # the longest token tile
+TILES = 4         # tiles reduced per program in the reducing launches (chunks of TILES * BLOCK_N tokens)
+BLOCK_C = 32      # columns per finalize program
+_SIZES = ("N", "n_chunks", "n_tiles", "n_wb")  # vary per input: one compiled variant serves every size
 
 
-def _tiles(bn: int) -> int:
-    """Tiles per reduction program: every pass reduces chunks of TILES * BLOCK_N tokens."""
-    return max(1, TILES * BLOCK_N // bn)
-
-
-def _warps(bd: int) -> int:
-    """More warps for the larger d x d register sets (the backward update keeps 6 matrices + 3 accumulators)."""
-    return 8 if bd >= 64 else 4
+def launch_cfg(bd: int, pass_: str, fp32: bool = False):
+    """(token tile, tiles per chunk, warps) of a pass ("apply", "update", "bwd") at padded head dim ``bd``, for fp32
+    or 16-bit activations: the one place that picks them, from the sm_90 ptxas report
+    (experiments/results/t5_triton_compile.md; fp32's IEEE dots hold the most registers: 16-token tiles)."""
+    if fp32:
+        cap = 16
+    elif bd <= 32:
+        cap = {"apply": 64, "update": 64, "bwd": 32}[pass_]
+    else:
+        cap = {"apply": 64, "update": 32, "bwd": 16}[pass_]
+    bn = min(BLOCK_N, cap)
+    return bn, max(1, TILES * BLOCK_N // bn), 8 if fp32 or bd > 32 else 4
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
 @triton.jit
-def _load_weights(WA, WB, WO, base, offs_d, sr, sc, D, GATED: tl.constexpr):
-    """The 2 (MLP) or 3 (gated) d x d weights of one (batch, head); wb = wa when not gated (unused)."""
-    wa = load_mat(WA, base, offs_d, offs_d, sr, sc, D)
-    wo = load_mat(WO, base, offs_d, offs_d, sr, sc, D)
+def _ld(ptr, base, offs_r, offs_c, sr, sc, r_max, c_max):
+    """A masked 2-D tile in the tensor's own dtype (zeros outside)."""
+    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
+    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0)
+
+
+@triton.jit
+def _st(ptr, base, val, offs_r, offs_c, sr, sc, r_max, c_max):
+    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
+    tl.store(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, val.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add(ptr, base, val, offs_d, D):
+    """Relaxed atomic add of a d x d fp32 block into a contiguous d x d matrix (no fences)."""
+    m = (offs_d[:, None] < D) & (offs_d[None, :] < D)
+    tl.atomic_add(ptr + base + offs_d[:, None] * D + offs_d[None, :], val, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b on a's dtype (b cast to it), fp32 accumulation."""
+    return tl.dot(a, b.to(a.dtype), input_precision=PREC, out_dtype=tl.float32)
+
+
+@triton.jit
+def _weights(WA, WB, WO, ba, bb, bo, sr, sc, offs_d, D, dt: tl.constexpr, GATED: tl.constexpr):
+    """The 2 (MLP) or 3 (gated) d x d weights of one (batch, head) in the activations' dtype (wb = wa if not
+    gated, unused); ``sr``, ``sc``: row and column strides shared by the three."""
+    wa = _ld(WA, ba, offs_d, offs_d, sr, sc, D, D).to(dt)
+    wo = _ld(WO, bo, offs_d, offs_d, sr, sc, D, D).to(dt)
     if GATED:
-        wb = load_mat(WB, base, offs_d, offs_d, sr, sc, D)
+        wb = _ld(WB, bb, offs_d, offs_d, sr, sc, D, D).to(dt)
     else:
         wb = wa
     return wa, wb, wo
 
 
 @triton.jit
-def _store_partials(PA, PB, PO, base, ga, gb, go, offs_d, D, GATED: tl.constexpr):
-    store_mat(PA, base, ga, offs_d, offs_d, D)
-    store_mat(PO, base, go, offs_d, offs_d, D)
-    if GATED:
-        store_mat(PB, base, gb, offs_d, offs_d, D)
-
-
-@triton.jit
-def _zeros3(BLOCK_D: tl.constexpr):
-    """Three fp32 d x d accumulators (the partials of A, B, O)."""
-    shape: tl.constexpr = (BLOCK_D, BLOCK_D)
-    return tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32)
-
-
-@triton.jit
 def _hidden(x, wa, wb, GATED: tl.constexpr, PREC: tl.constexpr):
-    """z1 = x A, silu(z1), silu'(z1), sigmoid(z1), the gate z2 = x B (or z1) and the hidden h."""
-    z1 = tl.dot(x, wa, input_precision=PREC)
+    """z1 = x A, silu(z1), silu'(z1), sigmoid(z1), the gate z2 = x B (or z1) and the hidden h, all fp32."""
+    z1 = _dot(x, wa, PREC)
     s = tl.sigmoid(z1)
     a = z1 * s
-    da = s * (1.0 + z1 * (1.0 - s))
+    da = s + a * (1.0 - s)
     if GATED:
-        z2 = tl.dot(x, wb, input_precision=PREC)
+        z2 = _dot(x, wb, PREC)
         h = a * z2
     else:
         z2 = z1
@@ -105,124 +118,261 @@ def _hidden(x, wa, wb, GATED: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _residual(h, v, wo, c, GATED: tl.constexpr, PREC: tl.constexpr):
-    """e = dL/df: T5 c v (c = -scale / N), DiT5 c (h O - v) (c = scale / N)."""
+def _residual(h, v, wo, GATED: tl.constexpr, PREC: tl.constexpr):
+    """e~ = dL/df / c: T5 v, DiT5 h O - v (fp32)."""
     if GATED:
-        e = v * c
+        e = v.to(tl.float32)
     else:
-        e = (tl.dot(h, wo, input_precision=PREC) - v) * c
+        e = _dot(h.to(wo.dtype), wo, PREC) - v.to(tl.float32)
     return e
 
 
-# ------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _vjp(X, Y, WA, WB, WO, DX, PA, PB, PO,
-         sxb, sxh, sxn, sxd, syb, syh, syn, syd, swb, swh, swr, swc, sdb, sdh, sdn, sdd,
-         H, N, D, n_chunks, c,
-         GATED: tl.constexpr, UPDATE: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-         BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """Partials of the weight gradients of f = hidden(x) O for a cotangent e of f, reduced over TILES tiles.
-    ``UPDATE`` (fwd pass 1): x = k, e = the inner loss gradient from y = v (:func:`_residual`), the partials are G.
-    Otherwise (bwd pass 3): x = q, e = y = dO, W = W', the partials are dW', and dx = dq is written."""
-    pid, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = pid // H, pid % H
+def _zeros3(BLOCK_D: tl.constexpr):
+    shape: tl.constexpr = (BLOCK_D, BLOCK_D)
+    return tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32)
+
+
+@triton.jit
+def _store3(P, base, stride_w, ga, gb, go, offs_d, D, GATED: tl.constexpr):
+    """The A, (B,) O blocks into a contiguous (n_w, ..., d, d) fp32 buffer (weight w at base + w stride_w)."""
+    _st(P, base, ga, offs_d, offs_d, D, 1, D, D)
+    if GATED:
+        _st(P, base + stride_w, gb, offs_d, offs_d, D, 1, D, D)
+        _st(P, base + 2 * stride_w, go, offs_d, offs_d, D, 1, D, D)
+    else:
+        _st(P, base + stride_w, go, offs_d, offs_d, D, 1, D, D)
+
+
+@triton.jit
+def _store3p(PA, PB, PO, base, ga, gb, go, offs_d, D, GATED: tl.constexpr):
+    """The A, (B,) O blocks into three contiguous d x d fp32 buffers at the same offset."""
+    _st(PA, base, ga, offs_d, offs_d, D, 1, D, D)
+    _st(PO, base, go, offs_d, offs_d, D, 1, D, D)
+    if GATED:
+        _st(PB, base, gb, offs_d, offs_d, D, 1, D, D)
+
+
+@triton.jit
+def _program(H, n_per_bh):
+    """(batch, head, b * H + h, chunk or tile) of this program, in int64."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // n_per_bh
+    return bh // H, bh % H, bh, pid % n_per_bh
+
+
+# ------------------------------------------------------------------------------------------------ forward
+@triton.jit(do_not_specialize=_SIZES)
+def _fwd_update(K, V, WA, WB, WO, P,
+                skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
+                H, N, D, n_bh, n_chunks,
+                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                PREC: tl.constexpr):
+    """Partial sums S (the inner gradients / c) over TILES token tiles: S_A = k^T (dh [z2] silu'(z1)), S_B = k^T
+    (dh silu(z1)), S_O = h^T e~, with dh = e~ O^T."""
+    b, h, bh, chunk = _program(H, n_chunks)
+    dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
-    wa, wb, wo = _load_weights(WA, WB, WO, b * swb + h * swh, offs_d, swr, swc, D, GATED)
+    wa, wb, wo = _weights(WA, WB, WO, b * swab + h * swh, b * swbb + h * swh, b * swob + h * swh, swr, swc, offs_d,
+                          D, dt, GATED)
     ga, gb, go = _zeros3(BLOCK_D)
     for t in range(TILES):
-        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
-        x, y = load_tile_pair(X, Y, b * sxb + h * sxh, b * syb + h * syh, offs_n, offs_d, offs_d, sxn, sxd, syn,
-                              syd, N, D)
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _ld(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
+        y = _ld(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
         z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
-        if UPDATE:
-            e = _residual(hid, y, wo, c, GATED, PREC)
-        else:
-            e = y
-        dh = tl.dot(e, tl.trans(wo), input_precision=PREC)
+        e = _residual(hid, y, wo, GATED, PREC)
+        dh = _dot(e.to(dt), tl.trans(wo), PREC)
         xt = tl.trans(x)
         if GATED:
             dya = dh * z2 * da
-            dyb = dh * a
-            gb += tl.dot(xt, dyb, input_precision=PREC)
+            gb += _dot(xt, (dh * a).to(dt), PREC)
         else:
             dya = dh * da
-        ga += tl.dot(xt, dya, input_precision=PREC)
-        go += tl.dot(tl.trans(hid), e, input_precision=PREC)
-        if not UPDATE:
-            if GATED:
-                dx = tl.dot(dya, tl.trans(wa), input_precision=PREC) + tl.dot(dyb, tl.trans(wb), input_precision=PREC)
-            else:
-                dx = tl.dot(dya, tl.trans(wa), input_precision=PREC)
-            store_tile(DX, b * sdb + h * sdh, dx, offs_n, offs_d, sdn, sdd, N, D)
-    _store_partials(PA, PB, PO, (pid * n_chunks + chunk) * D * D, ga, gb, go, offs_d, D, GATED)
+        ga += _dot(xt, dya.to(dt), PREC)
+        go += _dot(tl.trans(hid.to(dt)), e.to(dt), PREC)
+    _store3(P, (bh * n_chunks + chunk) * D * D, n_bh * n_chunks * D * D, ga, gb, go, offs_d, D, GATED)
 
 
 @triton.jit
-def _apply(Q, WA, WB, WO, O,
-           sqb, sqh, sqn, sqd, sob, soh, son, sod,
-           H, N, D,
-           GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    pid, tile = tl.program_id(0), tl.program_id(1)
-    b, h = pid // H, pid % H
+def _finalize_one(P, W, WN, pbase, pstride, wbase, nbase, swr, swc, offs_r, offs_c, D, n_chunks, c,
+                  BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """W' = W - c sum over chunks of the partials (one column block of one weight)."""
+    acc = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    for chunk in range(n_chunks):
+        acc += _ld(P, pbase + chunk * pstride, offs_r, offs_c, D, 1, D, D)
+    w = _ld(W, wbase, offs_r, offs_c, swr, swc, D, D).to(tl.float32)
+    _st(WN, nbase, w - acc * c, offs_r, offs_c, D, 1, D, D)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _fwd_finalize(P, WA, WB, WO, NA, NB, NO,
+                  swab, swbb, swob, swh, swr, swc,
+                  H, D, n_bh, n_chunks, n_cols, c,
+                  GATED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One column block of every weight of one (batch, head): W' = W - c sum(P[w, bh, :]) into NA, NB, NO."""
+    b, h, bh, cb = _program(H, n_cols)
+    offs_r = tl.arange(0, BLOCK_D)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    dd = D * D
+    pb, nb, pw = bh * n_chunks * dd, bh * dd, n_bh * n_chunks * dd
+    _finalize_one(P, WA, NA, pb, dd, b * swab + h * swh, nb, swr, swc,
+                  offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+    if GATED:
+        _finalize_one(P, WB, NB, pb + pw, dd, b * swbb + h * swh, nb, swr, swc,
+                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+        _finalize_one(P, WO, NO, pb + 2 * pw, dd, b * swob + h * swh, nb, swr, swc,
+                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+    else:
+        _finalize_one(P, WO, NO, pb + pw, dd, b * swob + h * swh, nb, swr, swc,
+                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _fwd_apply(Q, NA, NB, NO, O,
+               sqb, sqh, sqn, sqd, sob, soh, son, sod,
+               H, N, D, n_bh, n_tiles,
+               GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """One token tile of one (batch, head): out = silu(q A') [* q B'] O'."""
+    b, h, bh, tile = _program(H, n_tiles)
+    dt: tl.constexpr = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    wa, wb, wo = _load_weights(WA, WB, WO, pid * D * D, offs_d, D, 1, D, GATED)
-    q = load_tile(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+    wa, wb, wo = _weights(NA, NB, NO, bh * D * D, bh * D * D, bh * D * D, D, 1, offs_d, D, dt, GATED)
+    q = _ld(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
     z1, a, da, s, z2, hid = _hidden(q, wa, wb, GATED, PREC)
-    out = tl.dot(hid, wo, input_precision=PREC)
-    store_tile(O, b * sob + h * soh, out, offs_n, offs_d, son, sod, N, D)
+    _st(O, b * sob + h * soh, _dot(hid.to(dt), wo, PREC), offs_n, offs_d, son, sod, N, D)
+
+
+# ----------------------------------------------------------------------------------------------- backward
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO,
+               sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd,
+               H, N, D, n_bh, n_chunks, n_wb,
+               GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               PREC: tl.constexpr):
+    """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
+    the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds."""
+    b, h, bh, chunk = _program(H, n_chunks)
+    dt: tl.constexpr = Q.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    dd = D * D
+    wa, wb, wo = _weights(WA, WB, WO, bh * dd, bh * dd, bh * dd, D, 1, offs_d, D, dt, GATED)
+    ga, gb, go = _zeros3(BLOCK_D)
+    if (chunk == 0) & (b < n_wb):
+        _store3p(DWA, DWB, DWO, bh * dd, ga, gb, go, offs_d, D, GATED)
+    for t in range(TILES):
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _ld(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
+        y = _ld(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D).to(dt)
+        z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
+        dh = _dot(y, tl.trans(wo), PREC)
+        xt = tl.trans(x)
+        if GATED:
+            dya = (dh * z2 * da).to(dt)
+            dyb = (dh * a).to(dt)
+            gb += _dot(xt, dyb, PREC)
+            dx = _dot(dya, tl.trans(wa), PREC) + _dot(dyb, tl.trans(wb), PREC)
+        else:
+            dya = (dh * da).to(dt)
+            dx = _dot(dya, tl.trans(wa), PREC)
+        ga += _dot(xt, dya, PREC)
+        go += _dot(tl.trans(hid.to(dt)), y, PREC)
+        _st(DQ, b * sxb + h * sxh, dx, offs_n, offs_d, sxn, sxd, N, D)
+    _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
 
 
 @triton.jit
-def _update_bwd(K, V, WA, WB, WO, DA, DB, DG, DK, DV, PA, PB, PO,
-                skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
+def _bwd_finalize_one(P, CT, DW, pbase, pstride, nbase, wbase, offs_r, offs_c, D, n_chunks, c,
+                      BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One column block of one weight: dW' summed over chunks; CT = -c dW'; dW += dW' (relaxed)."""
+    acc = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    for chunk in range(n_chunks):
+        acc += _ld(P, pbase + chunk * pstride, offs_r, offs_c, D, 1, D, D)
+    _st(CT, nbase, acc * -c, offs_r, offs_c, D, 1, D, D)
+    m = (offs_r[:, None] < D) & (offs_c[None, :] < D)
+    tl.atomic_add(DW + wbase + offs_r[:, None] * D + offs_c[None, :], acc, mask=m, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_finalize(P, CT, DWA, DWB, DWO, H, D, n_bh, n_chunks, n_cols, n_wb, c,
+                  GATED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, h, bh, cb = _program(H, n_cols)
+    offs_r = tl.arange(0, BLOCK_D)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    dd = D * D
+    pb, nb, wb = bh * n_chunks * dd, bh * dd, ((b % n_wb) * H + h) * dd
+    pw, nw = n_bh * n_chunks * dd, n_bh * dd
+    _bwd_finalize_one(P, CT, DWA, pb, dd, nb, wb,
+                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+    if GATED:
+        _bwd_finalize_one(P, CT, DWB, pb + pw, dd, nb + nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+        _bwd_finalize_one(P, CT, DWO, pb + 2 * pw, dd, nb + 2 * nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+    else:
+        _bwd_finalize_one(P, CT, DWO, pb + pw, dd, nb + nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO,
+                skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-                H, N, D, n_chunks, c,
+                H, N, D, n_bh, n_chunks, n_wb,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 PREC: tl.constexpr):
-    """DA, DB, DG: cotangents of the inner gradients G_A, G_B, G_O (contiguous (B, heads, d, d) fp32)."""
-    pid, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = pid // H, pid % H
+    """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O)."""
+    b, h, bh, chunk = _program(H, n_chunks)
+    dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
-    wa, wb, wo = _load_weights(WA, WB, WO, b * swb + h * swh, offs_d, swr, swc, D, GATED)
-    cta, ctb, cto = _load_weights(DA, DB, DG, pid * D * D, offs_d, D, 1, D, GATED)
+    dd, nw = D * D, n_bh * D * D
+    wa, wb, wo = _weights(WA, WB, WO, b * swab + h * swh, b * swbb + h * swh, b * swob + h * swh, swr, swc, offs_d,
+                          D, dt, GATED)
+    cta, ctb, cto = _weights(CT, CT, CT, bh * dd, nw + bh * dd, (1 + GATED) * nw + bh * dd, D, 1, offs_d, D, dt,
+                             GATED)
     ga, gb, go = _zeros3(BLOCK_D)
     for t in range(TILES):
-        offs_n = tile_rows(chunk, t, TILES, BLOCK_N)
-        k, v = load_tile_pair(K, V, b * skb + h * skh, b * svb + h * svh, offs_n, offs_d, offs_d, skn, skd, svn,
-                              svd, N, D)
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _ld(K, b * skb + h * skh, offs_n, offs_d, skn, skd, N, D)
+        v = _ld(V, b * svb + h * svh, offs_n, offs_d, svn, svd, N, D)
         z1, a, da, s, z2, hid = _hidden(k, wa, wb, GATED, PREC)
         d2a = s * (1.0 - s) * (2.0 + z1 * (1.0 - 2.0 * s))
-        e = _residual(hid, v, wo, c, GATED, PREC)
-        dh = tl.dot(e, tl.trans(wo), input_precision=PREC)
-        dpa = tl.dot(k, cta, input_precision=PREC)
-        dha = tl.dot(e, tl.trans(cto), input_precision=PREC)
-        de = tl.dot(hid, cto, input_precision=PREC)
+        e = _residual(hid, v, wo, GATED, PREC)
+        e16 = e.to(dt)
+        dh = _dot(e16, tl.trans(wo), PREC)
+        dpa = _dot(k, cta, PREC)
+        dha = _dot(e16, tl.trans(cto), PREC)
+        de = _dot(hid.to(dt), cto, PREC)
         if GATED:
-            dpb = tl.dot(k, ctb, input_precision=PREC)
-            dk = tl.dot(dh * z2 * da, tl.trans(cta), input_precision=PREC)
-            dk += tl.dot(dh * a, tl.trans(ctb), input_precision=PREC)
+            dpb = _dot(k, ctb, PREC)
+            dk = _dot((dh * z2 * da).to(dt), tl.trans(cta), PREC)
+            dk += _dot((dh * a).to(dt), tl.trans(ctb), PREC)
             ddh = dpa * z2 * da + dpb * a
-            dz2 = dpa * dh * da + dha * a
-            dz1 = dpa * dh * z2 * d2a + dpb * dh * da + dha * z2 * da
-            de += tl.dot(ddh, wo, input_precision=PREC)
-            dv = de * c
-            dk += tl.dot(dz1, tl.trans(wa), input_precision=PREC) + tl.dot(dz2, tl.trans(wb), input_precision=PREC)
-            gb += tl.dot(tl.trans(k), dz2, input_precision=PREC)
+            dz2 = (dpa * dh * da + dha * a).to(dt)
+            dz1 = (dpa * dh * z2 * d2a + dpb * dh * da + dha * z2 * da).to(dt)
+            de += _dot(ddh.to(dt), wo, PREC)
+            dv = de
+            dk += _dot(dz1, tl.trans(wa), PREC) + _dot(dz2, tl.trans(wb), PREC)
+            gb += _dot(tl.trans(k), dz2, PREC)
         else:
-            dk = tl.dot(dh * da, tl.trans(cta), input_precision=PREC)
+            dk = _dot((dh * da).to(dt), tl.trans(cta), PREC)
             ddh = dpa * da
-            de += tl.dot(ddh, wo, input_precision=PREC)
-            df = de * c
-            dv = -df
-            dz1 = dpa * dh * d2a + (dha + tl.dot(df, tl.trans(wo), input_precision=PREC)) * da
-            dk += tl.dot(dz1, tl.trans(wa), input_precision=PREC)
-            go += tl.dot(tl.trans(hid), df, input_precision=PREC)
-        go += tl.dot(tl.trans(ddh), e, input_precision=PREC)
-        ga += tl.dot(tl.trans(k), dz1, input_precision=PREC)
-        store_tile(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
-        store_tile(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
-    _store_partials(PA, PB, PO, (pid * n_chunks + chunk) * D * D, ga, gb, go, offs_d, D, GATED)
+            de += _dot(ddh.to(dt), wo, PREC)
+            df = de.to(dt)
+            dv = -de
+            dz1 = (dpa * dh * d2a + (dha + _dot(df, tl.trans(wo), PREC)) * da).to(dt)
+            dk += _dot(dz1, tl.trans(wa), PREC)
+            go += _dot(tl.trans(hid.to(dt)), df, PREC)
+        go += _dot(tl.trans(ddh.to(dt)), e16, PREC)
+        ga += _dot(tl.trans(k), dz1, PREC)
+        _st(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
+        _st(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
+    wbase = ((b % n_wb) * H + h) * dd
+    _add(DWA, wbase, ga, offs_d, D)
+    _add(DWO, wbase, go, offs_d, D)
+    if GATED:
+        _add(DWB, wbase, gb, offs_d, D)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -231,12 +381,14 @@ def _slots(ws: Sequence[torch.Tensor]):
     return (ws[0], ws[1], ws[2]) if len(ws) == 3 else (ws[0], ws[0], ws[1])
 
 
-def _partials(bh: int, chunks: int, d: int, n_w: int, device) -> List[torch.Tensor]:
-    return [torch.empty(bh, chunks, d, d, device=device, dtype=torch.float32) for _ in range(n_w)]
-
-
-def _sum_partials(p: List[torch.Tensor], b: int, h: int, d: int) -> List[torch.Tensor]:
-    return [t.sum(1).reshape(b, h, d, d) for t in p]
+def _wargs(ws: Sequence[torch.Tensor]):
+    """Batch strides of A, B, O (0 for a shared weight), then the head, row, column strides they share."""
+    a, b_, o = _slots(ws)
+    sa, sb, so = _wstrides(a), _wstrides(b_), _wstrides(o)
+    if not (sa[1:] == sb[1:] == so[1:]):
+        raise ValueError("the inner weights must share their head, row and column strides (e.g. all contiguous); "
+                         "pass .contiguous() weights")
+    return (sa[0], sb[0], so[0]) + sa[1:]
 
 
 def _heads_merged(b: int, h: int, n: int, d: int, like: torch.Tensor) -> torch.Tensor:
@@ -244,69 +396,72 @@ def _heads_merged(b: int, h: int, n: int, d: int, like: torch.Tensor) -> torch.T
     return torch.empty(b, n, h, d, device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
-def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
-    """Triton forward: (out (B, heads, N, d) in q's dtype, [W'] fp32 (B, heads, d, d) contiguous)."""
-    op = "t5_swiglu_ttt" if gated else "dit5_mlp_ttt"
-    _check(q, k, v, ws, op)
+def _sizes(q: torch.Tensor, op: str, pass_: str):
     b, h, n, d = q.shape
-    if d > MAX_HEAD_DIM[op]:  # the shared memory of the backward would not fit (backend.MAX_HEAD_DIM)
+    if d > MAX_HEAD_DIM[op]:  # registers / shared memory would not fit (backend.MAX_HEAD_DIM)
         raise ValueError(f"{op}: the Triton kernel takes head dims up to {MAX_HEAD_DIM[op]}, got {d}; use the "
                          f"PyTorch path (backend='torch' or 'auto')")
-    bd, prec = _block_d(d), _prec(q.dtype)
-    bn, bn_apply = _block_n(bd, "update"), _block_n(bd, "apply")
-    tiles = _tiles(bn)
-    chunks = triton.cdiv(n, tiles * bn)
-    p = _partials(b * h, chunks, d, 3, q.device) if gated else _partials(b * h, chunks, d, 2, q.device)
-    pa, pb, po = _slots(p)
-    wa, wb, wo = _slots(ws)
+    bd = _block_d(d)
+    bn, tiles, warps = launch_cfg(bd, pass_, q.dtype == torch.float32)
+    return b, h, n, d, bd, bn, tiles, warps, triton.cdiv(n, tiles * bn)
+
+
+def _op_name(gated: bool) -> str:
+    return "t5_swiglu_ttt" if gated else "dit5_mlp_ttt"
+
+
+def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
+    """Triton forward in 3 launches: (out (B, heads, N, d) in q's dtype, [W'] fp32 (B, heads, d, d) contiguous)."""
+    op = _op_name(gated)
+    _check(q, k, v, ws, op)
+    b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "update")
+    n_w, bh, prec, dev, f32 = len(ws), b * h, dot_prec(q.dtype), q.device, torch.float32
     c = (-scale if gated else scale) / n
-    _vjp[(b * h, chunks)](k, v, wa, wb, wo, pa, pa, pb, po, *k.stride(), *v.stride(), *_wstrides(ws[0]),
-                          0, 0, 0, 0, h, n, d, chunks, c, GATED=gated, UPDATE=True, TILES=tiles, BLOCK_N=bn,
-                          BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
-    gs = _sum_partials(p, b, h, d)
-    wn = [(w.float() - g).expand(b, h, d, d).contiguous() for w, g in zip(ws, gs)]
+    wargs = _wargs(ws)
+    part = torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
+    _fwd_update[(bh * chunks,)](k, v, *_slots(ws), part, *k.stride(), *v.stride(), *wargs, h, n, d, bh, chunks,
+                                GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
+    wn = [torch.empty(b, h, d, d, device=dev, dtype=f32) for _ in ws]  # separate: the op's outputs never alias
+    bc = min(BLOCK_C, bd)
+    cols = triton.cdiv(d, bc)
+    _fwd_finalize[(bh * cols,)](part, *_slots(ws), *_slots(wn), *wargs, h, d, bh, chunks, cols, c, GATED=gated,
+                                BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
     out = _heads_merged(b, h, n, d, q)
-    na, nb, no = _slots(wn)
-    _apply[(b * h, triton.cdiv(n, bn_apply))](q, na, nb, no, out, *q.stride(), *out.stride(), h, n, d,
-                                              GATED=gated, BLOCK_N=bn_apply, BLOCK_D=bd, PREC=prec,
-                                              num_warps=_warps(bd))
+    bn, _, warps = launch_cfg(bd, "apply", q.dtype == torch.float32)
+    n_tiles = triton.cdiv(n, bn)
+    _fwd_apply[(bh * n_tiles,)](q, *_slots(wn), out, *q.stride(), *out.stride(), h, n, d, bh, n_tiles, GATED=gated,
+                                BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
     return out, wn
 
 
 def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float,
                      gated: bool):
-    """Triton backward: [dq, dk, dv, dW...]; recomputes every N x d intermediate from q, k, v, W and W'."""
-    b, h, n, d = q.shape
-    bd, prec = _block_d(d), _prec(q.dtype)
-    bn = _block_n(bd, "bwd")
-    tiles = _tiles(bn)
-    chunks = triton.cdiv(n, tiles * bn)
-    n_w = len(ws)
-    wn = [w.float().expand(b, h, d, d).contiguous() for w in wn]
-    dq = _heads_merged(b, h, n, d, q)
-    p = _partials(b * h, chunks, d, n_w, q.device)
-    pa, pb, po = _slots(p)
-    na, nb, no = _slots(wn)
-    _vjp[(b * h, chunks)](q, do, na, nb, no, dq, pa, pb, po, *q.stride(), *do.stride(), h * d * d, d * d, d, 1,
-                          *dq.stride(), h, n, d, chunks, 1.0, GATED=gated, UPDATE=False, TILES=tiles, BLOCK_N=bn,
-                          BLOCK_D=bd, PREC=prec, num_warps=_warps(bd))
-    dwn = _sum_partials(p, b, h, d)
-    cts = [(-t).contiguous() for t in dwn]  # cotangents of G (W' = W - G)
-    ca, cb, co = _slots(cts)
-    dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
-    wa, wb, wo = _slots(ws)
+    """Triton backward in 3 launches: [dq, dk, dv, dW...] (dW in fp32, cast to the weights' dtype if lower);
+    recomputes every N x d intermediate from q, k, v, W and W' (fp32 contiguous (B, heads, d, d), as saved)."""
+    op = _op_name(gated)
+    b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "bwd")
+    n_w, bh, prec, dev, f32 = len(ws), b * h, dot_prec(q.dtype), q.device, torch.float32
     c = (-scale if gated else scale) / n
-    _update_bwd[(b * h, chunks)](k, v, wa, wb, wo, ca, cb, co, dk, dv, pa, pb, po, *k.stride(), *v.stride(),
-                                 *_wstrides(ws[0]), *dk.stride(), *dv.stride(), h, n, d, chunks, c,
-                                 GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                             num_warps=_warps(bd))
-    dws = []
-    for w, a_, b_ in zip(ws, dwn, _sum_partials(p, b, h, d)):
-        t = a_ + b_
-        if w.shape[0] == 1:
-            t = t.sum(0, keepdim=True)
-        dws.append(t.to(w.dtype))
-    return [dq, dk, dv] + dws
+    n_wb = ws[0].shape[0]
+    if any(w.shape[0] != n_wb for w in ws):
+        raise ValueError(f"{op}: the inner weights must all be shared (1, ...) or all per sample (B, ...), got "
+                         f"{[tuple(w.shape) for w in ws]}")
+    part = torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
+    dw = [torch.empty(n_wb, h, d, d, device=dev, dtype=f32) for _ in ws]
+    dq = _heads_merged(b, h, n, d, q)
+    _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), *q.stride(), *do.stride(), *dq.stride(),
+                               h, n, d, bh, chunks, n_wb, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd,
+                               PREC=prec, num_warps=warps)
+    ct = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32)
+    bc = min(BLOCK_C, bd)
+    cols = triton.cdiv(d, bc)
+    _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), h, d, bh, chunks, cols, n_wb, c, GATED=gated, BLOCK_D=bd,
+                                BLOCK_C=bc, num_warps=4)
+    dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
+    _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), *k.stride(), *v.stride(), *_wargs(ws),
+                                *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated, TILES=tiles,
+                                BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
+    return [dq, dk, dv] + [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(dw, ws)]
 
 
 t5_fwd_triton, t5_bwd_triton, dit5_fwd_triton, dit5_bwd_triton = model_entry_points(inner_fwd_triton,
