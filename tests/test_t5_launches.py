@@ -14,10 +14,10 @@ from ttt_zoo.layers import T5TTT
 
 #: torch path (inner step in PyTorch): (inference, training) ceilings reached by the glue of this change
 TORCH_CEILINGS = {"t5_tiny": (57, 243), "t5_plus_tiny": (58, 251)}
-DIT5_TORCH_CEILING = (59, 207)
+DIT5_TORCH_CEILING = (58, 198)
 #: Triton path: launches outside the inner step's own (its Triton kernels and the aten ops inside the custom op);
 #: the training count includes what autograd launches for the op's unused outputs (zero gradients)
-TRITON_GLUE_CEILINGS = {"t5_tiny": (13, 43), "t5_plus_tiny": (15, 51), "dit5": (27, 99)}
+TRITON_GLUE_CEILINGS = {"t5_tiny": (13, 43), "t5_plus_tiny": (15, 51), "dit5": (26, 90)}
 INNER_OPS = ("t5_swiglu_fwd", "t5_swiglu_bwd", "dit5_mlp_fwd", "dit5_mlp_bwd")
 
 
@@ -69,7 +69,7 @@ def test_dit5_block_launches_torch_path():
         infer, train = _dit5_block()
     assert infer.total <= DIT5_TORCH_CEILING[0], infer.table()
     assert train.total <= DIT5_TORCH_CEILING[1], train.table()
-    assert infer.aten["_scaled_dot_product_flash_attention_for_cpu"] == 1 and infer.aten["addcmul"] == 2
+    assert infer.aten["_scaled_dot_product_flash_attention_for_cpu"] == 1 and infer.aten["addcmul"] == 1
 
 
 def test_t5_recompute_default_follows_the_inner_step():

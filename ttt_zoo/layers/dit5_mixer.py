@@ -107,18 +107,24 @@ class DiT5MixedAttention(PlainStepTTT):
         b, n, _ = x.shape
         return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
 
-    def _ttt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        """(B, heads, N, d); each affine one launch, the convs' residuals folded into their weights."""
-        s, o = self.qk_scale_ttt, self.qk_offset_ttt
-        k = key_instance_norm(torch.addcmul(o[..., 1], k, s[..., 1]), 1.0, backend=self.backend)  # shared with T5
+    def _ttt(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             feat_size: Tuple[int, int]) -> torch.Tensor:
+        """(B, heads, N, d) from the qkv output and its q, k, v views; the q and k affines as one launch, the convs'
+        residuals folded into their weights."""
+        s, o = self.qk_scale_ttt, self.qk_offset_ttt  # (1, 1, C, 2): [..., 0] for q, [..., 1] for k
+        if self.share_qk:
+            k = torch.addcmul(o[..., 1], k, s[..., 1])
+        else:  # [q | k] of the projection as (B, N, C, 2), the parameters' layout
+            qk = torch.addcmul(o, qkv[..., :2 * k.shape[-1]].unflatten(-1, (2, k.shape[-1])).transpose(-1, -2), s)
+            q, k = qk[..., 0], qk[..., 1]
+        k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
         if self.share_qk:
             wk = fold_identity([self.k_conv2d.weight])[0]
             q = k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
         else:
             wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
             k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
-            q = self._heads(residual_dwconv(torch.addcmul(o[..., 0], q, s[..., 0]), wq, self.q_conv2d.bias,
-                                            feat_size))
+            q = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
         return self._inner(q, k, self._heads(v))
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
@@ -134,13 +140,14 @@ class DiT5MixedAttention(PlainStepTTT):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
+        qkv = self.qkv(x)
         if self.share_qk:
-            k, v = self.qkv(x).chunk(2, dim=-1)
+            k, v = qkv.chunk(2, dim=-1)
             q = k
         else:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = qkv.chunk(3, dim=-1)
         # 0.5 (NA + TTT) in one launch; NA first: its (B, N, heads, d) layout makes merging the heads free
-        x = torch.lerp(self._na(q, k, v, feat_size), self._ttt(q, k, v, feat_size), 0.5)
+        x = torch.lerp(self._na(q, k, v, feat_size), self._ttt(qkv, q, k, v, feat_size), 0.5)
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
 
     def extra_repr(self) -> str:
