@@ -116,14 +116,14 @@ def vit3_fused_rows(block_ds, arch):
 
 
 def ttt_linear_rows(block_ds, arch, mini_batch=16):
-    """TTT-Linear scan kernels (forward pass 1 per sequence, pass 2 per chunk, the backward), both LN-residual
+    """TTT-Linear scan kernels (the recurrences per sequence, the output passes per chunk), both LN-residual
     settings."""
     lines = []
     for bd in block_ds:
         bc, _, warps = LT._launch_cfg(bd, mini_batch)
         for ln in (True, False):
             consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC="tf32")
-            for fn in (LT._fwd_states, LT._fwd_outputs, LT._scan_bwd):
+            for fn in (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states, LT._bwd_keys):
                 lines.append(_row(fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts, arch))
     return lines
 

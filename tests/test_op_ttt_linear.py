@@ -683,7 +683,8 @@ def long_case():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
 @triton_test
 def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launches):
-    """Pass 1 (states, G), pass 2 (28 chunk programs per direction) and the backward against the float64 reference:
+    """Forward passes 1 (states, G) and 2 (28 chunk programs per direction) and the three backward passes against
+    the float64 reference:
     output and every gradient, errors relative to each tensor's largest reference entry (measured: fp32 <= 6e-7,
     fp16 <= 1e-3)."""
     x, do, ref, ref_grads = long_case
@@ -699,11 +700,14 @@ def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launc
 
 
 def test_pass2_grid_grows_with_the_sequence():
-    """Vision-TTT-T (3 heads of 64, bidirectional, mini-batch 16), batch 1: pass 1 keeps one program per sequence
-    (the recurrence), pass 2 runs one per chunk x sequence: >= 100 programs at 2048 px (N = 128^2)."""
+    """Vision-TTT-T (3 heads of 64, bidirectional, mini-batch 16), batch 1: the two recurrences keep one program per
+    sequence, the output passes (forward pass 2, backward passes 1 and 3) run one per chunk x sequence: >= 100
+    programs at 2048 px (N = 128^2)."""
     if T is None:
         pytest.skip("the Triton kernels cannot run here")
     grids = {px: T.scan_grids(2, 1, 3, (px // 16) ** 2, 16) for px in (224, 1024, 2048)}
-    assert all(g["states"] == (2, 3) for g in grids.values())
-    assert math.prod(grids[2048]["outputs"]) >= 100
-    assert math.prod(grids[224]["outputs"]) < math.prod(grids[1024]["outputs"]) <= math.prod(grids[2048]["outputs"])
+    for g in grids.values():
+        assert g["_fwd_states"] == g["_bwd_states"] == (2, 3)
+        assert g["_fwd_outputs"] == g["_bwd_outputs"] == g["_bwd_keys"]
+    assert math.prod(grids[2048]["_fwd_outputs"]) >= 100
+    assert math.prod(grids[224]["_fwd_outputs"]) < math.prod(grids[1024]["_fwd_outputs"])

@@ -135,6 +135,38 @@ def scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tenso
         return _scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
 
 
+def _folded(ks: Tensor, lrs: Tensor, tau: Tensor, mini_batch: int) -> Tuple[Tensor, Tensor]:
+    """The state-independent factors of every state update, for all tokens at once: ``ka = [k, 1]`` (the bias
+    folded into the state as its last row: S = [W; b], z = ka S) and ``e_j ka_j`` (e_j = tau_{c-1} lr_j, c the
+    length of token j's mini-batch), both (S, H, N, d + 1), so one mini-batch's update is ``S -= kel^T G``."""
+    n = ks.shape[2]
+    ka = torch.cat([ks, torch.ones_like(ks[..., :1])], -1)
+    el = lrs * tau[mini_batch - 1]
+    full = n // mini_batch * mini_batch
+    if full < n:  # a shorter last mini-batch steps with its own last tau
+        el[..., full:] = lrs[..., full:] * tau[n - full - 1]
+    return ka, ka * el[..., None]
+
+
+def _recurrence(s: Tensor, ka: Tensor, kel: Tensor, gc: Tensor, lnw2: Optional[Tensor], eps: float,
+                bounds: Sequence[Tuple[int, int]], off: int = 0) -> Tuple[List[Tensor], List[Tensor], Tensor]:
+    """The part of the scan that must run mini-batch by mini-batch (the inner gradient goes through a LayerNorm of
+    the state's own prediction): per mini-batch (s, e) of ``bounds`` one ``bmm`` (z = ka S), the inner gradient
+    (three ops) and one ``baddbmm`` (S -= kel^T G); ``gc`` holds the tokens from ``off``.  Returns the incoming
+    states (S, H, d + 1, d), the inner gradients and the outgoing state."""
+    sq, h, d1, d = s.shape
+    flat = s.reshape(sq * h, d1, d)
+    states, grads = [], []
+    for st, e in bounds:
+        states.append(flat.view(sq, h, d1, d))
+        z = torch.bmm(ka[:, :, st:e].reshape(sq * h, e - st, d1), flat).view(sq, h, e - st, d)
+        g = _inner_grad(z, gc[:, :, st - off:e - off], lnw2, eps)
+        grads.append(g)
+        flat = torch.baddbmm(flat, kel[:, :, st:e].reshape(sq * h, e - st, d1).transpose(1, 2),
+                             g.reshape(sq * h, e - st, d), alpha=-1.0)
+    return states, grads, flat.view(sq, h, d1, d)
+
+
 def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
               ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
               save_states: bool) -> Tuple[Tensor, Tensor]:
@@ -145,24 +177,19 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tens
     lnw, lnb = ln_w.to(cd).view(1, h, 1, d), ln_b.to(cd).view(1, h, 1, d)
     gc, lnw2 = _grad_consts(ts, lnw, lnb, ln_residual)
     w, b = _state0(w0, b0, ndir, bsz, cd)
+    state = torch.cat([w, b], 2)
+    ka, kel = _folded(ks, lrs, tau, mini_batch)
+    qa = ka if qs is ks else torch.cat([qs, torch.ones_like(qs[..., :1])], -1)
     outs, states = [], []
     n_mb = -(-n // mini_batch)
     ck = ckpt_every(n_mb)
+    bounds = _chunks(n, mini_batch)
     for lo in range(0, n_mb, ck):
         hi = min(n_mb, lo + ck)
         if save_states:
-            states.append(torch.cat([w, b], 2))
-        # the state recursion runs mini-batch by mini-batch; the outputs of a segment are formed batched afterwards
-        ws, bs, gs = [], [], []
-        for s, e in _chunks(n, mini_batch)[lo:hi]:
-            kc, lc = ks[:, :, s:e], lrs[:, :, s:e]
-            g = _inner_grad(torch.matmul(kc, w).add_(b), gc[:, :, s:e], lnw2, eps)
-            ws.append(w)
-            bs.append(b)
-            gs.append(g)
-            step = (tau[e - s - 1] * lc)[..., None] * g
-            w = w - kc.transpose(-1, -2) @ step
-            b = b - step.sum(-2, keepdim=True)
+            states.append(state)
+        # only the recurrence runs mini-batch by mini-batch; a segment's outputs are formed batched afterwards
+        ss, gs, state = _recurrence(state, ka, kel, gc, lnw2, eps, bounds[lo:hi])
         full = min(hi, n // mini_batch)
         for g0, g1 in ((lo, full), (max(lo, full), hi)):  # full mini-batches, then a shorter last one
             if g1 <= g0:
@@ -172,9 +199,9 @@ def _scan_fwd(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tens
             qc = qs[:, :, s0:s1].reshape(-1, h, nc, c, d)
             kc = ks[:, :, s0:s1].reshape(-1, h, nc, c, d)
             lc = lrs[:, :, s0:s1].reshape(-1, h, nc, 1, c)
-            wg, bg, gg = [torch.stack(x[g0 - lo:g1 - lo], 2) for x in (ws, bs, gs)]
+            sg, gg = [torch.stack(x[g0 - lo:g1 - lo], 2) for x in (ss, gs)]
             eta = torch.tril(tau[:c, None] * lc)
-            zb = qc @ wg + bg - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ gg
+            zb = qa[:, :, s0:s1].reshape(-1, h, nc, c, d + 1) @ sg - (eta * (qc @ kc.transpose(-1, -2) + 1.0)) @ gg
             if ln_residual:
                 zb = torch.addcmul(qc + lnb[:, :, None], _ln(zb, eps)[0], lnw[:, :, None])
             outs.append(zb.reshape(-1, h, s1 - s0, d))
@@ -326,23 +353,16 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
     n_mb = -(-n // mini_batch)
     ck = ckpt_every(n_mb)
     full = n // mini_batch  # full mini-batches; a shorter last one (if any) has index `full`
+    ka, kel = _folded(ks, lrs, tau_c, mini_batch)
+    bounds = _chunks(n, mini_batch)
     grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)
     for sg in range(-(-n_mb // ck) - 1, -1, -1):
         lo, hi = sg * ck, min(n_mb, (sg + 1) * ck)
         # recompute the incoming states of the segment's mini-batches from its checkpoint
-        w, b = states[:, :, sg, :d], states[:, :, sg, d:]
         off = lo * mini_batch  # the segment's targets only: no second token-wide tensor
         gc, lnw2 = _grad_consts(ts[:, :, off:min(hi * mini_batch, n)], lnw, lnb, ln_residual)
-        ws, bs = [], []
-        for j in range(lo, hi):
-            ws.append(w)
-            bs.append(b)
-            if j < hi - 1:
-                sj, ej = j * mini_batch, (j + 1) * mini_batch
-                g = _inner_grad(torch.matmul(ks[:, :, sj:ej], w).add_(b), gc[:, :, sj - off:ej - off], lnw2, eps)
-                step = (tau_c[mini_batch - 1] * lrs[:, :, sj:ej])[..., None] * g
-                w = w - ks[:, :, sj:ej].transpose(-1, -2) @ step
-                b = b - step.sum(-2, keepdim=True)
+        ss, _, last = _recurrence(states[:, :, sg], ka, kel, gc, lnw2, eps, bounds[lo:hi - 1], off)
+        ss.append(last)
         # groups of equal-size mini-batches, latest first: the shorter last one, then the full ones
         groups = []
         if hi > full:
@@ -350,8 +370,8 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
         if min(hi, full) > lo:
             groups.append((lo, min(hi, full)))
         for g0, g1 in groups:
-            dw, db = _group_bwd(g0, g1, n, mini_batch, torch.stack(ws[g0 - lo:g1 - lo], 2),
-                                torch.stack(bs[g0 - lo:g1 - lo], 2), dw, db, qs, ks, ts, lrs, dos, tau_c, lnw, lnb,
+            sgs = torch.stack(ss[g0 - lo:g1 - lo], 2)
+            dw, db = _group_bwd(g0, g1, n, mini_batch, sgs[..., :d, :], sgs[..., d:, :], dw, db, qs, ks, ts, lrs, dos, tau_c, lnw, lnb,
                                 ln_residual, eps, grads)
     dqs = _per_input(dq, q, ndir)
     dks = None if shared_qk else _per_input(dk, k, ndir)

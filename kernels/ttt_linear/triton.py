@@ -22,20 +22,24 @@ needs it runs sequentially; given G, the outputs are a linear function of the ch
         LayerNorm + residual, and the (now linear) update W -= k^T (e G) to the next mini-batch.  Its grid grows
         with the sequence up to 32 chunks (Vision-TTT-T, batch 1: 24 programs at 224 px, 192 at 1024 and 2048 px;
         ``scan_grids``, experiments/results/visionttt_scan_grid.md).
-Backward kernel ``_scan_bwd``: walks the checkpoint segments in reverse with (dW, db) of the outgoing state in
-    registers.  Per segment it first RECOMPUTES the state recursion (z, G, update) from the checkpoint, writing the
-    ck incoming states to a per-program scratch buffer, then walks the segment's mini-batches in reverse, reloads
-    each incoming state and RECOMPUTES z, G, the LayerNorm statistics, A and zb, and forms dq, dk, dv, dlr of the
-    mini-batch plus per-sequence partial sums of dtau, dln_w, dln_b; dW0, db0 are the carried (dW, db) at the end.
-    Nothing of size N x d x d and no per-token weight is formed; the backward costs about 1.5 forward recursions
-    more than the forward.
-Memory per (batch, head) and direction (d = head dim, D = d padded to a power of two >= 16, b = mini_batch,
-n_mb = ceil(N / b), ck as above):
-    forward: the fp32 N x d output and G, ceil(n_mb / ck) chunk states;
-    saved for backward: the inputs plus ceil(n_mb / ck) states of (d + 1) x d fp32;
-    backward: a scratch of ck states, dq, dk, dv as fp32 N x d per direction, d^2 + 4 d + b fp32 partials.
-    E.g. d = 64, b = 16, N = 4096: 32 saved + 8 scratch states = 0.67 MB (every mini-batch: 4.3 MB; per-token
-    weights: 67 MB); N = 16384: 32 + 32 states = 1.06 MB.
+The backward, three launches, from the chunk-start states (saved by the forward) and no per-mini-batch state:
+    ``_bwd_outputs``, grid (chunks, direction x batch, heads), in parallel: walks its chunk forward from the stored
+        state (recomputing z, G and each incoming state) and forms what the later mini-batches do not touch: dq
+        (complete), dS^T q of dk, the eta term of dlr, partial sums of dtau and of the output LayerNorm's dln_w,
+        dln_b; writes z, dzb and dG_a = -A^T dzb (fp32, N x d per direction).
+    ``_bwd_states``, grid (direction x batch, heads), sequential in reverse: the (dW, db) recursion, which goes
+        through the inner LayerNorm gradient (not linear): per mini-batch G and its LayerNorm statistics from the
+        stored z, p = k dW + db, dG = dG_a - e p, dz by the LayerNorm backward, dW += q^T dzb + k^T dz.  Three
+        d x d products per mini-batch (the old one-kernel backward: two recompute passes and ~12).  Writes dz, dv,
+        adds the recurrence terms of dk and dlr; dW0, db0 at the end.
+    ``_bwd_keys``, grid (chunks, direction x batch, heads), in parallel: dk += dz W_i^T, the chunk's states walked
+        forward from the stored one with G recomputed from z.
+    Partial sums (dtau, dln_w, dln_b: one row per program) are reduced by PyTorch after: no atomics, deterministic.
+Memory per (batch, head) and direction (d = head dim, b = mini_batch, n_mb = ceil(N / b), ck as above):
+    forward: the fp32 N x d output and G, ceil(n_mb / ck) <= ~32 chunk states of (d + 1) x d, also the only thing
+    saved for the backward besides the inputs;
+    backward: dq, dk, dv, z, dzb, dG_a, dz as fp32 N x d, (ceil(n_mb / ck) + 1) x (b + 2 d) fp32 partials.
+    E.g. d = 64, b = 16, N = 16384: 32 saved states = 0.53 MB (every mini-batch: 17 MB; per-token weights: 268 MB).
 In-chunk RoPE is applied in PyTorch before the kernels (``recompute.bidir_inputs``: one rotated copy of q, k per
 direction, in original token order).
 """
@@ -209,122 +213,192 @@ def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
         bias -= tl.sum(step, 0)
 
 
+@triton.jit
+def _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask):
+    """The stored incoming (W, b) of chunk ``ck`` of sequence ``seq`` (fp32)."""
+    sb = ST + (seq * n_ck + ck) * (D + 1) * D
+    return (tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0),
+            tl.load(sb + D * D + offs_d, mask=dmask, other=0.0))
+
+
 @triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _scan_bwd(Q, K, V, LR, TAU, LNW, LNB, DO, ST, SCR,
-              DQ, DK, DV, DLR, DTAU, DW0, DB0, DLNW, DLNB,
-              sqr, skr,
-              B, H, N, D, n_mb, CK, n_ck, eps,
-              MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-              LN_RES: tl.constexpr, PREC: tl.constexpr):
+def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, PTAU, PLNW, PLNB,
+                 sqr, skr,
+                 B, H, N, D, n_mb, CK, n_ck, eps,
+                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                 LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 1, one program per (chunk, sequence), in parallel: from the chunk's stored state it walks the
+    chunk forward (recomputing z, G and every incoming state) and forms the output-side gradients, which do not
+    depend on the later mini-batches: dq (complete), dk's dS^T q term, dlr's eta term, dtau / dln partial sums,
+    and writes z, dzb and dG_a = -A^T dzb for the sequential pass."""
+    ck = tl.program_id(0).to(tl.int64)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+                                                          BLOCK_D)
+    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
+    w, bias = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
+    dob = DO + row * D
+    gb = seq * N  # rows of the per-direction (ndir B, H, N) buffers
+    dlnw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dlnb = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dtau = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    lo = ck * CK
+    hi = tl.minimum(n_mb, lo + CK)
+    for m in range(lo, hi):
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
+        do = _load_rows(dob, t, offs_d, m2, D)
+        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+        if LN_RES:
+            xh, rstd = _ln_stats(z, dmask, D, eps)
+            gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
+            g = _ln_op(gx, xh, rstd, dmask, D)
+        else:
+            g = z - v
+        g = tl.where(m2, g, 0.0)
+        tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
+        eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
+        sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
+        a = eta * sqk
+        if LN_RES:
+            zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+            xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
+            dlnw += tl.sum(do * xh2, 0)
+            dlnb += tl.sum(do, 0)
+            dzb = _ln_op(do * lnw[None, :], xh2, rstd2, dmask, D)
+            dq = do + tl.dot(dzb, tl.trans(w), input_precision=PREC)
+        else:
+            dzb = do
+            dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
+        dzb = tl.where(m2, dzb, 0.0)
+        da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
+        deta = da * sqk
+        dsq = da * eta
+        dq += tl.dot(dsq, k, input_precision=PREC)
+        dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
+        dga = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
+        dtau += tl.sum(deta * lr[None, :], 1)
+        o2 = (gb + t[:, None]) * D + offs_d[None, :]
+        tl.store(Z + o2, z, mask=m2)
+        tl.store(DZB + o2, dzb, mask=m2)
+        tl.store(DGA + o2, dga, mask=m2)
+        tl.store(DQ + o2, dq, mask=m2)
+        tl.store(DK + o2, dk, mask=m2)
+        tl.store(DLR + gb + t, tl.sum(deta * tau[:, None], 0), mask=rmask)
+        step = (tau_last * lr)[:, None] * g
+        w -= tl.dot(tl.trans(k), step, input_precision=PREC)
+        bias -= tl.sum(step, 0)
+    part = ck * (tl.num_programs(1) * tl.num_programs(2)) + seq  # partial sums: (n_ck + 1, sequences)
+    tl.store(PLNW + part * D + offs_d, dlnw, mask=dmask)
+    tl.store(PLNB + part * D + offs_d, dlnb, mask=dmask)
+    tl.store(PTAU + part * MB + offs_c, dtau, mask=offs_c < MB)
+
+
+@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "n_ck"])
+def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, DB0, PTAU, PLNW, PLNB,
+                sqr, skr,
+                B, H, N, D, n_mb, n_ck, eps,
+                MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 2, one program per sequence, sequential over the mini-batches in reverse: the (dW, db)
+    recursion through the state updates and the inner LayerNorm gradient (not linear: it reads z), from the stored
+    z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
     r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(0), tl.program_id(1), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
-    dob = DO + row * D
-    gb = seq * N  # rows of the per-direction (ndir B, H, N) gradient buffers
+    gb = seq * N
     dw = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dlnw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dlnb = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dtau = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    scr = SCR + seq * CK * (D + 1) * D
-    for ss in range(n_ck):
-        sg = n_ck - 1 - ss
-        lo = sg * CK
-        hi = tl.minimum(n_mb, lo + CK)
-        # recompute the incoming states of the segment's mini-batches from its checkpoint into the scratch buffer
-        cb = ST + (seq * n_ck + sg) * (D + 1) * D
-        w = tl.load(cb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
-        bias = tl.load(cb + D * D + offs_d, mask=dmask, other=0.0)
-        for m in range(lo, hi):
-            _store_state(scr + (m - lo) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
-            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-            k = _load_rows(kb, t, offs_d, m2, D)
+    for mm in range(n_mb):
+        m = n_mb - 1 - mm
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+        q = _load_rows(qb, t, offs_d, m2, D)
+        k = _load_rows(kb, t, offs_d, m2, D)
+        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        o2 = (gb + t[:, None]) * D + offs_d[None, :]
+        z = tl.load(Z + o2, mask=m2, other=0.0)
+        dzb = tl.load(DZB + o2, mask=m2, other=0.0)
+        if LN_RES:
             v = _load_rows(vb, t, offs_d, m2, D)
-            lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-            tau_last = tl.load(TAU + c - 1).to(tl.float32)
-            g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
-            step = (tau_last * lr)[:, None] * g
-            w -= tl.dot(tl.trans(k), step, input_precision=PREC)
-            bias -= tl.sum(step, 0)
-        tl.debug_barrier()  # the scratch states are written and read by different threads
-        for mm in range(lo, hi):
-            m = hi - 1 - (mm - lo)
-            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-            sb = scr + (m - lo) * (D + 1) * D
-            w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
-            bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
-            q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
-            do = _load_rows(dob, t, offs_d, m2, D)
-            # recompute the mini-batch's forward
-            z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-            if LN_RES:
-                xh, rstd = _ln_stats(z, dmask, D, eps)
-                y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
-                gx = y * lnw[None, :]
-                g = _ln_op(gx, xh, rstd, dmask, D)
-            else:
-                g = z - v
-            g = tl.where(m2, g, 0.0)
-            tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
-            eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
-            sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
-            a = eta * sqk
-            el = tau_last * lr
-            # output LayerNorm + residual, then the dual-form output
-            if LN_RES:
-                zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
-                xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
-                dlnw += tl.sum(do * xh2, 0)
-                dlnb += tl.sum(do, 0)
-                dzb = _ln_op(do * lnw[None, :], xh2, rstd2, dmask, D)
-                dq = do + tl.dot(dzb, tl.trans(w), input_precision=PREC)
-            else:
-                dzb = do
-                dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
-            dzb = tl.where(m2, dzb, 0.0)
-            da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
-            deta = da * sqk
-            dsq = da * eta
-            dq += tl.dot(dsq, k, input_precision=PREC)
-            dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
-            dg = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
-            # the state update, with (dw, db) the gradient of the outgoing state
-            pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
-            dg -= el[:, None] * pk
-            dg = tl.where(m2, dg, 0.0)
-            de = -tl.sum(pk * g, 1)
-            dk -= tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
-            dlr = tl.sum(deta * tau[:, None], 0) + de * tau_last
-            dtau += tl.sum(deta * lr[None, :], 1) + tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
-            # the inner gradient G(z, v - k)
-            if LN_RES:
-                dgx = _ln_op(dg, xh, rstd, dmask, D)
-                dy = dgx * lnw[None, :]
-                dlnw += tl.sum(dgx * y + dy * xh, 0)
-                dlnb += tl.sum(dy, 0)
-                mgx = tl.sum(gx * xh, 1) / D
-                dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
-                dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
-                dz = tl.where(m2, dz, 0.0)
-                dv = -dy
-                dk += dy
-            else:
-                dz = dg
-                dv = -dg
-            dk += tl.dot(dz, tl.trans(w), input_precision=PREC)
-            o2 = (gb + t[:, None]) * D + offs_d[None, :]
-            tl.store(DQ + o2, dq, mask=m2)
-            tl.store(DK + o2, dk, mask=m2)
-            tl.store(DV + o2, dv, mask=m2)
-            tl.store(DLR + gb + t, dlr, mask=rmask)
-            dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
-            db += tl.sum(dzb, 0) + tl.sum(dz, 0)
-        tl.debug_barrier()  # the next segment overwrites the scratch buffer
+            xh, rstd = _ln_stats(z, dmask, D, eps)
+            y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
+            gx = y * lnw[None, :]
+            g = _ln_op(gx, xh, rstd, dmask, D)
+        else:
+            g = z - _load_rows(vb, t, offs_d, m2, D)
+        g = tl.where(m2, g, 0.0)
+        el = tau_last * lr
+        pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
+        dg = tl.where(m2, tl.load(DGA + o2, mask=m2, other=0.0) - el[:, None] * pk, 0.0)
+        de = -tl.sum(pk * g, 1)
+        dk = -tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
+        dtau += tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
+        if LN_RES:
+            dgx = _ln_op(dg, xh, rstd, dmask, D)
+            dy = dgx * lnw[None, :]
+            dlnw += tl.sum(dgx * y + dy * xh, 0)
+            dlnb += tl.sum(dy, 0)
+            mgx = tl.sum(gx * xh, 1) / D
+            dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
+            dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
+            dz = tl.where(m2, dz, 0.0)
+            dv = -dy
+            dk += dy
+        else:
+            dz = dg
+            dv = -dg
+        tl.store(DZ + o2, dz, mask=m2)
+        tl.store(DV + o2, dv, mask=m2)
+        tl.store(DK + o2, tl.load(DK + o2, mask=m2, other=0.0) + dk, mask=m2)
+        tl.store(DLR + gb + t, tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last, mask=rmask)
+        dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
+        db += tl.sum(dzb, 0) + tl.sum(dz, 0)
     tl.store(DW0 + seq * D * D + offs_d[:, None] * D + offs_d[None, :], dw, mask=wmask)
     tl.store(DB0 + seq * D + offs_d, db, mask=dmask)
-    tl.store(DLNW + seq * D + offs_d, dlnw, mask=dmask)
-    tl.store(DLNB + seq * D + offs_d, dlnb, mask=dmask)
-    tl.store(DTAU + seq * MB + offs_c, dtau, mask=offs_c < MB)
+    part = n_ck * (tl.num_programs(0) * tl.num_programs(1)) + seq
+    tl.store(PLNW + part * D + offs_d, dlnw, mask=dmask)
+    tl.store(PLNB + part * D + offs_d, dlnb, mask=dmask)
+    tl.store(PTAU + part * MB + offs_c, dtau, mask=offs_c < MB)
+
+
+@triton.jit(do_not_specialize=["skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
+def _bwd_keys(K, V, LR, TAU, LNW, LNB, ST, Z, DZ, DK,
+              skr,
+              B, H, N, D, n_mb, CK, n_ck, eps,
+              MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+              LN_RES: tl.constexpr, PREC: tl.constexpr):
+    """Backward pass 3, one program per (chunk, sequence), in parallel: dk += dz W_i^T, walking the chunk's states
+    forward from its stored state with G recomputed from the stored z (no LayerNorm statistics of the state
+    itself: z is given)."""
+    ck = tl.program_id(0).to(tl.int64)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+                                                          BLOCK_D)
+    lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
+    w, _ = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
+    gb = seq * N
+    lo = ck * CK
+    hi = tl.minimum(n_mb, lo + CK)
+    for m in range(lo, hi):
+        t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+        k = _load_rows(kb, t, offs_d, m2, D)
+        v = _load_rows(vb, t, offs_d, m2, D)
+        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
+        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        o2 = (gb + t[:, None]) * D + offs_d[None, :]
+        z = tl.load(Z + o2, mask=m2, other=0.0)
+        if LN_RES:
+            xh, rstd = _ln_stats(z, dmask, D, eps)
+            g = _ln_op((lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :], xh, rstd, dmask, D)
+        else:
+            g = z - v
+        g = tl.where(m2, g, 0.0)
+        dz = tl.load(DZ + o2, mask=m2, other=0.0)
+        dk = tl.load(DK + o2, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
+        tl.store(DK + o2, dk, mask=m2)
+        w -= tl.dot(tl.trans(k), (tau_last * lr)[:, None] * g, input_precision=PREC)
 
 
 def _check_dtype(q: torch.Tensor) -> None:
@@ -351,10 +425,12 @@ def _chunks(n: int, mini_batch: int) -> Tuple[int, int, int]:
 
 
 def scan_grids(ndir: int, bsz: int, heads: int, n: int, mini_batch: int) -> Dict[str, Tuple[int, ...]]:
-    """The launch grid of every kernel for ``n`` tokens: pass 1 and the backward one program per sequence
-    (direction x batch, head), pass 2 one per (chunk, sequence): it grows with the token count."""
+    """The launch grid of every kernel for ``n`` tokens: the recurrences (``_fwd_states``, ``_bwd_states``) one
+    program per sequence (direction x batch, head); the others one per (chunk, sequence), growing with N."""
     seqs = (ndir * bsz, heads)
-    return {"states": seqs, "outputs": (_chunks(n, mini_batch)[2], *seqs), "backward": seqs}
+    chunks = (_chunks(n, mini_batch)[2], *seqs)
+    return {"_fwd_states": seqs, "_fwd_outputs": chunks, "_bwd_outputs": chunks, "_bwd_states": seqs,
+            "_bwd_keys": chunks}
 
 
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
@@ -374,11 +450,11 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
                num_warps=warps)
-    _fwd_states[grids["states"]](
+    _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, w0, b0, ln_w, ln_b, grad, st,
         _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
         bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
-    _fwd_outputs[grids["outputs"]](
+    _fwd_outputs[grids["_fwd_outputs"]](
         q, k, lr, tau, ln_w, ln_b, grad, st, out,
         _bstride(q, 0), _bstride(k, 0),
         bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
@@ -396,7 +472,8 @@ def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
 
 def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int, mini_batch: int,
                     ln_residual: bool, eps: float) -> List[torch.Tensor]:
-    """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b]."""
+    """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b], in three launches
+    (per chunk, per sequence, per chunk; module docstring)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
     if states.numel() == 0:
@@ -407,23 +484,30 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     if states.shape[2] != n_ck:
         raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
     f32 = dict(device=q.device, dtype=torch.float32)
-    scratch = torch.empty(ndir * bsz * h, ck, d + 1, d, **f32)
-    dq, dk, dv = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(3)]
+    # per direction, fp32: the gradients, and z, dzb, dG_a, dz handed from pass to pass
+    dq, dk, dv, z, dzb, dga, dz = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(7)]
     dlr = torch.empty(ndir, bsz, h, n, **f32)
     seqs = ndir * bsz * h
-    dtau = torch.empty(seqs, mini_batch, **f32)
+    ptau = torch.empty(n_ck + 1, seqs, mini_batch, **f32)  # partial sums: one row per chunk program, one for pass 2
+    plnw, plnb = [torch.empty(n_ck + 1, seqs, d, **f32) for _ in range(2)]
     dw0 = torch.empty(seqs, d, d, **f32)
-    db0, dlnw, dlnb = [torch.empty(seqs, d, **f32) for _ in range(3)]
+    db0 = torch.empty(seqs, d, **f32)
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
-    _scan_bwd[scan_grids(ndir, bsz, h, n, mini_batch)["backward"]](
-        q, k, v, lr, tau, ln_w, ln_b, do, states, scratch,
-        dq, dk, dv, dlr, dtau, dw0, db0, dlnw, dlnb,
-        _bstride(q, 0), _bstride(k, 0),
-        bsz, h, n, d, n_mb, ck, n_ck, eps,
-        MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
-        num_warps=warps)
+    grids = scan_grids(ndir, bsz, h, n, mini_batch)
+    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
+               num_warps=warps)
+    sqr, skr = _bstride(q, 0), _bstride(k, 0)
+    _bwd_outputs[grids["_bwd_outputs"]](
+        q, k, v, lr, tau, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb,
+        sqr, skr, bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+    _bwd_states[grids["_bwd_states"]](
+        q, k, v, lr, tau, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
+        sqr, skr, bsz, h, n, d, n_mb, n_ck, eps, **cfg)
+    _bwd_keys[grids["_bwd_keys"]](
+        k, v, lr, tau, ln_w, ln_b, states, z, dz, dk,
+        skr, bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
     dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
     return [dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dlr.sum(0).to(lr.dtype),
-            dtau.sum(0).to(tau.dtype), _reduce_w(dw0, w0, ndir), _reduce_w(db0.view(seqs, 1, d), b0, ndir),
-            dlnw.view(-1, h, d).sum(0).to(ln_w.dtype), dlnb.view(-1, h, d).sum(0).to(ln_b.dtype)]
+            ptau.sum((0, 1)).to(tau.dtype), _reduce_w(dw0, w0, ndir), _reduce_w(db0.view(seqs, 1, d), b0, ndir),
+            plnw.view(-1, h, d).sum(0).to(ln_w.dtype), plnb.view(-1, h, d).sum(0).to(ln_b.dtype)]
