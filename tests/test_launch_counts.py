@@ -1,9 +1,12 @@
-"""What a step launches, counted (issue 39): the counter itself, the fused ViT3 op (at most 3 Triton launches
-forward and 3 backward), the ViT3 block against timm's DeiT block on the Triton path, and every classifier code
-path's block against its ceiling, on both paths.  Counts, not times: they do not depend on the machine.
+"""What a step launches, counted (issues 39, 48): the counter itself; every code path's first block on the Triton
+and the torch path against timm's DeiT-T block (issue 48: the Triton path within 1.5x in inference and 1.3x in a
+training step, with Triton running the inner step), and the torch path against its ceiling.  Counts, not times:
+they do not depend on the machine.
 
-Ceilings (``CEILINGS``) are the counts of experiments/results/launch_counts.md; a model missing from the table fails,
-so a new family or variant cannot slip past.  Lower a ceiling when a count drops; never raise one without saying why.
+The Triton path is counted with its kernels launched but not run (``run_triton=False``: seconds instead of the
+interpreter's minutes per block); ``test_counts_do_not_depend_on_running_the_kernels`` checks that against a run
+that executes them, and ``test_counts_do_not_depend_on_the_size`` that the smallest input says what a larger one
+does.  The table with the "before" numbers: experiments/launch_counts.py -> experiments/results/launch_counts.md.
 """
 import functools
 import os
@@ -14,21 +17,22 @@ import torch
 import torch.nn.functional as F
 
 import ttt_zoo  # noqa: F401
-from ttt_zoo.bench.launches import block_launches, code_paths, count_launches
+from ttt_zoo.bench.launches import block_launches, code_paths, count_launches, smallest_img_size
 from ttt_zoo.kernels.backend import BackendError, use_backend
 
 PEER = "deit_tiny_patch16_224"
+INFER_X, TRAIN_X = 1.5, 1.3  # issue 48: the Triton path's block against DeiT-T's
 
 # the torch path of the ViT3 block before issue 39 (24ddb19): 48 launches in inference, 201 in a training step
 VIT3_TORCH_BEFORE = (48, 201)
 
 
 @functools.lru_cache(maxsize=None)
-def _block(name, backend):
+def _block(name, backend, img_size=None, run_triton=False):
     torch.manual_seed(0)
     with use_backend(backend):
-        model = timm.create_model(name, **({"img_size": 96} if name == PEER else {}))
-        return block_launches(model)
+        model = timm.create_model(name, **({"img_size": 32} if name == PEER else {}))
+        return block_launches(model, img_size=img_size, run_triton=run_triton)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +54,16 @@ def test_counter_counts_kernels_not_views():
     assert c.triton_total == 0
 
 
-@pytest.mark.triton
-def test_counter_counts_triton_launches_once():
-    triton = pytest.importorskip("triton")
+def _needs_triton():
+    pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.mark.triton
+def test_counter_counts_triton_launches_once():
+    _needs_triton()
+    import triton
     import triton.language as tl
 
     @triton.jit
@@ -72,18 +81,32 @@ def test_counter_counts_triton_launches_once():
 
 
 @pytest.mark.triton
-def test_vit3_block_triton_path(deit):
-    """The ViT3-T block on the Triton path, counted once (the interpreter takes minutes per block): the fused op at
-    3 Triton launches forward and 3 backward with no aten glue inside, the block within 1.5x / 1.3x of timm's DeiT-T
-    block, and within its ceiling."""
-    infer, train = _block("vit3_tiny", "triton")
-    assert infer.by_op == {"vit3_qkv_fwd": 3}, infer.by_op
-    assert train.by_op == {"vit3_qkv_fwd": 3, "vit3_qkv_bwd": 3}, train.by_op
-    assert infer.triton_total == 3 and train.triton_total == 6  # Triton kernels only: no aten glue inside the op
-    peer_infer, peer_train = deit
-    assert infer.total <= 1.5 * peer_infer.total, (infer.total, peer_infer.total, infer.aten)
-    assert train.total <= 1.3 * peer_train.total, (train.total, peer_train.total, train.aten)
-    _assert_within_ceiling("vit3_tiny", "triton", infer, train)
+@pytest.mark.parametrize("name", ["visionttt_tiny_la", "visionttt_tiny"])  # a forward kernel; forward + backward
+def test_counts_do_not_depend_on_running_the_kernels(name):
+    """The Triton path counted with its kernels run (the interpreter) and only launched: the same launches."""
+    _needs_triton()
+    ran, launched = _block(name, "triton", run_triton=True), _block(name, "triton")
+    for r, s in zip(ran, launched):
+        assert r.triton_total > 0
+        assert (r.aten, r.triton, r.by_op) == (s.aten, s.triton, s.by_op)
+
+
+@pytest.mark.parametrize("name", ["vit3_tiny", "hvit3_tiny", "t5_plus_tiny", "dit5_s_2"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_counts_do_not_depend_on_the_size(name, backend):
+    """The smallest input (ttt_zoo.bench.launches.smallest_img_size) counts what twice its side does: the plain and
+    the hierarchical skeletons, a neighbourhood window (T5+), the DiT skeleton with its conditioning."""
+    with use_backend(backend):
+        size = smallest_img_size(timm.create_model(name))
+    small, large = _block(name, backend), _block(name, backend, img_size=2 * size)
+    assert [c.total for c in small] == [c.total for c in large], (size, small, large)
+
+
+def test_block_launches_takes_dit_conditioning():
+    """A DiT block gets the tokens and the conditioning vector; both need a gradient in the training step."""
+    infer, train = _block("dit_s_2", "torch")
+    assert infer.aten["addmm"] >= 5  # qkv, proj, fc1, fc2 and the adaLN modulation of the conditioning
+    assert train.aten_total > 2 * infer.aten_total
 
 
 def test_vit3_block_torch_path_diet():
@@ -92,48 +115,92 @@ def test_vit3_block_torch_path_diet():
     assert train.total <= 0.7 * VIT3_TORCH_BEFORE[1], train.aten
 
 
-# Ceilings per block (inference, training), from experiments/results/launch_counts.md: the torch path of every
-# classifier code path, and the Triton path of one model per custom op (the fused ViT3 op, a variant op,
-# TTT-Linear, linear attention; the interpreter is slow: H-ViT3-T's block took 209 s).  None: the path cannot run
-# the model's ops (T5-T's head dim 64 is above its kernel's limit of 32).
-CEILINGS = {
-    ("hvit3_tiny", "torch"): (52, 164),
-    ("hvit3_tiny_v1", "torch"): (64, 201),
-    ("hvit3_tiny_v3", "torch"): (54, 156),
-    ("hvit3_tiny_v6", "torch"): (48, 122),
-    ("t5_plus_tiny", "torch"): (111, 377),
-    ("t5_tiny", "torch"): (58, 247),
-    ("t5_tiny", "triton"): None,
-    ("visionttt_h_tiny", "torch"): (253, 3102),
-    ("visionttt_h_tiny_la", "torch"): (71, 172),
-    ("visionttt_tiny", "torch"): (103, 570),
-    ("visionttt_tiny", "triton"): (66, 139),
-    ("visionttt_tiny_la", "torch"): (71, 173),
-    ("visionttt_tiny_la", "triton"): (53, 177),
-    ("vit3_tiny", "torch"): (33, 129),
-    ("vit3_tiny", "triton"): (14, 40),
-    ("vit3_tiny_v1", "torch"): (45, 166),
-    ("vit3_tiny_v3", "torch"): (35, 121),
-    ("vit3_tiny_v3", "triton"): (32, 110),
-    ("vit3_tiny_v6", "torch"): (29, 87),
+@pytest.mark.triton
+def test_vit3_fused_op_launches():
+    """The fused ViT3 op: 3 Triton launches forward and 3 backward, no aten glue inside."""
+    infer, train = _block("vit3_tiny", "triton")
+    assert infer.by_op == {"vit3_qkv_fwd": 3}, infer.by_op
+    assert train.by_op == {"vit3_qkv_fwd": 3, "vit3_qkv_bwd": 3}, train.by_op
+    assert infer.triton_total == 3 and train.triton_total == 6
+
+
+# Where the Triton path's block is not yet within 1.5x / 1.3x of DeiT-T's (10 / 32): the counts measured
+# (inference, training) at the commit of experiments/results/launch_counts.md.  Strict: a model that reaches the
+# target fails here until its entry is removed.
+TRITON_ABOVE_TARGET = {
+    "hvit3_tiny": (33, 75),
+    "hvit3_tiny_v1": (33, 75),
+    "hvit3_tiny_v3": (33, 75),
+    "hvit3_tiny_v6": (33, 75),
+    "t5_plus_tiny": (18, 57),
+    "t5_tiny": (16, 49),
+    "visionttt_h_tiny": (59, 132),
+    "visionttt_h_tiny_la": (48, 161),
+    "visionttt_tiny": (59, 132),
+    "visionttt_tiny_la": (48, 161),
+    "dit3_s_2": (24, 69),
+    "dit5_s_2": (29, 96),
+}
+
+
+def _triton_cases():
+    cases = []
+    for name in code_paths(include_diffusion=True):
+        marks = []
+        if name in TRITON_ABOVE_TARGET:
+            i, t = TRITON_ABOVE_TARGET[name]
+            marks = [pytest.mark.xfail(strict=True, reason=f"{name}'s Triton-path block launches {i} / {t}")]
+        cases.append(pytest.param(name, marks=marks, id=name))
+    return cases
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", _triton_cases())
+def test_triton_path_block_within_deit(name, deit):
+    """Issue 48: every code path's block on the Triton path within 1.5x DeiT-T's launches in inference and 1.3x
+    in a training step, with the inner step in Triton kernels (forward and backward)."""
+    _needs_triton()
+    peer_infer, peer_train = deit
+    try:
+        infer, train = _block(name, "triton")
+    except BackendError as e:  # no Triton path for the model's ops
+        pytest.fail(f"{name}: no Triton path ({str(e).split('. ')[0]})")
+    assert infer.triton_total > 0 and train.triton_total > infer.triton_total, (infer.triton, train.triton)
+    assert infer.total <= INFER_X * peer_infer.total and train.total <= TRAIN_X * peer_train.total, \
+        f"{name}: {infer.total} / {train.total} launches, DeiT-T {peer_infer.total} / {peer_train.total}"
+
+
+# Ceilings of the torch path per block (inference, training), from experiments/results/launch_counts.md (the
+# smallest input: ttt_zoo.bench.launches.smallest_img_size).  Lower a ceiling when a count drops; never raise one
+# without saying why.
+TORCH_CEILINGS = {
+    "dit3_s_2": (43, 158),
+    "dit5_s_2": (58, 198),
+    "hvit3_tiny": (52, 164),
+    "hvit3_tiny_v1": (64, 201),
+    "hvit3_tiny_v3": (54, 156),
+    "hvit3_tiny_v6": (48, 122),
+    "t5_plus_tiny": (58, 251),
+    "t5_tiny": (57, 243),
+    "visionttt_h_tiny": (74, 337),
+    "visionttt_h_tiny_la": (66, 158),
+    "visionttt_tiny": (74, 337),
+    "visionttt_tiny_la": (66, 158),
+    "vit3_tiny": (33, 129),
+    "vit3_tiny_v1": (45, 166),
+    "vit3_tiny_v3": (35, 121),
+    "vit3_tiny_v6": (29, 87),
 }
 
 
 def test_every_code_path_has_a_ceiling():
-    missing = sorted({(m, "torch") for m in code_paths()} - set(CEILINGS))
+    missing = sorted(set(code_paths(include_diffusion=True)) - set(TORCH_CEILINGS))
     assert not missing, f"no launch ceiling for {missing}: run experiments/launch_counts.py and add its rows"
 
 
-def _assert_within_ceiling(name, path, infer, train):
-    ceiling = CEILINGS[name, path]
+@pytest.mark.parametrize("name", code_paths(include_diffusion=True))
+def test_torch_path_block_within_ceiling(name):
+    infer, train = _block(name, "torch")
+    ceiling = TORCH_CEILINGS[name]
     assert infer.total <= ceiling[0] and train.total <= ceiling[1], \
-        f"{name} on the {path} path launches {infer.total} / {train.total} per block, above {ceiling}"
-
-
-@pytest.mark.parametrize("name,path", sorted(set(CEILINGS) - {("vit3_tiny", "triton")}))  # that one: above
-def test_block_launches_within_ceiling(name, path):
-    if CEILINGS[name, path] is None:
-        with pytest.raises(BackendError):
-            _block(name, path)
-        return
-    _assert_within_ceiling(name, path, *_block(name, path))
+        f"{name} on the torch path launches {infer.total} / {train.total} per block, above {ceiling}"

@@ -16,13 +16,14 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Counter, Iterator, List
+from typing import Callable, Counter, Iterator, List, Optional
 
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LaunchCounts", "NO_LAUNCH", "block_launches", "code_paths", "count_launches", "count_triton_launches"]
+__all__ = ["LaunchCounts", "NO_LAUNCH", "block_launches", "code_paths", "count_launches", "count_triton_launches",
+           "is_conditioned", "model_inputs", "skip_triton_kernels", "smallest_img_size"]
 
 OPENED_NAMESPACE = "ttt_zoo"  # custom ops whose insides are counted
 # aten ops that launch no kernel (views are recognised from their schema)
@@ -110,6 +111,24 @@ def count_triton_launches(counter: Counter) -> Iterator[Counter]:
             cls.run = original
 
 
+@contextlib.contextmanager
+def skip_triton_kernels() -> Iterator[None]:
+    """Launch Triton kernels without running them: a launch is still a call of ``kernel[grid](...)`` (counted by
+    :func:`count_triton_launches` inside), but its outputs keep whatever the buffers held.  For counting only: a
+    block's launches do not depend on the values (no data-dependent branches; tests/test_launch_counts.py checks
+    the counts against a run that executes them), and the interpreter's minutes per block become a second."""
+    patched = []
+    for cls in _jit_classes():
+        original = cls.run
+        cls.run = lambda self, *args, **kwargs: None
+        patched.append((cls, original))
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.run = original
+
+
 def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
@@ -151,35 +170,98 @@ def count_launches(fn: Callable[[], object]) -> LaunchCounts:
     return counts
 
 
-def _first_block(model: torch.nn.Module, x: torch.Tensor):
-    """The model's first block and the (args, kwargs) it is called with on ``x`` (captured by a hook)."""
+def is_conditioned(model: torch.nn.Module) -> bool:
+    """A DiT-family model: ``forward(x, t, y)`` on latents, timesteps and class labels."""
+    return hasattr(model, "t_embedder") and hasattr(model, "y_embedder")
+
+
+def _strides(model: torch.nn.Module) -> List[int]:
+    info = getattr(model, "feature_info", None)
+    strides = [f["reduction"] for f in info if "reduction" in f] if isinstance(info, list) else []
+    patch = getattr(model, "patch_size", None) or getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch = max(patch) if isinstance(patch, (tuple, list)) else patch
+    strides += [patch] if patch else []
+    if not strides:
+        raise ValueError(f"{type(model).__name__}: no feature_info reductions and no patch size to size the input")
+    return strides
+
+
+def _neighbourhood_windows(model: torch.nn.Module) -> List[int]:
+    """The neighbourhood-attention windows of the model's mixers (T5+'s ``na_kernel``, DiT5's ``kernel_size``)."""
+    windows = []
+    for m in model.modules():
+        windows.append(getattr(m, "na_kernel", 0) or 0)
+        k = getattr(m, "kernel_size", None)
+        if isinstance(k, int) and hasattr(m, "dilation"):  # a mixer's window (a conv's kernel_size is a tuple)
+            windows.append(k * m.dilation)
+    return [w for w in windows if w > 1]
+
+
+def smallest_img_size(model: torch.nn.Module) -> int:
+    """The smallest input side at which the first block runs the code path of a full-size input: a 2 x 2 token map
+    (a single token skips work), the model's own minimum (``min_size``), and a neighbourhood window that fits the
+    map (a smaller map clamps the window: another path).  Launch counts do not depend on the size beyond that, but
+    for Python loops over tiles or mini-batches (tests/test_launch_counts.py counts models at two sizes)."""
+    first = min(_strides(model))  # the first block's stride
+    windows = _neighbourhood_windows(model)
+    return max(2 * first, getattr(model, "min_size", 0) or 0, first * max(windows, default=0))
+
+
+def model_inputs(model: torch.nn.Module, img_size: int, batch: int = 2, seed: int = 0) -> tuple:
+    """The positional inputs of ``model``: ``(images,)``, or ``(latents, timesteps, labels)`` for a DiT."""
+    g = torch.Generator().manual_seed(seed)
+    if is_conditioned(model):
+        x = torch.randn(batch, model.in_chans, img_size, img_size, generator=g)
+        t = torch.randint(0, 1000, (batch,), generator=g).float()
+        y = torch.randint(0, model.num_classes, (batch,), generator=g)
+        return x, t, y
+    return (torch.randn(batch, 3, img_size, img_size, generator=g),)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _first_block(model: torch.nn.Module, inputs: tuple):
+    """The model's first block and the (args, kwargs) it is called with on ``inputs`` (captured by a hook)."""
     blocks = [m for n, m in model.named_modules() if n.endswith("blocks.0")]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no module named '*blocks.0'")
     seen = {}
 
     def grab(module, args, kwargs):
-        seen.setdefault("call", (args, kwargs))
+        seen["call"] = (args, kwargs)
+        raise _Captured  # the rest of the model is not needed (the interpreter would run every block)
 
     handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(x)
+            model(*inputs)
+    except _Captured:
+        pass
     finally:
         handle.remove()
     return blocks[0], seen["call"]
 
 
-def block_launches(model: torch.nn.Module, img_size: int = 96, batch: int = 2, seed: int = 0):
-    """(inference, training) :class:`LaunchCounts` of the model's first block on its input at ``img_size``.
+def block_launches(model: torch.nn.Module, img_size: Optional[int] = None, batch: int = 2, seed: int = 0,
+                   run_triton: bool = True):
+    """(inference, training) :class:`LaunchCounts` of the model's first block on its input at ``img_size``
+    (default: :func:`smallest_img_size`).  DiT-family models get timesteps and labels too: their block's
+    conditioning input is counted as an input that needs a gradient, like the tokens.  ``run_triton=False``:
+    Triton kernels are launched but not run (:func:`skip_triton_kernels`; the same counts, in seconds).
 
     Inference: eval mode under ``no_grad``.  Training: train mode, forward + ``.sum().backward()`` with the
     gradients set to None beforehand (as ``optimizer.zero_grad()`` leaves them), after one warm-up step each.
     """
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 3, img_size, img_size, generator=g)
+    with contextlib.nullcontext() if run_triton else skip_triton_kernels():
+        return _block_launches(model, img_size or smallest_img_size(model), batch, seed)
+
+
+def _block_launches(model: torch.nn.Module, img_size: int, batch: int, seed: int):
     model.eval()
-    block, (args, kwargs) = _first_block(model, x)
+    inputs = model_inputs(model, img_size, batch, seed)
+    block, (args, kwargs) = _first_block(model, inputs)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     run = lambda: block(*args, **kwargs)  # noqa: E731
     with torch.no_grad():
@@ -201,8 +283,13 @@ def block_launches(model: torch.nn.Module, img_size: int = 96, batch: int = 2, s
     return infer, train
 
 
-def code_paths() -> List[str]:
-    """Every classifier code path at its smallest size: the registry's tiny models and their variants."""
-    from ..registry import is_variant_model, list_zoo_models
-    return [m for m in list_zoo_models(include_diffusion=False)
-            if m.split("_")[-1] == "tiny" or (is_variant_model(m) and "_tiny_" in m)]
+def code_paths(include_diffusion: bool = False) -> List[str]:
+    """Every code path at its smallest size: the registry's tiny classifiers and their variants, and with
+    ``include_diffusion`` the smallest model of each diffusion family (``*_s_2``)."""
+    from ttt_zoo.registry import is_variant_model, list_zoo_models  # absolute: the script loads this file by path
+    names = [m for m in list_zoo_models(include_diffusion=False)
+             if m.split("_")[-1] == "tiny" or (is_variant_model(m) and "_tiny_" in m)]
+    if include_diffusion:
+        names += [m for m in list_zoo_models(include_diffusion=True)
+                  if m.endswith("_s_2") and not m.startswith("dit_")]  # DiT itself is the softmax peer
+    return names
