@@ -14,12 +14,14 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402  (compile for the GPU, not the interpreter)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
 from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
+from ttt_zoo.kernels.linear_attention import triton as LA  # noqa: E402
 from ttt_zoo.kernels.ttt_linear import triton as LT  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import fused as VF  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import ops as VO  # noqa: E402
@@ -68,34 +70,46 @@ def _header(title, arch, note):
             "|---|---|---|---|---|---|---|---|---|"]
 
 
+RESULTS = []  # (family, kernel, variant, activation dtype, BLOCK_D, registers, spill bytes, shared bytes): the summary
+_FAMILY = [""]  # the family being compiled (main sets it)
+
+
 def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO):
+    act = next((v[1:] for a, v in _signature(fn, consts, io).items() if a in io), "-")  # the activations' dtype
     try:
         secs, regs, spill, shared = _compile(fn, consts, arch, warps, io)
         row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | {secs:.0f} | {regs} | {spill} | {shared} |"
     except Exception as e:  # report, do not hide
+        regs, spill, shared = f"FAILED {type(e).__name__}", "", ""
         row = (f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | - | FAILED {type(e).__name__}: "
                f"{str(e)[:80]} | | |")
+    RESULTS.append((_FAMILY[0], fn.__name__, variant, act, bd, regs, spill, shared))
     print(row, flush=True)
     return row
 
 
 def vit3_rows(block_ds, arch):
-    """ViT3 SwiGLU kernels (column blocks above MAX_COLS) and the 3x3 conv-branch kernels, shipped tile sizes."""
+    """ViT3 SwiGLU kernels (column blocks above MAX_COLS) and the 3x3 conv-branch kernels, shipped tile sizes, per
+    activation dtype (loads upcast to fp32: the dots in IEEE fp32 for fp32, TF32 for fp16 / bf16, as triton.prec)."""
     lines = []
-    for bd in block_ds:
-        bc = VT._block_c(bd)
-        tiles = dict(TILES=VT.TILES)  # the reduction kernels
-        for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False, **tiles)),
-                                 (VT._swiglu_apply, "apply", {}),
-                                 (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
-                                 (VT._swiglu_update_bwd, "update bwd", tiles)):
-            bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
-            consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC="tf32", **extra)
-            lines.append(_row(fn, f"{pass_}, {bd // bc} column block(s) of {bc}", bd, bn, warps, consts, arch))
-    for fn in (VT._taps, VT._dwconv):
-        consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
-        consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
-        lines.append(_row(fn, "3x3 conv branch", "-", VT.BLOCK_P, 4, consts, arch, io=("X", "E", "O")))
+    for act, (dt, _) in _ACT.items():
+        prec = "ieee" if act == "fp32" else "tf32"
+        for bd in block_ds:
+            bc = VT._block_c(bd)
+            tiles = dict(TILES=VT.TILES)  # the reduction kernels
+            for fn, pass_, extra in ((VT._swiglu_vjp, "update", dict(WRITE_DX=False, **tiles)),
+                                     (VT._swiglu_apply, "apply", {}),
+                                     (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
+                                     (VT._swiglu_update_bwd, "update bwd", tiles)):
+                bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
+                consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec, **extra)
+                lines.append(_row_act(dt, fn, f"{pass_}, {bd // bc} column block(s) of {bc}, {act}", bd, bn, warps,
+                                      consts, arch))
+        for fn in (VT._taps, VT._dwconv):
+            consts = {a: getattr(VT, a) for a in ("BLOCK_P",) if a in fn.arg_names}
+            consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
+            lines.append(_row_act(dt, fn, f"3x3 conv branch, {act}", "-", VT.BLOCK_P, 4, consts, arch,
+                                  io=("X", "E", "O")))
     return lines + vit3_fused_rows(block_ds, arch)
 
 
@@ -103,15 +117,35 @@ _FUSED_IO = tuple(f"{p}{i}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"
 
 
 def vit3_fused_rows(block_ds, arch):
-    """The mixer core's fused kernels (fused.py: both branches per launch), the launcher's tile and warps."""
+    """The mixer core's fused kernels (fused.py: both branches per launch), the launcher's tiles and warps, per
+    activation dtype (dots on the loaded dtype; fp32 in IEEE, as triton_utils.dot_prec without TF32)."""
     lines = []
-    for bd in [bd for bd in block_ds if bd <= VO.FUSED_MAX_HEAD_DIM]:  # above, the op runs the per-branch kernels
-        bn, warps = VF.launch_cfg(bd)
-        for fn in (VF._fwd_update, VF._fwd_finalize, VF._fwd_apply, VF._bwd_apply, VF._bwd_finalize, VF._bwd_update):
-            consts = {a: v for a, v in dict(TILES=VF.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VF.BLOCK_P, PREC="ieee",
-                                            NORM=True).items() if a in fn.arg_names}
-            lines.append(_row(fn, "fused (SwiGLU + conv)", bd, f"{bn} tokens / {VF.BLOCK_P} px", warps, consts, arch,
-                              io=_FUSED_IO))
+    kernels = (VF._fwd_update, VF._fwd_finalize, VF._fwd_apply, VF._bwd_apply, VF._bwd_finalize, VF._bwd_update,
+               VF._bwd_reduce)
+    for act, (dt, prec) in _ACT.items():
+        for bd in [bd for bd in block_ds if bd <= VO.FUSED_MAX_HEAD_DIM]:  # above: the per-branch kernels
+            torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[act]
+            for fn in kernels:
+                bn, warps = VF.launch_cfg(bd, torch_dtype, fn.__name__)
+                consts = {a: v for a, v in dict(TILES=VF.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VF.BLOCK_P,
+                                                BLOCK_CH=VF.conv_block(bd), PREC=prec, NORM=True,
+                                                DETERMINISTIC=False).items() if a in fn.arg_names}
+                tile = f"{bn} tokens / {VF.BLOCK_P} px x {VF.conv_block(bd)} ch"
+                lines.append(_row_act(dt, fn, f"fused (SwiGLU + conv), {act}", bd, tile, warps, consts, arch,
+                                      io=_FUSED_IO))
+    return lines
+
+
+def linear_attention_rows(block_ds, arch, mini_batch=16):
+    """The linear-attention Vision-TTT forward scan (one program per (batch x direction, head)), per dtype."""
+    lines = []
+    for act, (dt, _) in _ACT.items():
+        for bd in block_ds:
+            warps = 4 if bd <= 32 else 8
+            consts = dict(BLOCK_C=max(16, triton.next_power_of_2(mini_batch)), BLOCK_D=bd,
+                          PREC="ieee" if act == "fp32" else "tf32")
+            lines.append(_row_act(dt, LA._la_fwd, f"forward scan, {act}", bd, f"mini-batch {mini_batch}", warps,
+                                  consts, arch))
     return lines
 
 
@@ -143,19 +177,21 @@ def _row_act(act, *args, **kwargs):
 
 
 def inner_mlp_rows(block_ds, arch):
-    """T5 (gated) / DiT5 inner-step kernels and the key instance-norm."""
+    """T5 (gated) / DiT5 inner-step kernels (3 + 3 launches) per activation dtype, and the key instance-norm."""
     lines = []
+    kernels = ((T._fwd_update, "update"), (T._fwd_finalize, "finalize"), (T._fwd_apply, "apply"),
+               (T._bwd_apply, "bwd"), (T._bwd_finalize, "finalize"), (T._bwd_update, "bwd"))
     for bd in block_ds:
-        warps = T._warps(bd)
-        for fn, pass_, extra in ((T._vjp, "update", dict(UPDATE=True)), (T._apply, "apply", {}),
-                                 (T._vjp, "bwd", dict(UPDATE=False)), (T._update_bwd, "bwd", {})):
-            bn = T._block_n(bd, pass_)
-            for gated in (True, False):
-                consts = dict(GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC="tf32", **extra)
-                if "TILES" in fn.arg_names:
-                    consts["TILES"] = T._tiles(bn)
-                variant = ("T5" if gated else "DiT5") + ("" if not extra else f", {pass_}")
-                lines.append(_row(fn, variant, bd, bn, warps, consts, arch))
+        for act, (dt, prec) in _ACT.items():
+            for fn, pass_ in kernels:
+                bn, tiles, warps = T.launch_cfg(bd, pass_, dt == "fp32") if pass_ != "finalize" else \
+                    (min(T.BLOCK_C, bd), 1, 4)
+                for gated in (True, False):
+                    consts = {a: v for a, v in dict(GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                                                    BLOCK_C=min(T.BLOCK_C, bd)).items() if a in fn.arg_names}
+                    tile = f"{bn} columns" if pass_ == "finalize" else f"{bn} tokens"
+                    lines.append(_row_act(dt, fn, f"{'T5' if gated else 'DiT5'}, {act}", bd, tile, warps, consts,
+                                          arch))
     for fn in (KT._knorm_fwd, KT._knorm_bwd):
         lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
                           dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))
@@ -166,9 +202,12 @@ FAMILIES = {
     "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes.  The "
              "fused kernels (fused.py) run head dims up to ops.FUSED_MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
              "10,304 bytes and _bwd_update needed 311,296 bytes of shared memory); above, the per-branch kernels."),
+    "linear_attention": ("Vision-TTT linear attention", linear_attention_rows,
+                         "fp32 / fp16 / bf16 q/k/v (loads upcast to fp32), fp32 state; the launcher's warps."),
     "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "bf16 q/k/v, fp32 state; shipped launch config."),
     "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,
-           "bf16 activations, fp32 weights/partials; BLOCK_N and num_warps as the launchers choose them."),
+           "fp32 / fp16 / bf16 activations (dots on their dtype, fp32 accumulation), fp32 weights/partials; "
+           "tiles and warps as inner_mlp.triton.launch_cfg picks them."),
 }
 
 
@@ -182,9 +221,28 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     for fam in args.families:
         title, rows, note = FAMILIES[fam]
+        _FAMILY[0] = fam
         lines = _header(title, args.arch, note) + rows(args.block_d, args.arch)
         with open(os.path.join(args.out_dir, f"{fam}_triton_compile.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
+    if set(args.families) == set(FAMILIES):  # the one table over every family
+        with open(os.path.join(args.out_dir, f"sm{args.arch}_kernels.md"), "w") as f:
+            f.write("\n".join(summary(args.arch)) + "\n")
+
+
+def summary(arch):
+    """One row per (kernel, variant, activation dtype, head dim): registers, spills, shared memory."""
+    spills = [r for r in RESULTS if r[6] not in ("0", "")]
+    lines = [f"# Every Triton kernel compiled for sm_{arch}: registers, spills, shared memory", "",
+             f"`python experiments/compile_kernels.py` (no GPU: triton {triton.__version__} + ptxas -v; per family "
+             "the `<family>_triton_compile.md` files beside this one give tiles, warps and compile times).  "
+             f"{len(RESULTS)} compiles, {len(spills)} with spill stores, "
+             f"{sum(1 for r in RESULTS if str(r[5]).startswith('FAILED'))} failed.  Shared memory limit on sm_90: "
+             "232,448 bytes per block.", "",
+             "| family | kernel | variant | dtype | head dim (BLOCK_D) | registers | spill bytes | shared memory (bytes) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(str(x) for x in r)} |" for r in RESULTS]
+    return lines
 
 
 if __name__ == "__main__":

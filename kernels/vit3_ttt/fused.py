@@ -43,13 +43,17 @@ __all__ = ["qkv_fused_fwd", "qkv_fused_bwd", "launch_cfg"]
 
 BLOCK_N = 64      # tokens per SwiGLU tile
 TILES = 4         # tiles (SwiGLU) or pixel tiles (conv) reduced per program in the reducing launches
-BLOCK_P = 64      # pixels per conv tile (a BLOCK_P x BLOCK_CH tile, contiguous along the channels)
+BLOCK_P = 32      # pixels per conv tile (a BLOCK_P x BLOCK_CH tile, contiguous along the channels)
 BLOCK_CH = 32     # channels per conv tile (fewer for smaller head dims)
 
-def launch_cfg(bd: int):
-    """(token tile, warps) of the SwiGLU programs for padded head dim ``bd``: the one place that picks them, from the
-    sm_90 ptxas report (experiments/results/vit3_triton_compile.md: no spills)."""
-    return (BLOCK_N, 4) if bd <= 32 else (32, 8)
+def launch_cfg(bd: int, dtype: torch.dtype = torch.float32, kernel: str = ""):
+    """(token tile, warps) of ``kernel``'s launch for padded head dim ``bd`` and activations in ``dtype``: the one
+    place that picks them, from the sm_90 ptxas reports (experiments/results/sm90_kernels.md).  The token tile is
+    the same for every kernel of a direction (the backward's partials are laid out by it); fp32's IEEE dots hold
+    more registers: 16-token tiles at d = 64, and 16 warps for _bwd_apply there."""
+    if bd <= 32:
+        return 32, 8
+    return 16, (16 if dtype == torch.float32 and kernel == "_bwd_apply" else 8)
 
 
 def conv_block(bd: int) -> int:
@@ -152,8 +156,9 @@ def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
     if pid < n_sw:  # SwiGLU: partial of k^T [v silu(z2), v z1 silu'(z2)], z = k W, over TILES token tiles
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
         offs_d = tl.arange(0, BLOCK_D)
-        w1 = _ld(W1, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D)
-        w2 = _ld(W2, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D)
+        act = K1.dtype.element_ty  # the d x d operands cast once to the activations' dtype (fewer registers)
+        w1 = _ld(W1, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D).to(act)
+        w2 = _ld(W2, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D).to(act)
         p1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         p2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         for t in range(TILES):
@@ -169,7 +174,7 @@ def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
         _st(P, base, p1, offs_d, offs_d, 2 * D, 1, D, D)
         _st(P, base + D, p2, offs_d, offs_d, 2 * D, 1, D, D)
     else:  # conv: partial of the taps t(k2, v2) over TILES pixel tiles of BLOCK_CH channels
-        b, cb, _, chunk = _split(pid - n_sw, n_cb, n_pchunks)
+        b, cb, bcb, chunk = _split(pid - n_sw, n_cb, n_pchunks)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
         cm = offs_c < DC
         acc = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
@@ -208,17 +213,17 @@ def _fwd_finalize(P, PC, W1, W2, W3, G, WN, G3, WN3,
         b, cb = (pid - n_sw) // n_cb, (pid - n_sw) % n_cb
         offs_t = tl.arange(0, 16)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
-        m = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
-        g = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
+        m3 = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
+        t3 = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
         for chunk in range(n_pchunks):
-            g += tl.load(PC + _taps_ptr(b, chunk, n_pchunks, DC, offs_t, offs_c), mask=m, other=0.0)
-        g = g * c
+            t3 += tl.load(PC + _taps_ptr(b, chunk, n_pchunks, DC, offs_t, offs_c), mask=m3, other=0.0)
+        t3 = t3 * c
         tap_ptr = (b * DC + offs_c[None, :]) * 9 + offs_t[:, None]  # G3 (B, d, 3, 3)
-        tl.store(G3 + tap_ptr, g, mask=m)
+        tl.store(G3 + tap_ptr, t3, mask=m3)
         if NORM:
-            g = g / (tl.sqrt(tl.sum(g * g, axis=0))[None, :] + 1.0)
-        w3 = tl.load(W3 + offs_c[None, :] * sw3c + offs_t[:, None] * sw3t, mask=m, other=0.0).to(tl.float32)
-        tl.store(WN3 + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], w3 - g, mask=offs_c[None, :] < DC)
+            t3 = t3 / (tl.sqrt(tl.sum(t3 * t3, axis=0))[None, :] + 1.0)
+        w3 = tl.load(W3 + offs_c[None, :] * sw3c + offs_t[:, None] * sw3t, mask=m3, other=0.0).to(tl.float32)
+        tl.store(WN3 + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], w3 - t3, mask=offs_c[None, :] < DC)
 
 
 @jit_sizes
@@ -234,13 +239,13 @@ def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         q = _ld(Q1, b * sq1b + h * sq1h, offs_n, offs_d, sq1n, sq1d, N, D)
-        wn1 = _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D)
-        wn2 = _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D)
+        wn1 = _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
+        wn2 = _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
         y1 = _dot(q, wn1, PREC)
         silu, _, _ = _silu_parts(_dot(q, wn2, PREC))
         _st(O1, b * so1b + h * so1h, y1 * silu, offs_n, offs_d, so1n, so1d, N, D)
     else:  # one pixel tile of one (batch, channel block): dwconv(q2, w3')
-        b, cb, _, tile = _split(pid - n_sw, n_cb, n_ptiles)
+        b, cb, bcb, tile = _split(pid - n_sw, n_cb, n_ptiles)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
         y, x, pm = _conv_rows(tile * BLOCK_P, tl.arange(0, BLOCK_P), Hh, Ww)
         _conv_tile(Q2, O2, b * sq2b, b * so2b, WN3, b * DC * 16, sq2c, sq2h, sq2w, so2c, so2h, so2w, y, x, pm,
@@ -259,8 +264,8 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC,
     if pid < n_sw:  # dy = [dO silu(y2), dO y1 silu'(y2)], y = q W'; dq = dy W'^T; partial of dW' = q^T dy
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
         offs_d = tl.arange(0, BLOCK_D)
-        wn1 = _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D)
-        wn2 = _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D)
+        wn1 = _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
+        wn2 = _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
         p1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         p2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         for t in range(TILES):
@@ -280,7 +285,7 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC,
         _st(P, base, p1, offs_d, offs_d, 2 * D, 1, D, D)
         _st(P, base + D, p2, offs_d, offs_d, 2 * D, 1, D, D)
     else:  # dq2 = dwconv(dO2, flip(w3')) and a partial of taps(q2, dO2), over TILES pixel tiles
-        b, cb, _, chunk = _split(pid - n_sw, n_cb, n_pchunks)
+        b, cb, bcb, chunk = _split(pid - n_sw, n_cb, n_pchunks)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
         cm = offs_c < DC
         acc = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
@@ -336,21 +341,21 @@ def _bwd_finalize(P, PC, G, DG, DW1, DW2, G3, DG3, D3P, DW3,
         b, cb = (pid - n_sw) // n_cb, (pid - n_sw) % n_cb
         offs_t = tl.arange(0, 16)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
-        m = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
-        d = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
+        m3 = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
+        t3 = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
         for chunk in range(n_pchunks):
-            d += tl.load(PC + _taps_ptr(b, chunk, n_pchunks, DC, offs_t, offs_c), mask=m, other=0.0)
+            t3 += tl.load(PC + _taps_ptr(b, chunk, n_pchunks, DC, offs_t, offs_c), mask=m3, other=0.0)
         per_b = (b * DC + offs_c[None, :]) * 16 + offs_t[:, None]  # (B, d, 16)
-        tl.store(D3P + per_b, d, mask=m)
+        tl.store(D3P + per_b, t3, mask=m3)
         if NORM:
-            g = tl.load(G3 + (b * DC + offs_c[None, :]) * 9 + offs_t[:, None], mask=m, other=0.0)
-            d = _colnorm_bwd(g, -d)
+            g3t = tl.load(G3 + (b * DC + offs_c[None, :]) * 9 + offs_t[:, None], mask=m3, other=0.0)
+            t3 = _colnorm_bwd(g3t, -t3)
         else:
-            d = -d
-        tl.store(DG3 + per_b, d, mask=offs_c[None, :] < DC)
+            t3 = -t3
+        tl.store(DG3 + per_b, t3, mask=offs_c[None, :] < DC)
         if b == 0:
             tl.store(DW3 + offs_c[None, :] * 9 + offs_t[:, None], tl.zeros((16, BLOCK_CH), dtype=tl.float32),
-                     mask=m)
+                     mask=m3)
 
 
 @jit_sizes
@@ -366,15 +371,16 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2
     if pid < n_sw:  # recompute z = k W, A; dk, dv; dW = (dW' + k^T dz) over TILES token tiles
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
         offs_d = tl.arange(0, BLOCK_D)
-        w1 = _ld(W1, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D)
-        w2 = _ld(W2, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D)
+        act = K1.dtype.element_ty  # the d x d operands cast once to the activations' dtype (fewer registers)
+        w1 = _ld(W1, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D).to(act)
+        w2 = _ld(W2, b * swb + h * swh, offs_d, offs_d, swr, swc, D, D).to(act)
         # dG scaled to max |dG| = 1 before it meets the fp16/bf16 tiles, c max|dG| applied in fp32 to the products
         # (c dG itself can be subnormal in fp16: c = -scale / N)
         dg1 = _ld(DG, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D)
         dg2 = _ld(DG, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D)
         mx = tl.maximum(tl.max(tl.max(tl.abs(dg1), axis=1), axis=0), tl.max(tl.max(tl.abs(dg2), axis=1), axis=0))
         mx = tl.where(mx > 0, mx, 1.0)
-        dg1, dg2 = dg1 / mx, dg2 / mx
+        dg1, dg2 = (dg1 / mx).to(act), (dg2 / mx).to(act)
         f = c * mx
         dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
@@ -413,7 +419,7 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2
             tl.atomic_add(DW1 + wb * D * D + offs, dw1, mask=m, sem="relaxed")
             tl.atomic_add(DW2 + wb * D * D + offs, dw2, mask=m, sem="relaxed")
     else:  # one pixel tile: dk2 = c dwconv(v2, flip(dG3)), dv2 = c dwconv(k2, dG3)
-        b, cb, _, tile = _split(pid - n_sw, n_cb, n_ptiles)
+        b, cb, bcb, tile = _split(pid - n_sw, n_cb, n_ptiles)
         offs_c = cb * BLOCK_CH + tl.arange(0, BLOCK_CH)
         cm = offs_c < DC
         y, x, pm = _conv_rows(tile * BLOCK_P, tl.arange(0, BLOCK_P), Hh, Ww)
@@ -424,9 +430,9 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2
         if not DETERMINISTIC:
             if tile == 0:  # this batch's taps into dw3
                 offs_t = tl.arange(0, 16)
-                m = (offs_t[:, None] < 9) & cm[None, :]
-                d = tl.load(D3P + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], mask=m, other=0.0)
-                tl.atomic_add(DW3 + offs_c[None, :] * 9 + offs_t[:, None], d, mask=m, sem="relaxed")
+                m3 = (offs_t[:, None] < 9) & cm[None, :]
+                t3 = tl.load(D3P + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], mask=m3, other=0.0)
+                tl.atomic_add(DW3 + offs_c[None, :] * 9 + offs_t[:, None], t3, mask=m3, sem="relaxed")
 
 
 @jit_sizes
@@ -448,11 +454,11 @@ def _bwd_reduce(P, DW1, DW2, D3P, DW3, B, HEADS, D, DC, n_chunks, n_sw, n_wb,
     else:  # one channel block
         offs_t = tl.arange(0, 16)
         offs_c = (pid - n_sw) * BLOCK_CH + tl.arange(0, BLOCK_CH)
-        m = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
-        acc = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
+        m3 = (offs_t[:, None] < 9) & (offs_c[None, :] < DC)
+        acc3 = tl.zeros((16, BLOCK_CH), dtype=tl.float32)
         for b in range(B):
-            acc += tl.load(D3P + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], mask=m, other=0.0)
-        tl.store(DW3 + offs_c[None, :] * 9 + offs_t[:, None], acc, mask=m)
+            acc3 += tl.load(D3P + (b * DC + offs_c[None, :]) * 16 + offs_t[:, None], mask=m3, other=0.0)
+        tl.store(DW3 + offs_c[None, :] * 9 + offs_t[:, None], acc3, mask=m3)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -477,7 +483,7 @@ def _sizes(q1, q2):
     b, heads, n, d = q1.shape
     hh, ww = q2.shape[2], q2.shape[3]
     bd = _block_d(d)
-    bn, warps = launch_cfg(bd)
+    bn, warps = launch_cfg(bd, q1.dtype)
     return b, heads, n, d, hh, ww, bd, bn, warps
 
 
@@ -541,7 +547,8 @@ def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scal
     _bwd_apply[(n_sw + b * n_cb * pchunks,)](
         q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, *q1.stride(), *do1.stride(), *dx1[0].stride(),
         *q2.stride(), *do2.stride(), *dx2[0].stride(), heads, n, d, d, hh, ww, chunks, pchunks, n_sw, n_cb,
-        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, num_warps=warps, **blocks)
+        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, num_warps=launch_cfg(bd, q1.dtype, "_bwd_apply")[1],
+        **blocks)
     n_wb = w1.shape[0]
     dg = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     dw1 = torch.empty(n_wb, heads, d, d, device=dev, dtype=f32)
