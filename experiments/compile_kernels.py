@@ -65,25 +65,19 @@ def _compile(fn, consts, arch, num_warps, io=_IO):
 def _header(title, arch, note):
     return [f"# {title} Triton kernels compiled for sm_{arch} (no GPU; ptxas -v)", "",
             f"triton {triton.__version__}; {note}  Compile seconds on a shared 2-core CPU (noisy).", "",
-            "| kernel | variant | BLOCK_D | tile | warps | compile s | registers/thread | spill stores (bytes) "
+            "| kernel | variant | dtype | BLOCK_D | tile | warps | compile s | registers/thread | spill stores (bytes) "
             "| shared memory (bytes) |",
-            "|---|---|---|---|---|---|---|---|---|"]
-
-
-RESULTS = []  # (family, kernel, variant, activation dtype, BLOCK_D, registers, spill bytes, shared bytes): the summary
-_FAMILY = [""]  # the family being compiled (main sets it)
+            "|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO):
     act = next((v[1:] for a, v in _signature(fn, consts, io).items() if a in io), "-")  # the activations' dtype
+    head = f"| {fn.__name__} | {variant} | {act} | {bd} | {tile} | {warps} |"
     try:
         secs, regs, spill, shared = _compile(fn, consts, arch, warps, io)
-        row = f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | {secs:.0f} | {regs} | {spill} | {shared} |"
+        row = f"{head} {secs:.0f} | {regs} | {spill} | {shared} |"
     except Exception as e:  # report, do not hide
-        regs, spill, shared = f"FAILED {type(e).__name__}", "", ""
-        row = (f"| {fn.__name__} | {variant} | {bd} | {tile} | {warps} | - | FAILED {type(e).__name__}: "
-               f"{str(e)[:80]} | | |")
-    RESULTS.append((_FAMILY[0], fn.__name__, variant, act, bd, regs, spill, shared))
+        row = f"{head} - | FAILED {type(e).__name__}: {' '.join(str(e).split())[:80]} | | |"
     print(row, flush=True)
     return row
 
@@ -101,7 +95,7 @@ def vit3_rows(block_ds, arch):
                                      (VT._swiglu_apply, "apply", {}),
                                      (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
                                      (VT._swiglu_update_bwd, "update bwd", tiles)):
-                bn, warps = VT._reduce_cfg(bd) if "TILES" in extra else (VT.BLOCK_N, 4)
+                bn, warps = VT._reduce_cfg(bd)
                 consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec, **extra)
                 lines.append(_row_act(dt, fn, f"{pass_}, {bd // bc} column block(s) of {bc}, {act}", bd, bn, warps,
                                       consts, arch))
@@ -221,28 +215,36 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     for fam in args.families:
         title, rows, note = FAMILIES[fam]
-        _FAMILY[0] = fam
         lines = _header(title, args.arch, note) + rows(args.block_d, args.arch)
         with open(os.path.join(args.out_dir, f"{fam}_triton_compile.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-    if set(args.families) == set(FAMILIES):  # the one table over every family
-        with open(os.path.join(args.out_dir, f"sm{args.arch}_kernels.md"), "w") as f:
-            f.write("\n".join(summary(args.arch)) + "\n")
+    with open(os.path.join(args.out_dir, f"sm{args.arch}_kernels.md"), "w") as f:  # the one table, every family
+        f.write("\n".join(summary(args.out_dir, args.arch)) + "\n")
 
 
-def summary(arch):
-    """One row per (kernel, variant, activation dtype, head dim): registers, spills, shared memory."""
-    spills = [r for r in RESULTS if r[6] not in ("0", "")]
+def summary(out_dir, arch):
+    """One row per compiled kernel of every family's report in ``out_dir`` (the families can run apart):
+    registers, spills, shared memory."""
+    rows = []
+    for fam in FAMILIES:
+        path = os.path.join(out_dir, f"{fam}_triton_compile.md")
+        if os.path.exists(path):
+            for line in open(path).read().splitlines():
+                cells = [c.strip() for c in line.split("|")[1:-1]]
+                if len(cells) == 10 and cells[0].startswith("_"):  # kernel, variant, dtype, BLOCK_D, ..., shared
+                    rows.append([fam, cells[0], cells[1], cells[2], cells[3], cells[7], cells[8], cells[9]])
+    spilling = [r for r in rows if r[6] not in ("0", "")]
+    failed = [r for r in rows if r[5].startswith("FAILED")]
     lines = [f"# Every Triton kernel compiled for sm_{arch}: registers, spills, shared memory", "",
-             f"`python experiments/compile_kernels.py` (no GPU: triton {triton.__version__} + ptxas -v; per family "
-             "the `<family>_triton_compile.md` files beside this one give tiles, warps and compile times).  "
-             f"{len(RESULTS)} compiles, {len(spills)} with spill stores, "
-             f"{sum(1 for r in RESULTS if str(r[5]).startswith('FAILED'))} failed.  Shared memory limit on sm_90: "
-             "232,448 bytes per block.", "",
-             "| family | kernel | variant | dtype | head dim (BLOCK_D) | registers | spill bytes | shared memory (bytes) |",
+             f"`python experiments/compile_kernels.py` (no GPU: triton {triton.__version__}, ptxas -v; tiles, warps "
+             "and compile times in the `<family>_triton_compile.md` files beside this one; a family's report older "
+             "than its kernels is stale: rerun it).  "
+             f"{len(rows)} compiles, {len(spilling)} with spill stores "
+             f"({', '.join(sorted({f'{r[0]}/{r[1]}' for r in spilling})) or 'none'}), {len(failed)} failed.  "
+             "Shared memory limit on sm_90: 232,448 bytes per block.", "",
+             "| family | kernel | variant | dtype | BLOCK_D | registers | spill bytes | shared memory (bytes) |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {' | '.join(str(x) for x in r)} |" for r in RESULTS]
-    return lines
+    return lines + [f"| {' | '.join(r)} |" for r in rows]
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from ..triton_utils import block_d as _block_d, jit_sizes, load_mat, load_tile, 
 __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwconv_bwd_triton", "swiglu_ttt_triton",
            "dwconv_ttt_triton"]
 
-BLOCK_N = 64      # tokens per tile
+BLOCK_N = 64      # the largest token tile (_reduce_cfg picks the tile per head dim)
 TILES = 4         # tiles reduced per program in the reduction kernels
 BLOCK_P = 256     # pixels per tile in the conv kernels
 MAX_COLS = 64     # widest column block of the d x d SwiGLU kernels; larger (padded) head dims split into blocks
@@ -177,9 +177,9 @@ def _grid_chunks(n: int, bn: int) -> int:
 
 
 def _reduce_cfg(bd: int) -> Tuple[int, int]:
-    """(token tile, warps) of the reduction kernels: from sm_90 ptxas reports (experiments/compile_kernels.py), head dims
-    above 32 spill registers with 64-token tiles on 4 warps and do not with 32-token tiles on 8 warps."""
-    return (BLOCK_N, 4) if bd <= 32 else (min(BLOCK_N, 32), 8)
+    """(token tile, warps) of every SwiGLU kernel: from the sm_90 ptxas reports (experiments/results/sm90_kernels.md:
+    no spills in fp32, fp16, bf16; 64-token tiles on 4 warps spilled up to 21 KB per thread in fp32 at d = 64)."""
+    return (min(BLOCK_N, 32), 8) if bd <= 32 else (min(BLOCK_N, 16), 8)
 
 
 def _block_c(bd: int) -> int:
@@ -221,8 +221,8 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     if wn1.shape[0] != b:
         wn1, wn2 = wn1.expand(b, -1, -1, -1).contiguous(), wn2.expand(b, -1, -1, -1).contiguous()
     out = torch.empty(b, n, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # heads-merged layout
-    _swiglu_apply[(b * h, triton.cdiv(n, BLOCK_N), cols)](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
-                                                          BLOCK_N=BLOCK_N, BLOCK_D=bd, BLOCK_C=bc, PREC=prec)
+    _swiglu_apply[(b * h, triton.cdiv(n, bn), cols)](q, wn1, wn2, out, *q.stride(), *out.stride(), h, n, d,
+                                                     BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec, num_warps=warps)
     return out, g.to(compute_dtype(q.dtype))
 
 
