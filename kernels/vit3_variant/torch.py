@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from ..backend import exporting
 from ..utils import autocast_state, compute_dtype, no_autocast, reduce_to
 from ..rope import rope_2d
-from ..vit3_ttt.torch import _dwconv, _taps, normalize_columns, normalize_columns_bwd, swiglu_bwd, swiglu_fwd
+from ..vit3_ttt.torch import _dwconv, _foldable, _packed_maps, _taps, normalize_columns, normalize_columns_bwd, \
+    swiglu_bwd, swiglu_fwd
 from .common import variant_qkv_split
 from .naive import variant_qkv_naive  # k > 1 full SwiGLU steps: no closed form, the reference's loop (run_variant)
 
@@ -27,8 +28,13 @@ __all__ = ["last_fwd", "last_bwd", "linear_fwd", "linear_bwd", "conv_fwd", "conv
            "make_variant_function", "variant_qkv_torch", "variant_forward"]
 
 
-def _step(w: torch.Tensor, g: torch.Tensor, normalize: bool, lr: float) -> torch.Tensor:
-    return w - lr * (normalize_columns(g) if normalize else g)
+def _step(w: torch.Tensor, g: torch.Tensor, normalize: bool, lr: float, dim=-2) -> torch.Tensor:
+    """W - lr N(g), N(g) = g / (||g|| + 1) over ``dim`` (norm, add, addcdiv: three launches; one without N)."""
+    if not normalize:
+        return torch.add(w, g, alpha=-lr)
+    if exporting():  # TorchScript's ONNX exporter has no addcdiv
+        return w - lr * normalize_columns(g, dim)
+    return torch.addcdiv(w, g, torch.linalg.vector_norm(g, dim=dim, keepdim=True).add_(1.0), value=-lr)
 
 
 def _dg(g: torch.Tensor, dwn: torch.Tensor, normalize: bool, lr: float) -> torch.Tensor:
@@ -45,7 +51,7 @@ def _silu_d(z: torch.Tensor):
 def last_fwd(q, k, v, w1, w2, scale: float, normalize: bool, lr: float):
     """(out, G1): only W1 steps; the gate silu(x W2) keeps W2."""
     out_dt, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v, w1, w2 = q.to(dt), k.to(dt), v.to(dt), w1.to(dt), w2.to(dt)
+    q, k, v, w1, w2 = _foldable(q.to(dt)), _foldable(k.to(dt)), v.to(dt), w1.to(dt), w2.to(dt)
     g = k.transpose(-2, -1) @ (v * F.silu(k @ w2)) * (-scale / k.shape[-2])
     w1n = _step(w1, g, normalize, lr)
     return ((q @ w1n) * F.silu(q @ w2)).to(out_dt), g
@@ -54,7 +60,8 @@ def last_fwd(q, k, v, w1, w2, scale: float, normalize: bool, lr: float):
 def last_bwd(do, q, k, v, w1, w2, g, scale: float, normalize: bool, lr: float):
     in_dt, w_dt = q.dtype, w1.dtype
     dt = compute_dtype(q.dtype)
-    do, q, k, v, g, w1, w2 = do.to(dt), q.to(dt), k.to(dt), v.to(dt), g.to(dt), w1.to(dt), w2.to(dt)
+    do, q, k, v, g, w1, w2 = do.to(dt), _foldable(q.to(dt)), _foldable(k.to(dt)), v.to(dt), g.to(dt), w1.to(dt), \
+        w2.to(dt)
     c = -scale / k.shape[-2]
     w1n = _step(w1, g, normalize, lr)
     # apply: out = y1 silu(y2), y1 = q W1', y2 = q W2
@@ -86,7 +93,7 @@ def last_bwd(do, q, k, v, w1, w2, g, scale: float, normalize: bool, lr: float):
 def linear_fwd(q, k, v, w1, w2, scale: float, normalize: bool, lr: float):
     """(out, G): S = W1 - lr N(c k^T v), out = q S (``w2`` is unused: None)."""
     out_dt, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    q, k, v = _foldable(q.to(dt)), _foldable(k.to(dt)), _foldable(v.to(dt))
     g = (k.transpose(-2, -1) @ v).mul_(-scale / k.shape[-2])
     return (q @ _step(w1.to(dt), g, normalize, lr)).to(out_dt), g
 
@@ -94,7 +101,7 @@ def linear_fwd(q, k, v, w1, w2, scale: float, normalize: bool, lr: float):
 def linear_bwd(do, q, k, v, w1, w2, g, scale: float, normalize: bool, lr: float):
     in_dt, w_dt = q.dtype, w1.dtype
     dt = compute_dtype(q.dtype)
-    do, q, k, v, g = do.to(dt), q.to(dt), k.to(dt), v.to(dt), g.to(dt)
+    do, q, k, v, g = do.to(dt), _foldable(q.to(dt)), _foldable(k.to(dt)), _foldable(v.to(dt)), g.to(dt)
     c = -scale / k.shape[-2]
     s = _step(w1.to(dt), g, normalize, lr)
     dq = do @ s.transpose(-2, -1)
@@ -121,7 +128,7 @@ def conv_fwd(q, k, v, w3, scale: float, normalize: bool, lr: float):
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     b, d, h, w = k.shape
     g = _taps(k, v) * (-scale / (h * w))
-    w3n = w3.to(dt).reshape(1, d, 3, 3) - lr * (normalize_columns(g, (-2, -1)) if normalize else g)
+    w3n = _step(w3.to(dt).reshape(1, d, 3, 3), g, normalize, lr, (-2, -1))
     return _dwconv(q, w3n.expand(b, d, 3, 3)).to(out_dt), g
 
 
@@ -131,12 +138,12 @@ def conv_bwd(do, q, k, v, w3, g, scale: float, normalize: bool, lr: float):
     do, q, k, v, g = do.to(dt), q.to(dt), k.to(dt), v.to(dt), g.to(dt)
     b, d, h, w = k.shape
     c = -scale / (h * w)
-    w3n = w3.to(dt).reshape(1, d, 3, 3) - lr * (normalize_columns(g, (-2, -1)) if normalize else g)
-    dq = _dwconv(do, w3n.flip(-2, -1).expand(b, d, 3, 3))
+    w3n = _step(w3.to(dt).reshape(1, d, 3, 3), g, normalize, lr, (-2, -1))
+    dq = _dwconv(do, w3n.expand(b, d, 3, 3), transposed=True)
     dwn = _taps(q, do)
-    dg = normalize_columns_bwd(g, -lr * dwn, (-2, -1)) if normalize else -lr * dwn
-    dk = _dwconv(v, dg.flip(-2, -1)) * c
-    dv = _dwconv(k, dg) * c
+    dgc = (normalize_columns_bwd(g, -lr * dwn, (-2, -1)) if normalize else dwn * -lr) * c
+    dk = _dwconv(v, dgc, transposed=True)
+    dv = _dwconv(k, dgc)
     return dq.to(in_dt), dk.to(in_dt), dv.to(in_dt), dwn.sum(0).reshape(d, 1, 3, 3).to(w_dt)
 
 
@@ -144,15 +151,23 @@ BRANCHES = {"all": (all_fwd, all_bwd), "last": (last_fwd, last_bwd), "linear": (
 
 
 # ------------------------------------------------------------------------ projection + both branches (Function)
+def _merge(heads, maps, dtype=None):
+    """(B, N, len(heads) C + len(maps) d): SwiGLU-branch tensors (B, heads, N, d) heads-merged, then conv-branch maps
+    (B, d, H, W) channels last, in one cat of strided views (the conv head is one more head of width d)."""
+    parts = [t.transpose(1, 2) for t in heads] + [t.flatten(2).transpose(1, 2).unsqueeze(2) for t in maps]
+    return torch.cat([p if dtype is None else p.to(dtype) for p in parts], dim=2).flatten(2)
+
+
 def variant_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind, lr, share_qk,
                     impls):
     """No autograd: (out (B, N, C + d), G_swiglu, G_conv); ``impls`` = (swiglu fwd, swiglu bwd, conv fwd, conv bwd)."""
     (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+    q2, k2, v2 = _packed_maps(q2, k2, v2)
     b, n, c = x.shape
     with no_autocast(x.device):
         x1, g1 = impls[0](q1, k1, v1, w1, w2, scale, normalize, lr)
         x2, g3 = impls[2](q2, k2, v2, w3, scale, normalize, lr)
-        out = torch.cat([x1.transpose(1, 2).reshape(b, n, c), x2.flatten(2).transpose(1, 2).to(x1.dtype)], dim=-1)
+        out = _merge([x1], [x2.to(x1.dtype)])
     return out, g1, g3
 
 
@@ -180,21 +195,21 @@ def make_variant_function(name: str, branches, conv):
         f = impls(kind)
         with torch.no_grad(), no_autocast(x.device, *ctx.amp):
             (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+            q2, k2, v2 = _packed_maps(q2, k2, v2)
         with torch.no_grad(), no_autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)
             dq1, dk1, dv1, dw1, dw2 = f[1](dx1, q1, k1, v1, w1, w2, g1, scale, normalize, lr)
             dx2 = dout[..., c:].transpose(1, 2).reshape(b, d, h, w)
             dq2, dk2, dv2, dw3 = f[3](dx2, q2, k2, v2, w3, g3, scale, normalize, lr)
             del q1, k1, v1, q2, k2, v2
-            heads_merged = [t.transpose(1, 2).reshape(b, n, c) for t in (dq1, dk1, dv1)]
-            if cos is not None:  # RoPE is a rotation: its transpose turns by -angle
-                heads_merged[:2] = [rope_2d(t.reshape(b, h, w, c), cos, -sin).reshape(b, n, c) for t in heads_merged[:2]]
-            conv = [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)]
             if share_qk:  # q is k: its gradient joins k's, and there are no query rows
-                parts = [heads_merged[0] + heads_merged[1], heads_merged[2], conv[0] + conv[1], conv[2]]
+                dqkv = _merge([dq1 + dk1, dv1], [dq2 + dk2, dv2], dout.dtype)
             else:
-                parts = heads_merged + conv
-            dqkv = torch.cat([p.to(dout.dtype) for p in parts], dim=-1)
+                dqkv = _merge([dq1, dk1, dv1], [dq2, dk2, dv2], dout.dtype)
+            if cos is not None:  # RoPE is a rotation: its transpose turns by -angle
+                nr = 1 if share_qk else 2  # the rotated rows: (q,) k
+                qk = dqkv[..., :nr * c].unflatten(-1, (nr, c)).transpose(1, 2).reshape(b * nr, h, w, c)
+                dqkv[..., :nr * c] = rope_2d(qk, cos, -sin).reshape(b, nr, n, c).transpose(1, 2).flatten(2)
         with torch.no_grad(), no_autocast(x.device, *ctx.amp):
             dx = (dqkv @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
             dweight = (dqkv.reshape(-1, dqkv.shape[-1]).t() @ x.reshape(-1, c)).to(weight.dtype)
