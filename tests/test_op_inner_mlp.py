@@ -372,6 +372,37 @@ def test_inner_kernels_launch_three_and_three(op, per_sample):
         assert dict(c.by_op) == {name: 3}
 
 
+@pytest.mark.parametrize("per_sample", [False, True], ids=["shared_w", "per_sample_w"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_deterministic_switch(op, per_sample):
+    # under torch.use_deterministic_algorithms the backward sums dW in a fixed order (a fourth launch instead of
+    # relaxed atomic adds): the same gradients, bitwise equal from run to run
+    from ttt_zoo.bench.launches import count_launches
+    f, _, n_w = KERNEL_OPS[op]
+    b, h, n, d = 3, 2, 45, 32
+    x = [torch.randn(b, h, n, d, device=DEV) for _ in range(3)]
+    x += [torch.randn(b if per_sample else 1, h, d, d, device=DEV) * 0.1 for _ in range(n_w)]
+    x = [t.requires_grad_() for t in x]
+    do = torch.randn(b, h, n, d, device=DEV)
+
+    def grads():
+        return torch.autograd.grad(f(*x, 0.4), x, do)
+
+    relaxed = grads()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(), grads()
+        out = f(*x, 0.4)
+        c = count_launches(lambda: torch.autograd.grad(out, x, do, retain_graph=True))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert c.triton_total == 4 and c.triton["_bwd_reduce"] == 1, dict(c.triton)
+    for g1, g2, g0 in zip(first, second, relaxed):
+        assert torch.equal(g1, g2)
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["t5", "dit5"])
 def test_kernels_refuse_head_dims_above_their_limit(op):
     # above the limit the backward's shared memory does not fit a GPU (H200: OutOfResources): forcing the kernel

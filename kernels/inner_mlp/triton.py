@@ -22,6 +22,8 @@ Backward (dO given):
      dW += dW' (relaxed atomic add: per-sample weights get one add, shared weights one per sample).
   6. ``_bwd_update``: recomputes z, silu, silu', silu'', h, e~ from k, v, W; writes dk, dv; dW += its chunk's
      gradient through S (relaxed atomic add, no fences: sums in fp32, their order may vary from run to run).
+     Under ``torch.use_deterministic_algorithms`` 5 and 6 store their parts instead and a fourth launch,
+     ``_bwd_reduce``, sums them in a fixed order (bitwise reproducible).
 Extra memory: the fp32 partials (n_w d x d per chunk), W' and CT (n_w d x d per (batch, head)); nothing of size
 N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MAX_HEAD_DIM`` caps d at what
 ``experiments/compile_kernels.py`` compiled for sm_90 without spills.
@@ -44,7 +46,7 @@ __all__ = ["inner_fwd_triton", "inner_bwd_triton", "t5_fwd_triton", "t5_bwd_trit
 BLOCK_N = 64      # the longest token tile
 TILES = 4         # tiles reduced per program in the reducing launches (chunks of TILES * BLOCK_N tokens)
 BLOCK_C = 32      # columns per finalize program
-_SIZES = ("N", "n_chunks", "n_tiles", "n_wb")  # vary per input: one compiled variant serves every size
+_SIZES = ("N", "n_chunks", "n_tiles", "n_wb", "per")  # vary per input: one compiled variant serves every size
 
 
 def launch_cfg(bd: int, pass_: str, fp32: bool = False):
@@ -283,46 +285,51 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO,
 
 
 @triton.jit
-def _bwd_finalize_one(P, CT, DW, pbase, pstride, nbase, wbase, offs_r, offs_c, D, n_chunks, c,
-                      BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One column block of one weight: dW' summed over chunks; CT = -c dW'; dW += dW' (relaxed)."""
+def _bwd_finalize_one(P, CT, DW, SP, pbase, pstride, nbase, wbase, offs_r, offs_c, D, n_chunks, c,
+                      BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """One column block of one weight: dW' summed over chunks; CT = -c dW'; dW += dW' (relaxed), or dW' stored
+    into SP for ``_bwd_reduce`` (deterministic)."""
     acc = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
     for chunk in range(n_chunks):
         acc += _ld(P, pbase + chunk * pstride, offs_r, offs_c, D, 1, D, D)
     _st(CT, nbase, acc * -c, offs_r, offs_c, D, 1, D, D)
-    m = (offs_r[:, None] < D) & (offs_c[None, :] < D)
-    tl.atomic_add(DW + wbase + offs_r[:, None] * D + offs_c[None, :], acc, mask=m, sem="relaxed")
+    if DETERMINISTIC:
+        _st(SP, nbase, acc, offs_r, offs_c, D, 1, D, D)
+    else:
+        m = (offs_r[:, None] < D) & (offs_c[None, :] < D)
+        tl.atomic_add(DW + wbase + offs_r[:, None] * D + offs_c[None, :], acc, mask=m, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _bwd_finalize(P, CT, DWA, DWB, DWO, H, D, n_bh, n_chunks, n_cols, n_wb, c,
-                  GATED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bwd_finalize(P, CT, DWA, DWB, DWO, SP, H, D, n_bh, n_chunks, n_cols, n_wb, c,
+                  GATED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DETERMINISTIC: tl.constexpr):
     b, h, bh, cb = _program(H, n_cols)
     offs_r = tl.arange(0, BLOCK_D)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     dd = D * D
     pb, nb, wb = bh * n_chunks * dd, bh * dd, ((b % n_wb) * H + h) * dd
     pw, nw = n_bh * n_chunks * dd, n_bh * dd
-    _bwd_finalize_one(P, CT, DWA, pb, dd, nb, wb,
-                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+    _bwd_finalize_one(P, CT, DWA, SP, pb, dd, nb, wb,
+                      offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C, DETERMINISTIC)
     if GATED:
-        _bwd_finalize_one(P, CT, DWB, pb + pw, dd, nb + nw, wb,
-                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
-        _bwd_finalize_one(P, CT, DWO, pb + 2 * pw, dd, nb + 2 * nw, wb,
-                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+        _bwd_finalize_one(P, CT, DWB, SP, pb + pw, dd, nb + nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C, DETERMINISTIC)
+        _bwd_finalize_one(P, CT, DWO, SP, pb + 2 * pw, dd, nb + 2 * nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C, DETERMINISTIC)
     else:
-        _bwd_finalize_one(P, CT, DWO, pb + pw, dd, nb + nw, wb,
-                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C)
+        _bwd_finalize_one(P, CT, DWO, SP, pb + pw, dd, nb + nw, wb,
+                          offs_r, offs_c, D, n_chunks, c, BLOCK_D, BLOCK_C, DETERMINISTIC)
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO,
+def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P,
                 skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                 H, N, D, n_bh, n_chunks, n_wb,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr):
-    """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O)."""
+                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O): added to dW, or
+    stored into the partials P (free again after ``_bwd_finalize``) for ``_bwd_reduce`` (deterministic)."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -368,11 +375,49 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO,
         ga += _dot(tl.trans(k), dz1, PREC)
         _st(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
         _st(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
-    wbase = ((b % n_wb) * H + h) * dd
-    _add(DWA, wbase, ga, offs_d, D)
-    _add(DWO, wbase, go, offs_d, D)
+    if DETERMINISTIC:
+        _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
+    else:
+        wbase = ((b % n_wb) * H + h) * dd
+        _add(DWA, wbase, ga, offs_d, D)
+        _add(DWO, wbase, go, offs_d, D)
+        if GATED:
+            _add(DWB, wbase, gb, offs_d, D)
+
+
+@triton.jit
+def _reduce_one(P, SP, DW, pbase, pstride, sbase, H, per, n_chunks, wbase, offs_r, offs_c, D,
+                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dW (one column block of one weight) = the sum over the weight's ``per`` batches of SP and of the chunks'
+    partials, in a fixed order; ``pbase`` / ``sbase``: the first batch's, ``pstride``: one chunk's."""
+    dd = D * D
+    acc = tl.zeros((BLOCK_D, BLOCK_C), dtype=tl.float32)
+    for i in range(per):
+        acc += _ld(SP, sbase + i * H * dd, offs_r, offs_c, D, 1, D, D)
+        for chunk in range(n_chunks):
+            acc += _ld(P, pbase + (i * H * n_chunks + chunk) * pstride, offs_r, offs_c, D, 1, D, D)
+    _st(DW, wbase, acc, offs_r, offs_c, D, 1, D, D)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_reduce(P, SP, DWA, DWB, DWO, H, D, n_bh, n_chunks, n_cols, per,
+                GATED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Deterministic mode only: one column block of every dW[wb, h] (wb: the weight's batch, 0 if shared)."""
+    wb, h, wbh, cb = _program(H, n_cols)
+    offs_r = tl.arange(0, BLOCK_D)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    dd = D * D
+    bh0 = wb * per * H + h  # the weight's first (batch, head)
+    pb, sb, pw, sw = bh0 * n_chunks * dd, bh0 * dd, n_bh * n_chunks * dd, n_bh * dd
+    _reduce_one(P, SP, DWA, pb, dd, sb, H, per, n_chunks, wbh * dd, offs_r, offs_c, D, BLOCK_D, BLOCK_C)
     if GATED:
-        _add(DWB, wbase, gb, offs_d, D)
+        _reduce_one(P, SP, DWB, pb + pw, dd, sb + sw, H, per, n_chunks, wbh * dd, offs_r, offs_c, D, BLOCK_D,
+                    BLOCK_C)
+        _reduce_one(P, SP, DWO, pb + 2 * pw, dd, sb + 2 * sw, H, per, n_chunks, wbh * dd, offs_r, offs_c, D,
+                    BLOCK_D, BLOCK_C)
+    else:
+        _reduce_one(P, SP, DWO, pb + pw, dd, sb + sw, H, per, n_chunks, wbh * dd, offs_r, offs_c, D, BLOCK_D,
+                    BLOCK_C)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -436,7 +481,8 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
 
 def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float,
                      gated: bool):
-    """Triton backward in 3 launches: [dq, dk, dv, dW...] (dW in fp32, cast to the weights' dtype if lower);
+    """Triton backward in 3 launches (4 under ``torch.use_deterministic_algorithms``: dW summed in a fixed order
+    instead of by relaxed atomic adds): [dq, dk, dv, dW...] (dW in fp32, cast to the weights' dtype if lower);
     recomputes every N x d intermediate from q, k, v, W and W' (fp32 contiguous (B, heads, d, d), as saved)."""
     op = _op_name(gated)
     b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "bwd")
@@ -453,14 +499,19 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
                                h, n, d, bh, chunks, n_wb, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd,
                                PREC=prec, num_warps=warps)
     ct = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32)
+    det = torch.are_deterministic_algorithms_enabled()
+    sp = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32) if det else ct  # each sample's dW' (deterministic)
     bc = min(BLOCK_C, bd)
     cols = triton.cdiv(d, bc)
-    _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), h, d, bh, chunks, cols, n_wb, c, GATED=gated, BLOCK_D=bd,
-                                BLOCK_C=bc, num_warps=4)
+    _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), sp, h, d, bh, chunks, cols, n_wb, c, GATED=gated, BLOCK_D=bd,
+                                BLOCK_C=bc, DETERMINISTIC=det, num_warps=4)
     dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
-    _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), *k.stride(), *v.stride(), *_wargs(ws),
-                                *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated, TILES=tiles,
-                                BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
+    _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), part, *k.stride(), *v.stride(),
+                                *_wargs(ws), *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated,
+                                TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det, num_warps=warps)
+    if det:  # a fourth launch sums the partials in a fixed order (bitwise reproducible)
+        _bwd_reduce[(n_wb * h * cols,)](part, sp, *_slots(dw), h, d, bh, chunks, cols, b // n_wb, GATED=gated,
+                                        BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
     return [dq, dk, dv] + [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(dw, ws)]
 
 
