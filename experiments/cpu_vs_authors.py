@@ -64,8 +64,9 @@ def main() -> None:
                                  capture_output=True, text=True).stdout.strip() or "(not a git checkout)"
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     rev = _git("rev-parse", "--short", "HEAD")  # the code measured (taken before the run: HEAD may move meanwhile)
-    dirty = _git("status", "--porcelain", "--", "kernels/vit3_ttt", "ttt_zoo/layers", "ttt_zoo/models")
-    dirty = f" + uncommitted changes in {', '.join(ln[3:] for ln in dirty.splitlines())}" if dirty else ""
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels/vit3_ttt", "ttt_zoo/layers", "ttt_zoo/models"],
+                           cwd=REPO, capture_output=True, text=True).stdout  # not stripped: "XY path" per line
+    dirty = f" + uncommitted changes in {', '.join(ln[3:] for ln in dirty.splitlines() if ln.strip())}" if dirty else ""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "authors_vittt.py").write_text(SHIM.format(folder=str(folder)))
         results = Path(tmp) / "results.csv"
