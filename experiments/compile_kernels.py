@@ -26,10 +26,11 @@ from ttt_zoo.kernels.ttt_linear import triton as LT  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import fused as VF  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import ops as VO  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
+from ttt_zoo.kernels.vit3_variant import fused as VV  # noqa: E402
 
 _INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC")
 _IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
-_FLOAT = ("c", "eps", "alpha")
+_FLOAT = ("c", "eps", "alpha", "lr")
 
 
 def _signature(fn, consts, io=_IO):
@@ -104,7 +105,7 @@ def vit3_rows(block_ds, arch):
             consts.update({a: VT.TILES for a in ("TILES",) if a in fn.arg_names})
             lines.append(_row_act(dt, fn, f"3x3 conv branch, {act}", "-", VT.BLOCK_P, 4, consts, arch,
                                   io=("X", "E", "O")))
-    return lines + vit3_fused_rows(block_ds, arch)
+    return lines + vit3_fused_rows(block_ds, arch) + vit3_variant_rows(block_ds, arch)
 
 
 _FUSED_IO = tuple(f"{p}{i}" for p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") for i in (1, 2))
@@ -127,6 +128,25 @@ def vit3_fused_rows(block_ds, arch):
                 tile = f"{bn} tokens / {VF.BLOCK_P} px x {VF.conv_block(bd)} ch"
                 lines.append(_row_act(dt, fn, f"fused (SwiGLU + conv), {act}", bd, tile, warps, consts, arch,
                                       io=_FUSED_IO))
+    return lines
+
+
+_VARIANT_IO = ("K1", "V1", "Q1", "O1", "DO1", "DQ1", "DK1", "DV1", "K2", "V2", "Q2", "O2", "DO2", "DQ2", "DK2", "DV2")
+
+
+def vit3_variant_rows(block_ds, arch):
+    """The ViT3 variants' fused core (vit3_variant/fused.py) per inner model (KIND: the full SwiGLU, the last layer,
+    one linear layer), bf16 activations, the launcher's tiles and warps (vit3_ttt.fused.launch_cfg)."""
+    lines = []
+    kernels = (VV._fwd_update, VV._fwd_finalize, VV._fwd_apply, VV._bwd_apply, VV._bwd_finalize, VV._bwd_update)
+    for bd in [bd for bd in block_ds if bd <= VO.FUSED_MAX_HEAD_DIM]:  # above: the per-branch kernels
+        bn, warps = VV.launch_cfg(bd)
+        for name, kind in VV.KINDS.items():
+            for fn in kernels:
+                consts = {a: v for a, v in dict(KIND=kind, TILES=VV.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VV.BLOCK_P,
+                                                PREC="ieee", NORM=True, SHARE=False).items() if a in fn.arg_names}
+                lines.append(_row(fn, f"variant core, {name}", bd, f"{bn} tokens / {VV.BLOCK_P} px", warps, consts,
+                                  arch, io=_VARIANT_IO))
     return lines
 
 
