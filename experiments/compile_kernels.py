@@ -28,7 +28,7 @@ from ttt_zoo.kernels.vit3_ttt import ops as VO  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
 from ttt_zoo.kernels.vit3_variant import fused as VV  # noqa: E402
 
-_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC")
+_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC", "MB")
 _IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
 _FLOAT = ("c", "eps", "alpha", "lr")
 
@@ -96,7 +96,8 @@ def vit3_rows(block_ds, arch):
                                      (VT._swiglu_apply, "apply", {}),
                                      (VT._swiglu_vjp, "apply bwd", dict(WRITE_DX=True, **tiles)),
                                      (VT._swiglu_update_bwd, "update bwd", tiles)):
-                bn, warps = VT._reduce_cfg(bd)
+                bn, warps = VT._reduce_cfg(bd, {"fp32": torch.float32, "fp16": torch.float16,
+                                                "bf16": torch.bfloat16}[act])
                 consts = dict(BLOCK_N=bn, BLOCK_D=bd, BLOCK_C=bc, PREC=prec, **extra)
                 lines.append(_row_act(dt, fn, f"{pass_}, {bd // bc} column block(s) of {bc}, {act}", bd, bn, warps,
                                       consts, arch))
@@ -194,7 +195,8 @@ def inner_mlp_rows(block_ds, arch):
     """T5 (gated) / DiT5 inner-step kernels (3 + 3 launches) per activation dtype, and the key instance-norm."""
     lines = []
     kernels = ((T._fwd_update, "update"), (T._fwd_finalize, "finalize"), (T._fwd_apply, "apply"),
-               (T._bwd_apply, "bwd"), (T._bwd_finalize, "finalize"), (T._bwd_update, "bwd"))
+               (T._bwd_apply, "bwd"), (T._bwd_finalize, "finalize"), (T._bwd_update, "bwd"),
+               (T._bwd_reduce, "finalize"))  # the last only under torch.use_deterministic_algorithms
     for bd in block_ds:
         for act, (dt, prec) in _ACT.items():
             for fn, pass_ in kernels:
@@ -202,10 +204,10 @@ def inner_mlp_rows(block_ds, arch):
                     (min(T.BLOCK_C, bd), 1, 4)
                 for gated in (True, False):
                     consts = {a: v for a, v in dict(GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                                                    BLOCK_C=min(T.BLOCK_C, bd)).items() if a in fn.arg_names}
+                                                    BLOCK_C=min(T.BLOCK_C, bd), DETERMINISTIC=False).items()
+                              if a in fn.arg_names}
                     tile = f"{bn} columns" if pass_ == "finalize" else f"{bn} tokens"
-                    lines.append(_row_act(dt, fn, f"{'T5' if gated else 'DiT5'}, {act}", bd, tile, warps, consts,
-                                          arch))
+                    lines.append(_row_act(dt, fn, "T5" if gated else "DiT5", bd, tile, warps, consts, arch))
     for fn in (KT._knorm_fwd, KT._knorm_bwd):
         lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
                           dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))
@@ -213,7 +215,7 @@ def inner_mlp_rows(block_ds, arch):
 
 
 FAMILIES = {
-    "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "bf16 activations, fp32 weights/partials; shipped tile sizes.  The "
+    "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "fp32 / fp16 / bf16 activations, fp32 weights/partials; shipped tiles and warps.  The "
              "fused kernels (fused.py) run head dims up to ops.FUSED_MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
              "10,304 bytes and _bwd_update needed 311,296 bytes of shared memory); above, the per-branch kernels."),
     "linear_attention": ("Vision-TTT linear attention", linear_attention_rows,

@@ -176,10 +176,13 @@ def _grid_chunks(n: int, bn: int) -> int:
     return triton.cdiv(n, TILES * bn)
 
 
-def _reduce_cfg(bd: int) -> Tuple[int, int]:
+def _reduce_cfg(bd: int, dtype: torch.dtype = torch.float32) -> Tuple[int, int]:
     """(token tile, warps) of every SwiGLU kernel: from the sm_90 ptxas reports (experiments/results/sm90_kernels.md:
-    no spills in fp32, fp16, bf16; 64-token tiles on 4 warps spilled up to 21 KB per thread in fp32 at d = 64)."""
-    return (min(BLOCK_N, 32), 8) if bd <= 32 else (min(BLOCK_N, 16), 8)
+    no spills in fp32, fp16, bf16; 64-token tiles on 4 warps spilled up to 21 KB per thread in fp32 at d = 64, and
+    fp16 / bf16 at d = 32 spilled 80 B on 8 warps, none on 4)."""
+    if bd <= 32:
+        return min(BLOCK_N, 32), (8 if dtype == torch.float32 else 4)
+    return min(BLOCK_N, 16), 8
 
 
 def _block_c(bd: int) -> int:
@@ -208,7 +211,7 @@ def swiglu_fwd_triton(q, k, v, w1, w2, scale: float, normalize_grad: bool = True
     _check(q, k, v, w1, w2)
     b, h, n, d = q.shape
     bd, prec = _block_d(d), _prec(q.dtype)
-    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd)
+    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd, q.dtype)
     cols, chunks = triton.cdiv(d, bc), _grid_chunks(n, bn)
     p1 = torch.empty(b * h, chunks, d, d, device=q.device, dtype=torch.float32)
     p2 = torch.empty_like(p1)
@@ -230,7 +233,7 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
     """Triton backward: (dq, dk, dv, dw1, dw2); recomputes every N x d intermediate from q, k, v and G."""
     b, h, n, d = q.shape
     bd, prec = _block_d(d), _prec(q.dtype)
-    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd)
+    bc, (bn, warps) = _block_c(bd), _reduce_cfg(bd, q.dtype)
     cols, chunks = triton.cdiv(d, bc), _grid_chunks(n, bn)
     g = g.float()
     w = torch.cat([w1, w2], dim=-1).float()
