@@ -1,4 +1,6 @@
 """Vision-TTT models: parameter counts and FLOPs against the paper/spec, any input size, timm API, GMM."""
+from types import SimpleNamespace
+
 import pytest
 import timm
 import torch
@@ -213,3 +215,65 @@ def test_loop_op_scan_equals_plain_scan(monkeypatch, n, shared, ln_residual):
     out, _ = scan_rc.ttt_linear_chunked(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mb, ln_residual)
     assert out.shape == ref.shape
     assert (out - ref).abs().max() < 1e-10 * ref.abs().max()
+
+
+# ------------------------------------------------------------------------ the mixer's glue (issue 48)
+def test_scaled_tau_is_the_scale_times_token_tau():
+    """The scan gets ``scale * tau`` (the lr scale folded into the 16 position factors): the scale times
+    ``token_tau`` in value and gradient, offsets on both sides of the ReLU's kink (1/i + offset_i = 0) and, for a
+    power-of-two scale (base_lr / d), exactly, kinks included."""
+    from ttt_zoo.kernels import token_tau
+    from ttt_zoo.layers import TTTLinearMixer
+    m = TTTLinearMixer(16, head_dim=8, mini_batch=8).double()
+    g = torch.randn(8, dtype=torch.float64)
+    off_kinks = [-1.5, -0.4, 0.0, 0.3, -0.2, -0.3, 1.0, -0.125]  # 1/i + offset < 0 at i = 1, 6; = 0 at i = 5, 8
+    off_plain = [-1.5, -0.4, 0.0, 0.3, -0.19, -0.3, 1.0, -0.13]
+    for offsets, scales, tol in ((off_kinks, (1 / 64, 1 / 32, 4.0), 0.0), (off_plain, (0.37, 3.0, 0.0), 1e-14)):
+        with torch.no_grad():
+            m.tau_offset.copy_(torch.tensor(offsets, dtype=torch.float64))
+        for scale in scales:
+            ours = m._scaled_tau(scale)
+            (d_ours,) = torch.autograd.grad((ours * g).sum(), m.tau_offset)
+            ref = scale * token_tau(m.tau_offset)
+            (d_ref,) = torch.autograd.grad((ref * g).sum(), m.tau_offset)
+            torch.testing.assert_close(ours, ref, rtol=tol, atol=0)
+            torch.testing.assert_close(d_ours, d_ref, rtol=tol, atol=0)
+            assert (ours[[0, 5]] == 0).all() and (d_ours[[0, 5]] == 0).all()
+            assert tol or ((ours[[4, 7]] == 0).all() and (d_ours[[4, 7]] == 0).all())
+
+
+class _WithZeroProjBias:
+    """The mixer as naive_mixer reads it, with a zero bias in place of proj's None."""
+
+    def __init__(self, m):
+        self._m = m
+        self.proj = SimpleNamespace(weight=m.proj.weight, bias=torch.zeros(3 * m.dim, dtype=m.proj.weight.dtype))
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_training_path_matches_naive_and_gradcheck(qkv_bias):
+    """Training takes the one-GEMM q/k/gate/v/lr projection and the scaled tau, at a base_lr whose scale
+    base_lr / d is not a power of two: output against the mixer written out with the naive scan (float64), the
+    gradients of the input and of the parameters the glue touches against finite differences (gradcheck)."""
+    from torch.func import functional_call
+    from ttt_zoo.layers import create_mixer
+    m = create_mixer("ttt_linear", 8, head_dim=4, mini_batch=4, base_lr=0.37, qkv_bias=qkv_bias,
+                     backend="torch").double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    x = torch.randn(2, 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    assert m._fuse_projections(x)
+    ref = naive_mixer(m if qkv_bias else _WithZeroProjBias(m), x, (3, 4))
+    assert (m(x, (3, 4)) - ref).abs().max().item() < 1e-12 * ref.abs().max().item()
+    names = ["tau_offset", "lr_proj.weight", "lr_proj.bias", "proj.weight"] + (["proj.bias"] if qkv_bias else [])
+    params = dict(m.named_parameters())
+    rest = {n: p.detach() for n, p in params.items() if n not in names}
+
+    def run(x, *ps):
+        return functional_call(m, {**rest, **dict(zip(names, ps))}, (x, (3, 4)))
+    assert torch.autograd.gradcheck(run, (x, *[params[n].detach().requires_grad_() for n in names]), fast_mode=True)

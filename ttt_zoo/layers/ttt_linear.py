@@ -7,14 +7,16 @@ the mini-batch dual form over the raster order and over the flipped order (both 
 Items the paper does not state are constructor options with the spec's proposed defaults.
 """
 
-from typing import Dict, Final, Optional, Tuple
+from typing import Callable, Dict, Final, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
+from ttt_zoo.kernels.backend import exporting
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
@@ -32,6 +34,19 @@ def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> Non
     if x.shape[1] != feat_size[0] * feat_size[1]:
         raise ValueError(f"{name}: {x.shape[1]} tokens do not fill a feature map of {tuple(feat_size)}; "
                          f"pass feat_size=(H, W) with H * W == N.")
+
+
+_CONSTANTS: Dict[Tuple, torch.Tensor] = {}
+
+
+def _constant(key: Tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A tensor that depends only on ``key`` (sizes, scalars, device, dtype), built once per process: no launches
+    per call.  Built outside inference mode, so autograd may use it later."""
+    t = _CONSTANTS.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():
+            t = _CONSTANTS[key] = make()
+    return t
 
 
 _QK_MODES = ("shared", "conv_q")
@@ -202,11 +217,17 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
+        q, k, v, rate, u_g = self._inner_inputs(x, feat_size)
+        return q, k, v, (self.base_lr / self.head_dim) * rate, u_g
+
+    def _inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As :meth:`inner_inputs` with the per-token rate ``sigmoid(logit)`` in place of the lr (the scan takes
+        the scale ``base_lr / d``: :meth:`_scan`)."""
         c = x.shape[2]
         _check_tokens(x, feat_size, "TTTLinearMixer")
         src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
-        u_qk, u_g, u_v = torch.split(self.proj(src), [c, c, c], dim=-1)
-        logits = self.lr_proj(src)
+        u_qk, u_g, u_v, logits = self._project(src)
         if self.proj_per_direction:
             # the backward direction's q/k, v and lr projections run on the flipped sequence (same values)
             w, pb = self.proj.weight, self.proj.bias
@@ -221,34 +242,85 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         if self.proj_per_direction and q is k:
             q = k.clone()  # a distinct q: the scan then forms q S apart from k S, as the paper's FLOP count does
         v = self._heads(u_v)
-        lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
-        return q, k, v, lr, u_g
+        return q, k, v, torch.sigmoid(logits).transpose(1, 2), u_g
 
-    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
+    def _project(self, src: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[u_qk, u_g, u_v] = proj(src)`` and the lr logits ``lr_proj(src)``.  In training one GEMM over both
+        weights (concatenated per call: 7 launches forward + backward instead of 10); in inference the two GEMMs
+        (the concatenation would cost more launches than it saves) and wherever a hook must see ``proj``."""
+        c = self.dim
+        if not torch.jit.is_scripting():
+            if self._fuse_projections(src):
+                w = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
+                pb = self.proj.bias
+                b = F.pad(self.lr_proj.bias, (3 * c, 0)) if pb is None else torch.cat([pb, self.lr_proj.bias], 0)
+                u_qk, u_g, u_v, logits = torch.split(F.linear(src, w, b), [c, c, c, self.num_heads], dim=-1)
+                return u_qk, u_g, u_v, logits
+        u_qk, u_g, u_v = torch.split(self.proj(src), [c, c, c], dim=-1)
+        return u_qk, u_g, u_v, self.lr_proj(src)
+
+    @torch.jit.unused
+    def _fuse_projections(self, src: torch.Tensor) -> bool:
+        if isinstance(src, torch.fx.Proxy) or not torch.is_grad_enabled():
+            return False
+        if not (src.requires_grad or self.proj.weight.requires_grad or self.lr_proj.weight.requires_grad):
+            return False
+        if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in (self.proj, self.lr_proj))
+
+    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: torch.Tensor, rate_scale: float,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Both scan directions with the per-token lr ``rate_scale * rate`` (negated for ``gradient_ascent``, times
+        the inner steps of the dot loss).  The scans use lr only in the products ``tau_i lr_j``, so the scale goes
+        into tau (16 numbers) rather than into the (B, heads, N) rate."""
         dt = q.dtype
+        scale = rate_scale
         if self.gradient_ascent:  # the update is -lr * grad everywhere in the dual form: flip lr's sign
-            lr = -lr
+            scale = -scale
         if self.dot_loss:
             if return_grad_norm:
                 raise ValueError("inner_grad_norm is defined for inner_loss='mse' only")
-            lr = lr * float(self._inner_steps)  # state-independent gradient: k steps = k times the lr
-            rope = self.rope_theta if self.inner_rope else None
-            tau = token_tau(self.tau_offset).to(dt)
+            scale = scale * float(self._inner_steps)  # state-independent gradient: k steps = k times the lr
+        if scale < 0:
+            rate = -rate
+        tau = self._scaled_tau(abs(scale)).to(dt)
+        rope = self.rope_theta if self.inner_rope else None
+        if self.dot_loss:
             if torch.jit.is_scripting():
-                return la_bidir_reference(q, k, v, lr, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch,
+                return la_bidir_reference(q, k, v, rate, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch,
                                           rope), None
-            return linear_attention_bidir(q, k, v, lr, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch, rope,
+            return linear_attention_bidir(q, k, v, rate, tau, self.w0.to(dt), self.b0.to(dt), self.mini_batch, rope,
                                           self.backend), None
         return ttt_linear_bidir(
-            q, k, v, lr, token_tau(self.tau_offset).to(dt), self.w0.to(dt), self.b0.to(dt),
-            self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual,
-            self.rope_theta if self.inner_rope else None, 1e-6, return_grad_norm, self.backend)
+            q, k, v, rate, tau, self.w0.to(dt), self.b0.to(dt), self.ttt_norm_weight.to(dt),
+            self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual, rope, 1e-6, return_grad_norm,
+            self.backend)
+
+    def _scaled_tau(self, scale: float) -> torch.Tensor:
+        """``scale * token_tau(tau_offset)`` for ``scale >= 0``, as ``relu(scale / i + scale * offset_i)``: the
+        ``scale / i`` table is a per-process constant, so this is two launches (token_tau: five)."""
+        off = self.tau_offset
+        b = self.mini_batch
+        if torch.jit.is_scripting():
+            base = scale / torch.arange(1, b + 1, device=off.device, dtype=off.dtype)
+        else:
+            base = self._inv_positions(scale)
+        return F.relu(torch.add(base, off, alpha=scale))
+
+    @torch.jit.unused
+    def _inv_positions(self, scale: float) -> torch.Tensor:
+        off = self.tau_offset
+        b = self.mini_batch
+        make = lambda: scale / torch.arange(1, b + 1, device=off.device, dtype=off.dtype)  # noqa: E731
+        if isinstance(off, torch.fx.Proxy) or torch.compiler.is_compiling() or exporting():
+            return make()  # traced graphs compute it (a cached tensor would become a graph constant)
+        return _constant(("inv_positions", b, scale, off.device, off.dtype), make)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v, lr, u_g = self.inner_inputs(x, feat_size)
-        z, _ = self._scan(q, k, v, lr)
+        q, k, v, rate, u_g = self._inner_inputs(x, feat_size)
+        z, _ = self._scan(q, k, v, rate, self.base_lr / self.head_dim)
         z = z.transpose(1, 2).reshape(b, n, c)
         if not torch.jit.is_scripting():
             if can_recompute(self, z):  # training: keep u_g and z only (ttt_zoo.layers.recompute)
@@ -264,8 +336,8 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     @torch.jit.ignore
     def inner_grad_norm(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """Per-token ``||grad_W l_t||_F`` (Eq. 6) over all heads (block-diagonal W), (2 directions, B, N)."""
-        q, k, v, lr, _ = self.inner_inputs(x, feat_size)
-        _, gn = self._scan(q, k, v, lr, return_grad_norm=True)
+        q, k, v, rate, _ = self._inner_inputs(x, feat_size)
+        _, gn = self._scan(q, k, v, rate, self.base_lr / self.head_dim, return_grad_norm=True)
         return gn.pow(2).sum(2).sqrt()
 
     # ---- the exact linear-attention form (every option: both inner losses, W0 modes, q/k modes, RoPE, ascent, steps)
