@@ -9,12 +9,15 @@ three PyTorch algorithms (``torch_algorithm``, which ``ttt_linear.choose`` asks)
 
 The recomputing scan: analytic backward that recomputes instead of storing.
 
-Same math as ``naive.py``.  The forward keeps only the incoming state (W, b) at coarse checkpoints (every
-``ceil(sqrt(N / mini_batch))``-th mini-batch, fp32 or float64).  The backward walks the checkpoint segments in
-reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G and the
-dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion one mini-batch at a
-time.  Peak memory per (batch, head): ~2 sqrt(N / mini_batch) states of (d + 1) x d plus O(N d) activations of
-one segment; nothing of size N x d x d.
+Same math as ``naive.py``.  The forward keeps only the incoming state S = [W; b] at coarse checkpoints (every
+``ckpt_every(n_mb)``-th mini-batch, fp32 or float64).  The state is one (d + 1) x d matrix (the bias its last row,
+``[k, 1] S = k W + b``) and the update's factor ``e_j [k_j, 1]`` is formed for all tokens at once, so the only loop
+over mini-batches, forward and in the backward's recompute, is the recurrence itself: one ``bmm``, the inner
+gradient (three fused LayerNorm ops) and one ``baddbmm`` per mini-batch.  The backward walks the checkpoint
+segments in reverse: it recomputes the segment's states from its checkpoint, recomputes z, the inner gradient G
+and the dual-form output batched over the segment's mini-batches, and runs only the (dW, db) recursion (through
+the inner LayerNorm gradient, not linear) one mini-batch at a time.  Peak memory per (batch, head): ~2 x 32 states
+of (d + 1) x d plus O(N d) activations; nothing of size N x d x d.
 
 One mini-batch (c tokens, incoming state W, b; eta = tril(tau_i lr_j); e_j = tau_{c-1} lr_j):
     Z = K W + b,  G = lnl2(Z, T) (T = V - K, or G = Z - V without the LayerNorm)
@@ -226,14 +229,15 @@ def _reduce_w(dw: Tensor, like: Tensor, ndir: int) -> Tensor:
     return dw
 
 
-def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tensor, db: Tensor, qs: Tensor,
+def _group_bwd(g0: int, g1: int, n: int, mb: int, sg: Tensor, ds: Tensor, qa: Tensor, ka: Tensor, qs: Tensor,
                ks: Tensor, ts: Tensor, lrs: Tensor, dos: Tensor, tau: Tensor, lnw: Tensor, lnb: Tensor,
-               ln_residual: bool, eps: float, grads: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor]:
-    """Backward of mini-batches g0..g1-1 (all of one size c) from their incoming states w (S, H, nc, d, d), b.
+               ln_residual: bool, eps: float, grads: Tuple[Tensor, ...]) -> Tensor:
+    """Backward of mini-batches g0..g1-1 (all of one size c) from their incoming states sg = [W; b]
+    (S, H, nc, d + 1, d); ``ds`` = [dW; db] of the outgoing state of mini-batch g1 - 1; qa, ka: [q, 1], [k, 1].
 
-    Everything outside the (dW, db) recursion is batched over the group's mini-batches; only the terms that read
-    the outgoing state's gradient run one mini-batch at a time, latest first.  Writes into / accumulates on
-    ``grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)``; returns the incoming state's (dW, db) of mini-batch g0.
+    Everything outside the (dW, db) recursion is batched over the group's mini-batches; only the recursion runs
+    one mini-batch at a time, latest first.  Writes into / accumulates on ``grads = (dq, dk, dv, dlr, dtau, dlnw,
+    dlnb)``; returns [dW; db] of the incoming state of mini-batch g0.
     """
     dq, dk, dv, dlr, dtau, dlnw, dlnb = grads
     sq, h, _, d = qs.shape
@@ -244,10 +248,12 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     def chunked(x: Tensor) -> Tensor:
         return x[:, :, s0:s1].reshape(sq, h, nc, c, *x.shape[3:])
     kc, qc, tc, doc, lc = chunked(ks), chunked(qs), chunked(ts), chunked(dos), chunked(lrs)
+    kac, qac = chunked(ka), chunked(qa)
+    w = sg[..., :d, :]
     lnw5, lnb5 = lnw[:, :, None], lnb[:, :, None]
     tu = tau[:c]
     # recompute the group's forward
-    z = kc @ w + b
+    z = kac @ sg
     if ln_residual:
         xh, mu, rs = _ln(z, eps)
         y = lnw5 * xh + lnb5 - tc
@@ -263,7 +269,7 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     el = tu[c - 1] * lc
     # output LayerNorm + residual and the dual-form output
     if ln_residual:
-        zb = qc @ w + b - a @ g
+        zb = qac @ sg - a @ g
         xh2, mu2, rs2 = _ln(zb, eps)
         dlnw += (doc * xh2).sum((0, 2, 3))
         dlnb += doc.sum((0, 2, 3))
@@ -278,17 +284,16 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     dqc = dqc + dsq @ kc
     dkc = dsq.transpose(-1, -2) @ qc
     dga = -a.transpose(-1, -2) @ dzb
-    dwa = qc.transpose(-1, -2) @ dzb
-    dba = dzb.sum(-2, keepdim=True)
+    dsa = qac.transpose(-1, -2) @ dzb  # [q^T dzb; sum dzb]
     # the (dW, db) recursion through the state updates, latest mini-batch first
     dg, dz, de, dw_out = torch.empty_like(g), torch.empty_like(g), torch.empty_like(lc), torch.empty_like(w)
     for i in range(nc - 1, -1, -1):
-        ki, gi = kc[:, :, i], g[:, :, i]
-        p = ki @ dw + db
+        gi, kai = g[:, :, i], kac[:, :, i]
+        p = kai @ ds  # k dW + db
         dgi = dga[:, :, i] - el[:, :, i, :, None] * p
         de[:, :, i] = -(p * gi).sum(-1)
         dg[:, :, i] = dgi
-        dw_out[:, :, i] = dw
+        dw_out[:, :, i] = ds[..., :d, :]
         if ln_residual:
             zi, mi, ri, xi = z[:, :, i], mu_l[i], rs_l[i], xh[:, :, i]
             dy = _ln_bwd(dgi, zi, mi, ri) * lnw
@@ -297,8 +302,8 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
         else:
             dzi = dgi
         dz[:, :, i] = dzi
-        dw = dw + dwa[:, :, i] + ki.transpose(-1, -2) @ dzi
-        db = db + dba[:, :, i] + dzi.sum(-2, keepdim=True)
+        ds = torch.baddbmm((ds + dsa[:, :, i]).reshape(sq * h, d + 1, d), kai.reshape(sq * h, c, d + 1).mT,
+                           dzi.reshape(sq * h, c, d)).view(sq, h, d + 1, d)
     dkc = dkc - (el[..., None] * g) @ dw_out.transpose(-1, -2) + dz @ w.transpose(-1, -2)
     if ln_residual:
         dgx = _ln_bwd(dg, z, mu, rs)
@@ -315,7 +320,7 @@ def _group_bwd(g0: int, g1: int, n: int, mb: int, w: Tensor, b: Tensor, dw: Tens
     dq[:, :, s0:s1] = dqc.reshape(sq, h, s1 - s0, d)
     dk[:, :, s0:s1] += dkc.reshape(sq, h, s1 - s0, d)  # dk may be dq (shared q/k): add
     dv[:, :, s0:s1] = dt.reshape(sq, h, s1 - s0, d)
-    return dw, db
+    return ds
 
 
 def scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
@@ -348,12 +353,12 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
     dtau = torch.zeros_like(tau_c)
     dlnw = torch.zeros(h, d, dtype=cd, device=q.device)
     dlnb = torch.zeros_like(dlnw)
-    dw = torch.zeros(qs.shape[0], h, d, d, dtype=cd, device=q.device)
-    db = torch.zeros(qs.shape[0], h, 1, d, dtype=cd, device=q.device)
+    ds = torch.zeros(qs.shape[0], h, d + 1, d, dtype=cd, device=q.device)  # [dW; db] of the outgoing state
     n_mb = -(-n // mini_batch)
     ck = ckpt_every(n_mb)
     full = n // mini_batch  # full mini-batches; a shorter last one (if any) has index `full`
     ka, kel = _folded(ks, lrs, tau_c, mini_batch)
+    qa = ka if qs is ks else torch.cat([qs, torch.ones_like(qs[..., :1])], -1)
     bounds = _chunks(n, mini_batch)
     grads = (dq, dk, dv, dlr, dtau, dlnw, dlnb)
     for sg in range(-(-n_mb // ck) - 1, -1, -1):
@@ -370,14 +375,13 @@ def _scan_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tens
         if min(hi, full) > lo:
             groups.append((lo, min(hi, full)))
         for g0, g1 in groups:
-            sgs = torch.stack(ss[g0 - lo:g1 - lo], 2)
-            dw, db = _group_bwd(g0, g1, n, mini_batch, sgs[..., :d, :], sgs[..., d:, :], dw, db, qs, ks, ts, lrs, dos, tau_c, lnw, lnb,
-                                ln_residual, eps, grads)
+            ds = _group_bwd(g0, g1, n, mini_batch, torch.stack(ss[g0 - lo:g1 - lo], 2), ds, qa, ka, qs, ks, ts,
+                            lrs, dos, tau_c, lnw, lnb, ln_residual, eps, grads)
     dqs = _per_input(dq, q, ndir)
     dks = None if shared_qk else _per_input(dk, k, ndir)
     dvs, dlrs = sum(_unseq(dv, ndir)), sum(_unseq(dlr, ndir))
     return [dqs, dks, dvs.to(v.dtype), dlrs.to(lr.dtype), dtau.to(tau.dtype),
-            _reduce_w(dw, w0, ndir).to(w0.dtype), _reduce_w(db, b0, ndir).to(b0.dtype),
+            _reduce_w(ds[:, :, :d], w0, ndir).to(w0.dtype), _reduce_w(ds[:, :, d:], b0, ndir).to(b0.dtype),
             dlnw.to(ln_w.dtype), dlnb.to(ln_b.dtype)]
 
 
