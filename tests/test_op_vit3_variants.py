@@ -188,14 +188,14 @@ FUSED_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}  # max error relative to 
 @pytest.mark.parametrize("case,dtype", FUSED_CASES, ids=[f"{c}-{str(t)[6:]}" for c, t in FUSED_CASES])
 @triton_test
 def test_fused_core_matches_float64_reference_at_thousands_of_tokens(case, dtype, monkeypatch):
-    """N = 56 x 56 = 3136 tokens (13 chunks / 49 tiles per head, the last partial), batch 1, two heads of d = 16,
+    """N = 56 x 56 = 3136 tokens (several chunks and tiles, the last partial), batch 1, one head of d = 16,
     the kernels' own tiles; forward and every gradient against the float64 reference on the same rounded data;
     3 Triton launches forward and 3 backward, nothing else inside the core but the projection (and RoPE)."""
     from ttt_zoo.bench.launches import count_launches
     monkeypatch.undo()  # the kernels' own tile sizes
     kind, opts = CASES[case]
     h = w = 56
-    heads, d = 2, 16
+    heads, d = 1, 16
     share = opts.get("share_qk", False)
     torch.manual_seed(0)
     inputs = [t if t is None else t.to(DEV, dtype) for t in
@@ -215,5 +215,5 @@ def test_fused_core_matches_float64_reference_at_thousands_of_tokens(case, dtype
     names = [n for n, t in zip("out x weight bias w1 w2 w3".split(), [out] + inputs) if t is not None]
     for name, got, want in zip(names, [out, *grads], [ref, *ref_grads]):
         assert got.dtype == dtype, name
-        err = float((got.detach().cpu().double() - want).abs().max() / want.abs().max())
+        err = float((got.detach().cpu().double() - want.detach()).abs().max() / want.detach().abs().max())
         assert err < FUSED_TOL[dtype], f"{name}: max error {err:.2e} relative to the reference's max"

@@ -14,9 +14,10 @@ Forward: ``_fwd_update`` (fp32 partials of k^T A and of the conv taps, TILES til
 (one program per (batch, head) / (batch, channel): G, W'), ``_fwd_apply`` (out straight into (B, N, C + d)).
 Backward: ``_bwd_apply`` (dq into the projection cotangent; partials of dW' = q^T dy and of the conv taps; zeroes
 dW), ``_bwd_finalize`` (one program per (batch, head) / (batch, channel): dG; dW += dW' by relaxed atomics),
-``_bwd_update`` (dk, dv; dW += k^T dz by relaxed atomics).  Every offset is int64 (program ids cast before any
-product); per-image sizes are not specialised; fp32 accumulation; dG is scaled to unit max before the cast to the
-input dtype (and the scale applied after the product), so fp16 products do not go subnormal.
+``_bwd_update`` (dk, dv; dW += k^T dz by relaxed atomics).  Every offset is int64 (program ids through
+``triton_utils.pid64``); per-image sizes are not specialised (``triton_utils.jit_sizes``); fp32 accumulation; dG is
+scaled to unit max before the cast to the input dtype (the scale applied after the product), so fp16 products do not
+go subnormal.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import block_d, dot_prec, wstrides
+from ..triton_utils import block_d, dot_prec, jit_sizes, pid64, wstrides
 from ..vit3_ttt.fused import launch_cfg
 
 __all__ = ["KINDS", "variant_fused_fwd", "variant_fused_bwd"]
@@ -35,16 +36,6 @@ LAST: tl.constexpr = tl.constexpr(1)
 LINEAR: tl.constexpr = tl.constexpr(2)
 TILES = 4         # tiles reduced per program in the reducing launches
 BLOCK_P = 256     # pixels per conv tile
-# sizes that change with the image or the batch: one compiled variant serves every image size
-PER_IMAGE = ["N", "Hh", "Ww", "n_chunks", "n_pchunks", "n_tiles", "n_ptiles", "n_sw", "n_wb",
-             "sk1b", "sv1b", "sq1b", "so1b", "sd1b", "sx1b", "sxkb", "sxvb", "sk2b", "sv2b", "sq2b", "so2b", "sd2b",
-             "sx2b", "syk2b", "syv2b", "sk2h", "sv2h", "sq2h", "so2h", "sd2h", "sx2h", "syk2h", "syv2h"]
-
-
-def _jit(fn):
-    import inspect
-    names = inspect.signature(fn).parameters
-    return triton.jit(fn, do_not_specialize=[a for a in PER_IMAGE if a in names])
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -137,14 +128,14 @@ def _conv_tile(X, O, xbase, obase, w, sxh, sxw, soh, sow, Hh, Ww, offs_p, alpha,
 
 
 # ------------------------------------------------------------------------------------------------ forward
-@_jit
+@jit_sizes
 def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
                 sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw,
                 KIND: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_P: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # SwiGLU branch: partial of k^T A over TILES token tiles
         bh, chunk = pid // n_chunks, pid % n_chunks
         b, h = bh // HEADS, bh % HEADS
@@ -180,12 +171,12 @@ def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
         tl.store(PC + bc * 16 + tl.arange(0, 16), acc)
 
 
-@_jit
+@jit_sizes
 def _fwd_finalize(P, PC, W1, W2, W3, G, WN, G3, WN3,
                   swb, swh, swr, swc, sw3c, sw3t,
                   HEADS, D, DC, n_chunks, n_pchunks, n_sw, c, lr,
                   KIND: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # one (batch, head): G = c sum(partials), W' = W - lr N(G) (fp32, d x 2d: [W1' | W2'])
         b, h = pid // HEADS, pid % HEADS
         offs_d = tl.arange(0, BLOCK_D)
@@ -228,14 +219,14 @@ def _fwd_finalize(P, PC, W1, W2, W3, G, WN, G3, WN3,
         tl.store(WN3 + bc * 16 + offs_t, w3 - lr * g)
 
 
-@_jit
+@jit_sizes
 def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
                sq1b, sq1h, sq1n, sq1d, so1b, so1h, so1n, so1d,
                sq2b, sq2c, sq2h, sq2w, so2b, so2c, so2h, so2w,
                HEADS, N, D, DC, Hh, Ww, n_tiles, n_ptiles, n_sw,
                KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                PREC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # one token tile of one (batch, head): out = f(q; W')
         bh, tile = pid // n_tiles, pid % n_tiles
         b, h = bh // HEADS, bh % HEADS
@@ -259,14 +250,14 @@ def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
 
 
 # ----------------------------------------------------------------------------------------------- backward
-@_jit
+@jit_sizes
 def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3,
                sq1b, sq1h, sq1n, sq1d, sd1b, sd1h, sd1n, sd1d, sx1b, sx1h, sx1n, sx1d,
                sq2b, sq2c, sq2h, sq2w, sd2b, sd2c, sd2h, sd2w, sx2b, sx2c, sx2h, sx2w,
                HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw, n_wb,
                KIND: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_P: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # dy = df/dy (dO); dq = dy W'^T; partial of dW' = q^T dy; the first chunk zeroes its dW
         bh, chunk = pid // n_chunks, pid % n_chunks
         b, h = bh // HEADS, bh % HEADS
@@ -320,11 +311,11 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3,
         tl.store(PC + (bc * n_pchunks + chunk) * 16 + offs_t, acc)
 
 
-@_jit
+@jit_sizes
 def _bwd_finalize(P, PC, G, DG, DW, G3, DG3, DW3,
                   HEADS, D, DC, n_chunks, n_pchunks, n_sw, n_wb, lr,
                   KIND: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # one (batch, head): dW' summed, dG = N'(G)^T (-lr dW'), dW += dW'
         b, h = pid // HEADS, pid % HEADS
         offs_d = tl.arange(0, BLOCK_D)
@@ -370,7 +361,7 @@ def _bwd_finalize(P, PC, G, DG, DW, G3, DG3, DW3,
         tl.store(DG3 + bc * 16 + offs_t, d)
 
 
-@_jit
+@jit_sizes
 def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
                 sxkb, sxkh, sxkn, sxkd, sxvb, sxvh, sxvn, sxvd,
@@ -379,7 +370,7 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_ptiles, n_sw, n_wb, c,
                 KIND: tl.constexpr, SHARE: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    pid = pid64(0)
     if pid < n_sw:  # dk, dv from dG (G = c k^T A); dW += k^T dz over TILES token tiles
         bh, chunk = pid // n_chunks, pid % n_chunks
         b, h = bh // HEADS, bh % HEADS

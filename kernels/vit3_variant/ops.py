@@ -1,8 +1,8 @@
 """The ``triton`` backend of the ViT3 inner-loop variants: the variant mixer core over the Triton kernels.
 
-Unlike the other folders' ops, the variant core is an ``autograd.Function`` over the kernels of ``triton.py``
-(``VariantQKVTriton``, built by ``torch.make_variant_function``), not a ``torch.library`` custom op; ``triton.py`` is
-imported on first use, so CPU users never import Triton.  ``torch.run_variant`` is the entry both paths share.
+Unlike the other folders' ops, the variant core is an ``autograd.Function`` over the kernels (``VariantQKVFused`` over
+``fused.py``'s 3 + 3 launches; ``VariantQKVTriton``, built by ``torch.make_variant_function``, above the fused head-dim
+limit), not a ``torch.library`` custom op; ``triton.py`` is imported on first use, so CPU users never import Triton.  ``torch.run_variant`` is the entry both paths share.
 """
 from ..utils import triton_module
 

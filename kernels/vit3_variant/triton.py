@@ -1,5 +1,8 @@
 """Triton path of the ViT3 inner-loop variants (same ``*_fwd`` / ``*_bwd`` contract as ``torch.py``).
 
+Up to ``backend.MAX_HEAD_DIM["vit3_qkv_fused"]`` the mixer core runs the fused core of ``fused.py`` (both branches,
+every inner model, 3 launches forward and 3 backward: ``VariantQKVFused``); above it, the per-branch kernels below
+(``VariantQKVTriton``):
 Variants 3 / 6 (one linear inner layer) are two kernels, each a single pass over the tokens per (batch, head):
   ``_gram``: fp32 partials of X^T Y over TILES token tiles (G = c k^T v forward; dW' = q^T dO backward);
   ``_xw``:  O = alpha X W (or X W^T) per token tile (out = q S; dq = dO S^T, dk = c v dG^T, dv = c k dG).
@@ -16,7 +19,8 @@ import triton.language as tl
 
 from ..backend import MAX_HEAD_DIM
 from ..rope import rope_2d
-from ..triton_utils import block_d, load_mat, load_tile, prec, store_mat, store_tile, tile_rows, wstrides
+from ..triton_utils import block_d, jit_sizes, load_mat, load_tile, pid64, prec, store_mat, store_tile, tile_rows, \
+    wstrides
 from ..utils import autocast_state, no_autocast, reduce_to
 from ..vit3_ttt import triton as T3
 from ..vit3_ttt.torch import normalize_columns, normalize_columns_bwd
@@ -30,11 +34,11 @@ BLOCK_N = 64   # tokens per tile
 TILES = 4      # tiles reduced per program in ``_gram``
 
 
-@triton.jit
+@jit_sizes
 def _gram(X, Y, P, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N, D, n_chunks,
           TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """P[pid, chunk] = sum over TILES token tiles of x^T y (fp32, d x d)."""
-    pid, chunk = tl.program_id(0), tl.program_id(1)
+    pid, chunk = pid64(0), pid64(1)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
@@ -46,11 +50,11 @@ def _gram(X, Y, P, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N, D, n_chunks,
     store_mat(P, (pid * n_chunks + chunk) * D * D, acc, offs_d, offs_d, D)
 
 
-@triton.jit
+@jit_sizes
 def _xw(X, W, O, sxb, sxh, sxn, sxd, swb, swh, swr, swc, sob, soh, son, sod, H, N, D, alpha,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """One token tile of O = alpha X W (W per (batch, head), any strides: W^T by swapped strides)."""
-    pid, tile = tl.program_id(0), tl.program_id(1)
+    pid, tile = pid64(0), pid64(1)
     b, h = pid // H, pid % H
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
