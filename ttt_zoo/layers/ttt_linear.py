@@ -166,7 +166,7 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         self.backend = backend
 
         self.conv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False)
-        self.proj = nn.Linear(dim, 3 * dim, bias=qkv_bias)  # [u_qk, u_g, u_v]; fused with lr_proj at run time
+        self.proj = nn.Linear(dim, 3 * dim, bias=qkv_bias)  # [u_qk, u_g, u_v]; one GEMM with lr_proj in training (_project)
         self.lr_proj = nn.Linear(dim, nh)
         self.tau_offset = nn.Parameter(torch.zeros(mini_batch))
         if inner_loss == "mse":
