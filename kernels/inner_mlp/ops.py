@@ -59,14 +59,21 @@ def _bwd_impl(do, q, k, v, ws, wn, scale: float, gated: bool, triton: bool):
 
 def register_autograd(fwd_op, bwd_op) -> None:
     """``fwd_op(q, k, v, *ws, scale, triton)`` differentiable: saves q, k, v, W and the updated W', the backward
-    runs ``bwd_op`` with the forward's ``triton``."""
+    runs ``bwd_op`` with the forward's ``triton``.  W' is not differentiable and no cotangent is materialised for
+    an unused output (no zero tensors); the kernels read a strided ``dout`` as it comes."""
     def setup(ctx, inputs, output):
         *tensors, scale, triton = inputs
         ctx.save_for_backward(*tensors, *output[1:])
-        ctx.scale, ctx.triton = scale, triton
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.scale, ctx.triton, ctx.n_inputs = scale, triton, len(inputs)
 
     def backward(ctx, dout, *_):
-        return (*bwd_op(dout.contiguous(), *ctx.saved_tensors, ctx.scale, ctx.triton), None, None)
+        if dout is None:
+            return (None,) * ctx.n_inputs
+        if not launches_kernel(ctx.triton, dout):
+            dout = dout.contiguous()
+        return (*bwd_op(dout, *ctx.saved_tensors, ctx.scale, ctx.triton), None, None)
 
     fwd_op.register_autograd(backward, setup_context=setup)
 

@@ -57,10 +57,14 @@ def _(dy, x, mean, rstd, triton):
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])  # mean, rstd: no cotangents,
+    ctx.set_materialize_grads(False)  # and no zero tensor for them
     ctx.triton = inputs[2]
 
 
 def _backward(ctx, dy, *_):
+    if dy is None:
+        return None, None, None
     x, mean, rstd = ctx.saved_tensors
     return key_norm_bwd_op(dy, x, mean, rstd, ctx.triton), None, None
 
