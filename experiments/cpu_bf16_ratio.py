@@ -85,6 +85,40 @@ def profile(name: str, batch: int, rows: int) -> None:
                                                                max_name_column_width=40, max_shapes_column_width=70))
 
 
+GEMMS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward",
+         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+CASTS = {"_to_copy", "copy_", "clone"}
+
+
+def dtype_shares(name: str, batch: int) -> dict:
+    """Where one bf16-autocast step's time goes, by op kind (GEMM, cast/copy, other) and the dtype it computes in
+    (each aten op timed below autocast, so the dtype is the one autocast chose)."""
+    import time
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Timed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seconds = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name.split("::")[-1]
+            kind = "GEMM" if name in GEMMS else "cast/copy" if name in CASTS else "other"
+            dt = next((str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor)), "-")
+            self.seconds[kind, dt] += time.perf_counter() - t0
+            return out
+
+    step = make_step(name, batch, True)
+    with Timed() as t:
+        step()
+    total = sum(t.seconds.values())
+    return {k: v / total for k, v in t.seconds.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=MODELS)
@@ -95,6 +129,7 @@ def main() -> int:
     ap.add_argument("--profile", metavar="MODEL", help="profile one model's bf16 and fp32 steps instead")
     ap.add_argument("--rows", type=int, default=25, help="--profile: rows of the table")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--shares", action="store_true", help="also: where each model's bf16 step spends its time")
     ap.add_argument("--tree", type=Path, help="measure this checkout's package (e.g. a worktree of an older commit)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,6 +177,17 @@ def main() -> int:
         rel = ratio[m] / ratio[PEER] if PEER in ratio else float("nan")
         lines.append(f"| {m} | {ms(times[m, False])} | {ms(times[m, True])} | {ratio[m]:.2f} | {rel:.2f} | "
                      f"{'yes' if rel <= TARGET else '**no**'} |")
+    if args.shares:
+        lines += ["", "Where the bf16-autocast step's time goes (share of the time in aten ops, each op timed below "
+                  "autocast: the dtype it computes in; one step, batch "
+                  f"{args.batch_size}, timed separately after the rounds):", "",
+                  "| model | GEMM bf16 | GEMM fp32 | cast/copy | other bf16 | other fp32 |", "|---|---:|---:|---:|---:|---:|"]
+        for m in args.models:
+            sh = dtype_shares(m, args.batch_size)
+            pick = lambda kind, dt: sum(v for (k, d), v in sh.items() if k == kind and (dt is None or d == dt))  # noqa
+            lines.append(f"| {m} | {pick('GEMM', 'bfloat16'):.0%} | {pick('GEMM', 'float32'):.0%} | "
+                         f"{pick('cast/copy', None):.0%} | {pick('other', 'bfloat16'):.0%} | "
+                         f"{pick('other', 'float32'):.0%} |")
     text = "\n".join(lines) + "\n"
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(text)
