@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import block_d as _block_d, prec as _prec
+from ..triton_utils import block_d as _block_d, pid64, prec as _prec
 from .torch import ckpt_every
 
 __all__ = ["scan_fwd_triton", "scan_bwd_triton", "scan_grids"]
@@ -148,7 +148,7 @@ def _fwd_states(K, V, LR, TAU, W0, B0, LNW, LNB, G, ST,
     """Pass 1, one program per (direction x batch, head), sequential over the mini-batches: only the recurrence
     (z = k W + b, the inner gradient G, the state update).  Writes G (fp32, token order) and the incoming (W; b) of
     every CK-th mini-batch (the chunk starts)."""
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(0), tl.program_id(1), B, H, D, BLOCK_C,
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(0), pid64(1), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     w = tl.load(W0 + r * swr + b * swb + h * D * D + offs_d[:, None] * D + offs_d[None, :], mask=wmask,
                 other=0.0).to(tl.float32)
@@ -179,8 +179,8 @@ def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
     """Pass 2, one program per (chunk, direction x batch, head): given G the outputs are a linear recurrence, so
     each chunk starts from its stored (W; b) and walks its CK mini-batches: zb = q W + b - (eta (q k^T + 1)) G, the
     output LayerNorm + residual, W -= k^T (e G), b -= sum e G (the same arithmetic as pass 1)."""
-    ck = tl.program_id(0).to(tl.int64)
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+    ck = pid64(0)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(1), pid64(2), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     sb = ST + (seq * n_ck + ck) * (D + 1) * D
     w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
@@ -231,8 +231,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, P
     chunk forward (recomputing z, G and every incoming state) and forms the output-side gradients, which do not
     depend on the later mini-batches: dq (complete), dk's dS^T q term, dlr's eta term, dtau / dln partial sums,
     and writes z, dzb and dG_a = -A^T dzb for the sequential pass."""
-    ck = tl.program_id(0).to(tl.int64)
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+    ck = pid64(0)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(1), pid64(2), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     w, bias = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
@@ -302,7 +302,7 @@ def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, D
     """Backward pass 2, one program per sequence, sequential over the mini-batches in reverse: the (dW, db)
     recursion through the state updates and the inner LayerNorm gradient (not linear: it reads z), from the stored
     z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(0), tl.program_id(1), B, H, D, BLOCK_C,
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(0), pid64(1), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     gb = seq * N
@@ -373,8 +373,8 @@ def _bwd_keys(K, V, LR, TAU, LNW, LNB, ST, Z, DZ, DK,
     """Backward pass 3, one program per (chunk, sequence), in parallel: dk += dz W_i^T, walking the chunk's states
     forward from its stored state with G recomputed from the stored z (no LayerNorm statistics of the state
     itself: z is given)."""
-    ck = tl.program_id(0).to(tl.int64)
-    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(tl.program_id(1), tl.program_id(2), B, H, D, BLOCK_C,
+    ck = pid64(0)
+    r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(1), pid64(2), B, H, D, BLOCK_C,
                                                           BLOCK_D)
     lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
     w, _ = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
