@@ -132,14 +132,13 @@ TRITON_ABOVE_TARGET = {
     "hvit3_tiny_v1": (33, 75),
     "hvit3_tiny_v3": (33, 75),
     "hvit3_tiny_v6": (33, 75),
-    "t5_plus_tiny": (18, 57),
-    "t5_tiny": (16, 49),
+    "t5_plus_tiny": (17, 49),
     "visionttt_h_tiny": (59, 132),
     "visionttt_h_tiny_la": (48, 161),
     "visionttt_tiny": (59, 132),
     "visionttt_tiny_la": (48, 161),
     "dit3_s_2": (24, 69),
-    "dit5_s_2": (29, 96),
+    "dit5_s_2": (28, 89),
 }
 
 
