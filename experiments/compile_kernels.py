@@ -6,6 +6,7 @@ configuration has.  One section per kernel family; each writes experiments/resul
     python experiments/compile_kernels.py --families vit3 ttt_linear --block-d 64 128
 """
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -192,7 +193,8 @@ def _row_act(act, *args, **kwargs):
 
 
 def inner_mlp_rows(block_ds, arch):
-    """T5 (gated) / DiT5 inner-step kernels (3 + 3 launches) per activation dtype, and the key instance-norm."""
+    """T5 (gated) / DiT5 inner-step kernels (3 + 3 launches; 2 + 2 one-chunk variants) per activation dtype, and the
+    key instance-norm."""
     lines = []
     kernels = ((T._fwd_update, "update"), (T._fwd_finalize, "finalize"), (T._fwd_apply, "apply"),
                (T._bwd_apply, "bwd"), (T._bwd_finalize, "finalize"), (T._bwd_update, "bwd"),
@@ -202,12 +204,16 @@ def inner_mlp_rows(block_ds, arch):
             for fn, pass_ in kernels:
                 bn, tiles, warps = T.launch_cfg(bd, pass_, dt == "fp32") if pass_ != "finalize" else \
                     (min(T.BLOCK_C, bd), 1, 4)
-                for gated in (True, False):
+                # SINGLE: the one-chunk variant (N <= 256) of the update / apply-bwd / update-bwd kernels
+                for gated, single in itertools.product((True, False), (False, True) if "SINGLE" in fn.arg_names
+                                                       else (False,)):
                     consts = {a: v for a, v in dict(GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                                                    BLOCK_C=min(T.BLOCK_C, bd), DETERMINISTIC=False).items()
+                                                    BLOCK_C=min(T.BLOCK_C, bd), DETERMINISTIC=False,
+                                                    SINGLE=single).items()
                               if a in fn.arg_names}
                     tile = f"{bn} columns" if pass_ == "finalize" else f"{bn} tokens"
-                    lines.append(_row_act(dt, fn, "T5" if gated else "DiT5", bd, tile, warps, consts, arch))
+                    variant = ("T5" if gated else "DiT5") + (", one chunk" if single else "")
+                    lines.append(_row_act(dt, fn, variant, bd, tile, warps, consts, arch))
     for fn in (KT._knorm_fwd, KT._knorm_bwd):
         lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
                           dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))

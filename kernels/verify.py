@@ -199,7 +199,6 @@ def _linear_attention(shape, rnd):
 # shape (a training batch of the models' size); the interpreter (CPU): one small odd shape.  Every head dim is within
 # the op's kernel limit (backend.MAX_HEAD_DIM; tests/test_kernel_verify.py checks).
 _HEADS = [(1, 2, 8192, 64), (1, 2, 8192, 32), (2, 3, 999, 24), (8, 6, 1024, 32)]
-_HEADS_32 = [s for s in _HEADS if s[3] <= 32]  # T5: its kernel takes head dims up to 32
 _QKV = [(1, 3, 64, 128, 64), (2, 2, 15, 13, 24), (8, 3, 28, 28, 64)]
 _SCAN = [(1, 2, 8192, 64, 16), (2, 2, 999, 32, 16), (8, 3, 1024, 64, 16)]
 CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input builder, GPU shapes, CPU shapes)
@@ -207,7 +206,7 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "vit3_dwconv_ttt": (_dwconv, [(1, 64, 96, 96), (2, 8, 33, 31), (8, 192, 28, 28)], [(1, 4, 5, 7)]),
     "vit3_qkv_ttt": (_qkv, _QKV, [(1, 2, 4, 3, 8)]),
     "vit3_variant_qkv_ttt": (_variant, _QKV, [(1, 2, 4, 3, 8)]),
-    "t5_swiglu_ttt": (_heads(3, lambda d: (d ** -0.5,)), _HEADS_32, [(1, 2, 21, 16)]),
+    "t5_swiglu_ttt": (_heads(3, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
     "dit5_mlp_ttt": (_heads(2, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
     "key_instance_norm": (_key_norm, [(1, 8192, 192), (2, 999, 72), (8, 1024, 192)], [(2, 9, 12)]),
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),

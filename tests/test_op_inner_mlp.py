@@ -350,6 +350,73 @@ def test_inner_kernels_large_n_vs_float64(op, dtype, monkeypatch):
         assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} {name}: {err:.2e} of its max"
 
 
+ONE_CHUNK_CASES = [(196, 2, False),  # 14 x 14 tokens (every T5 model at 224 px): one chunk, batch 2, shared W
+                   (256, 2, True),   # exactly one chunk, per-sample weights
+                   (257, 1, False)]  # one token over: two chunks (the finalize path)
+
+
+@pytest.mark.parametrize("n,b,per_sample", ONE_CHUNK_CASES, ids=lambda c: None)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_one_chunk_vs_float64(op, dtype, n, b, per_sample, monkeypatch):
+    # the shipped tiles (256-token chunks) at head dim 64: at N <= 256 the update / apply programs do the
+    # finalize's work (2 + 2 launches); forward and every gradient against the float64 reference on the same data
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    f, ref, n_w = KERNEL_OPS[op]
+    d = 64
+    gen = torch.Generator().manual_seed(n)
+    x = [torch.randn(b, 1, n, d, generator=gen) for _ in range(3)]
+    x += [torch.randn(b if per_sample else 1, 1, d, d, generator=gen) * 0.05 for _ in range(n_w)]
+    x = [t.to(dtype) for t in x]
+    leaves = [t.to(DEV).requires_grad_() for t in x]
+    ref_leaves = [t.double().requires_grad_() for t in x]
+    out, want = f(*leaves, d ** -0.5), ref(*ref_leaves, d ** -0.5)
+    do = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
+    got = [out] + list(torch.autograd.grad(out, leaves, do.to(DEV)))
+    want = [want] + list(torch.autograd.grad(want, ref_leaves, do.double()))
+    for name, g, w in zip(["out", "q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)], got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        err = (g.cpu().double() - w).abs().max() / w.abs().max()
+        assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} N={n} {name}: {err:.2e} of its max"
+
+
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_launches_one_chunk_and_two(op, monkeypatch):
+    # the shipped 256-token chunks: 2 + 2 Triton launches at N <= 256 (3 backward deterministic, bitwise equal run
+    # to run and equal to the relaxed sums), 3 + 3 at N = 257; never an aten op inside the op
+    from ttt_zoo.bench.launches import count_launches
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    n_w = KERNEL_OPS[op][2]
+    names = ("t5_swiglu_fwd", "t5_swiglu_bwd") if op == "t5" else ("dit5_mlp_fwd", "dit5_mlp_bwd")
+    fwd, bwd = (getattr(torch.ops.ttt_zoo, name) for name in names)
+    for n, launches in ((196, 2), (256, 2), (257, 3)):
+        q, k, v, do = [torch.randn(2, 1, n, 64, device=DEV) for _ in range(4)]
+        ws = [torch.randn(1, 1, 64, 64, device=DEV) * 0.05 for _ in range(n_w)]
+        res = fwd(q, k, v, *ws, 0.3, True)
+        relaxed = bwd(do, q, k, v, *ws, *res[1:], 0.3, True)
+        for name, call in ((names[0], lambda: fwd(q, k, v, *ws, 0.3, True)),
+                           (names[1], lambda: bwd(do, q, k, v, *ws, *res[1:], 0.3, True))):
+            c = count_launches(call)
+            assert c.aten_total == 0 and c.triton_total == launches, (n, name, dict(c.aten), dict(c.triton))
+        if n > 256:
+            continue
+        torch.use_deterministic_algorithms(True)
+        try:
+            first = bwd(do, q, k, v, *ws, *res[1:], 0.3, True)
+            second = bwd(do, q, k, v, *ws, *res[1:], 0.3, True)
+            c = count_launches(lambda: bwd(do, q, k, v, *ws, *res[1:], 0.3, True))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert c.triton_total == 3 and c.triton["_bwd_reduce"] == 1, dict(c.triton)
+        for g1, g2, g0 in zip(first, second, relaxed):
+            assert torch.equal(g1, g2)
+            torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("per_sample", [False, True], ids=["shared_w", "per_sample_w"])
 @pytest.mark.parametrize("op", ["t5", "dit5"])
 @triton_test

@@ -1,5 +1,5 @@
 """Triton kernels of the T5 (gated SwiGLU, dot-product loss) and DiT5 (SiLU MLP, regression loss) inner steps:
-3 launches forward and 3 backward per call, no PyTorch op in between.
+3 launches forward and 3 backward per call (2 and 2 at N <= 256), no PyTorch op in between.
 
 One kernel family for both inner models; ``GATED`` (constexpr) switches between them (``torch.py`` documents the
 formulas, which these kernels follow).  Weight slots: A = W1, B = W2 (gated only), O = the output layer (T5: W3,
@@ -24,6 +24,10 @@ Backward (dO given):
      gradient through S (relaxed atomic add, no fences: sums in fp32, their order may vary from run to run).
      Under ``torch.use_deterministic_algorithms`` 5 and 6 store their parts instead and a fourth launch,
      ``_bwd_reduce``, sums them in a fixed order (bitwise reproducible).
+One chunk per (batch, head) (N <= TILES * BLOCK_N = 256 tokens: every T5 model at 224 px), ``SINGLE`` (constexpr,
+one more compiled variant of the update / apply kernels per dtype and head dim): ``_fwd_update`` writes W' itself
+and ``_bwd_apply`` writes CT and each sample's dW' (``_bwd_update`` adds it to dW): 2 launches forward, 2 backward
+(3 deterministic).
 Extra memory: the fp32 partials (n_w d x d per chunk), W' and CT (n_w d x d per (batch, head)); nothing of size
 N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MAX_HEAD_DIM`` caps d at what
 ``experiments/compile_kernels.py`` compiled for sm_90 without spills.
@@ -165,13 +169,14 @@ def _program(H, n_per_bh):
 
 # ------------------------------------------------------------------------------------------------ forward
 @triton.jit(do_not_specialize=_SIZES)
-def _fwd_update(K, V, WA, WB, WO, P,
+def _fwd_update(K, V, WA, WB, WO, P, NA, NB, NO,
                 skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
-                H, N, D, n_bh, n_chunks,
+                H, N, D, n_bh, n_chunks, c,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, SINGLE: tl.constexpr):
     """Partial sums S (the inner gradients / c) over TILES token tiles: S_A = k^T (dh [z2] silu'(z1)), S_B = k^T
-    (dh silu(z1)), S_O = h^T e~, with dh = e~ O^T."""
+    (dh silu(z1)), S_O = h^T e~, with dh = e~ O^T.  ``SINGLE`` (one chunk per (batch, head)): the program holds
+    the whole sum and writes W' = W - c S into NA, NB, NO itself (no partials, no finalize launch)."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -193,7 +198,21 @@ def _fwd_update(K, V, WA, WB, WO, P,
             dya = dh * da
         ga += _dot(xt, dya.to(dt), PREC)
         go += _dot(tl.trans(hid.to(dt)), e.to(dt), PREC)
-    _store3(P, (bh * n_chunks + chunk) * D * D, n_bh * n_chunks * D * D, ga, gb, go, offs_d, D, GATED)
+    if SINGLE:
+        nb = bh * D * D
+        _new_weight(WA, NA, b * swab + h * swh, nb, swr, swc, ga, c, offs_d, D)
+        _new_weight(WO, NO, b * swob + h * swh, nb, swr, swc, go, c, offs_d, D)
+        if GATED:
+            _new_weight(WB, NB, b * swbb + h * swh, nb, swr, swc, gb, c, offs_d, D)
+    else:
+        _store3(P, (bh * n_chunks + chunk) * D * D, n_bh * n_chunks * D * D, ga, gb, go, offs_d, D, GATED)
+
+
+@triton.jit
+def _new_weight(W, WN, wbase, nbase, swr, swc, g, c, offs_d, D):
+    """W' = W - c g of one whole d x d weight (fp32; c applied to the fp32 sum)."""
+    w = _ld(W, wbase, offs_d, offs_d, swr, swc, D, D).to(tl.float32)
+    _st(WN, nbase, w - g * c, offs_d, offs_d, D, 1, D, D)
 
 
 @triton.jit
@@ -248,13 +267,14 @@ def _fwd_apply(Q, NA, NB, NO, O,
 
 # ----------------------------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=_SIZES)
-def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO,
+def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP,
                sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd,
-               H, N, D, n_bh, n_chunks, n_wb,
+               H, N, D, n_bh, n_chunks, n_wb, c,
                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, SINGLE: tl.constexpr):
     """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
-    the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds."""
+    the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds.
+    ``SINGLE`` (one chunk): the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -281,7 +301,11 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO,
         ga += _dot(xt, dya, PREC)
         go += _dot(tl.trans(hid.to(dt)), y, PREC)
         _st(DQ, b * sxb + h * sxh, dx, offs_n, offs_d, sxn, sxd, N, D)
-    _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
+    if SINGLE:
+        _store3(CT, bh * dd, n_bh * dd, ga * -c, gb * -c, go * -c, offs_d, D, GATED)
+        _store3(SP, bh * dd, n_bh * dd, ga, gb, go, offs_d, D, GATED)
+    else:
+        _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
 
 
 @triton.jit
@@ -322,14 +346,15 @@ def _bwd_finalize(P, CT, DWA, DWB, DWO, SP, H, D, n_bh, n_chunks, n_cols, n_wb, 
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P,
+def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
                 skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                 H, N, D, n_bh, n_chunks, n_wb,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr, SINGLE: tl.constexpr):
     """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O): added to dW, or
-    stored into the partials P (free again after ``_bwd_finalize``) for ``_bwd_reduce`` (deterministic)."""
+    stored into the partials P (free again after ``_bwd_finalize``) for ``_bwd_reduce`` (deterministic).
+    ``SINGLE`` and not deterministic: this sample's dW' (SP, from ``_bwd_apply``) is added with it."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -378,6 +403,11 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P,
     if DETERMINISTIC:
         _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
     else:
+        if SINGLE:
+            ga += _ld(SP, bh * dd, offs_d, offs_d, D, 1, D, D)
+            go += _ld(SP, (1 + GATED) * nw + bh * dd, offs_d, offs_d, D, 1, D, D)
+            if GATED:
+                gb += _ld(SP, nw + bh * dd, offs_d, offs_d, D, 1, D, D)
         wbase = ((b % n_wb) * H + h) * dd
         _add(DWA, wbase, ga, offs_d, D)
         _add(DWO, wbase, go, offs_d, D)
@@ -463,14 +493,17 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     n_w, bh, prec, dev, f32 = len(ws), b * h, dot_prec(q.dtype), q.device, torch.float32
     c = (-scale if gated else scale) / n
     wargs = _wargs(ws)
-    part = torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
-    _fwd_update[(bh * chunks,)](k, v, *_slots(ws), part, *k.stride(), *v.stride(), *wargs, h, n, d, bh, chunks,
-                                GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
+    single = chunks == 1  # the update program writes W' itself: 2 launches
     wn = [torch.empty(b, h, d, d, device=dev, dtype=f32) for _ in ws]  # separate: the op's outputs never alias
-    bc = min(BLOCK_C, bd)
-    cols = triton.cdiv(d, bc)
-    _fwd_finalize[(bh * cols,)](part, *_slots(ws), *_slots(wn), *wargs, h, d, bh, chunks, cols, c, GATED=gated,
-                                BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
+    part = wn[0] if single else torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
+    _fwd_update[(bh * chunks,)](k, v, *_slots(ws), part, *_slots(wn), *k.stride(), *v.stride(), *wargs, h, n, d,
+                                bh, chunks, c, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                                SINGLE=single, num_warps=warps)
+    if not single:
+        bc = min(BLOCK_C, bd)
+        cols = triton.cdiv(d, bc)
+        _fwd_finalize[(bh * cols,)](part, *_slots(ws), *_slots(wn), *wargs, h, d, bh, chunks, cols, c, GATED=gated,
+                                    BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
     out = _heads_merged(b, h, n, d, q)
     bn, _, warps = launch_cfg(bd, "apply", q.dtype == torch.float32)
     n_tiles = triton.cdiv(n, bn)
@@ -492,23 +525,26 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     if any(w.shape[0] != n_wb for w in ws):
         raise ValueError(f"{op}: the inner weights must all be shared (1, ...) or all per sample (B, ...), got "
                          f"{[tuple(w.shape) for w in ws]}")
+    det = torch.are_deterministic_algorithms_enabled()
+    single = chunks == 1  # _bwd_apply does the finalize's work: 2 launches (3 deterministic)
     part = torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
     dw = [torch.empty(n_wb, h, d, d, device=dev, dtype=f32) for _ in ws]
-    dq = _heads_merged(b, h, n, d, q)
-    _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), *q.stride(), *do.stride(), *dq.stride(),
-                               h, n, d, bh, chunks, n_wb, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd,
-                               PREC=prec, num_warps=warps)
     ct = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32)
-    det = torch.are_deterministic_algorithms_enabled()
-    sp = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32) if det else ct  # each sample's dW' (deterministic)
+    sp = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32) if det or single else ct  # each sample's dW'
+    dq = _heads_merged(b, h, n, d, q)
+    _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), ct, sp, *q.stride(), *do.stride(),
+                               *dq.stride(), h, n, d, bh, chunks, n_wb, c, GATED=gated, TILES=tiles, BLOCK_N=bn,
+                               BLOCK_D=bd, PREC=prec, SINGLE=single, num_warps=warps)
     bc = min(BLOCK_C, bd)
     cols = triton.cdiv(d, bc)
-    _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), sp, h, d, bh, chunks, cols, n_wb, c, GATED=gated, BLOCK_D=bd,
-                                BLOCK_C=bc, DETERMINISTIC=det, num_warps=4)
+    if not single:
+        _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), sp, h, d, bh, chunks, cols, n_wb, c, GATED=gated,
+                                    BLOCK_D=bd, BLOCK_C=bc, DETERMINISTIC=det, num_warps=4)
     dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
-    _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), part, *k.stride(), *v.stride(),
+    _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), part, sp, *k.stride(), *v.stride(),
                                 *_wargs(ws), *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated,
-                                TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det, num_warps=warps)
+                                TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det, SINGLE=single,
+                                num_warps=warps)
     if det:  # a fourth launch sums the partials in a fixed order (bitwise reproducible)
         _bwd_reduce[(n_wb * h * cols,)](part, sp, *_slots(dw), h, d, bh, chunks, cols, b // n_wb, GATED=gated,
                                         BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
