@@ -38,7 +38,7 @@ CASES = [((5, 7), kw, be) for kw in (dict(), dict(gradient_ascent=True), dict(in
 def test_la_mixer_vs_autograd_inner_loop(feat, kw, backend):
     m = _mixer(inner_loss="dot", inner_rope=False, backend=backend, **kw)
     x = torch.randn(1, feat[0] * feat[1], 16, dtype=DT)
-    z, _ = m._scan(*m.inner_inputs(x, feat)[:4], 1.0)
+    z, _ = m._scan(*m.inner_inputs(x, feat)[:4])
     ref = _bidir_naive(m, x, feat)
     assert (z - ref).abs().max().item() < 1e-10 * max(1.0, ref.abs().max().item())
 
@@ -49,11 +49,11 @@ def test_la_ascent_equals_descent_with_v_negated():
     d.load_state_dict(a.state_dict())
     x = torch.randn(2, 35, 16, dtype=DT)
     q, k, v, lr, _ = a.inner_inputs(x, (5, 7))
-    za, _ = a._scan(q, k, v, lr, 1.0)
-    zd, _ = d._scan(q, k, -v, lr, 1.0)
-    wd, _ = d._scan(q, k, v, lr, 1.0)
+    za, _ = a._scan(q, k, v, lr)
+    zd, _ = d._scan(q, k, -v, lr)
+    wd, _ = d._scan(q, k, v, lr)
     # the initial state's read q W0 + b0 is not negated: compare the state-update parts
-    z0, _ = d._scan(q, k, v * 0, lr, 1.0)
+    z0, _ = d._scan(q, k, v * 0, lr)
     torch.testing.assert_close(za - z0, -(wd - z0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(za, zd, rtol=1e-12, atol=1e-12)
 
@@ -64,9 +64,9 @@ def test_la_k_steps_equal_one_step_with_k_times_the_lr():
     x = torch.randn(2, 35, 16, dtype=DT)
     q, k, v, lr, _ = m.inner_inputs(x, (5, 7))
     m.inner_steps = 4
-    z4, _ = m._scan(q, k, v, lr, 1.0)
+    z4, _ = m._scan(q, k, v, lr)
     m.inner_steps = 1
-    z1, _ = m._scan(q, k, v, 4 * lr, 1.0)
+    z1, _ = m._scan(q, k, v, 4 * lr)
     torch.testing.assert_close(z4, z1, rtol=1e-12, atol=1e-12)
 
 
@@ -76,12 +76,12 @@ def test_mse_gradient_ascent_is_the_negated_update():
     m = _mixer(gradient_ascent=True, backend="torch")
     x = torch.randn(2, 35, 16, dtype=DT)
     q, k, v, lr, _ = m.inner_inputs(x, (5, 7))
-    z, _ = m._scan(q, k, v, lr, 1.0)
+    z, _ = m._scan(q, k, v, lr)
     ref, _ = ttt_linear_bidir_naive(q, k, v, -lr, token_tau(m.tau_offset), m.w0, m.b0, m.ttt_norm_weight,
                                     m.ttt_norm_bias, 8, True, 10000.0, 1e-6, False)
     torch.testing.assert_close(z, ref, rtol=1e-10, atol=1e-10)
     m.gradient_ascent = False
-    assert (m._scan(q, k, v, lr, 1.0)[0] - z).abs().max() > 1e-4
+    assert (m._scan(q, k, v, lr)[0] - z).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kw,match", [(dict(inner_update="last"), "Variant 1"), (dict(inner_model="linear"), "Variant 3"),

@@ -6,7 +6,7 @@ launches nothing, forward and backward, so its ceilings hold whatever the scan k
 ceilings count the real scan.  Lower a ceiling when a count drops; never raise one without saying why.
 
 Before (the glue of 17e7bd1, counted the same way): glue 22 / 62 (tiny, h_tiny), 23 / 64 (tiny_la) launches in
-inference / a training step; tau was built per call (arange, reciprocal, mul, add, relu) and the lr scaled per token.
+inference / a training step; tau was built per call (arange, reciprocal, mul, add, relu), two GEMMs in training.
 """
 import functools
 
@@ -20,9 +20,9 @@ from ttt_zoo.kernels.backend import use_backend
 from ttt_zoo.layers import ttt_linear as layer
 
 # the glue of one block (inference, training step), the scan not counted
-GLUE_CEILINGS = {"visionttt_tiny": (18, 57), "visionttt_tiny_la": (18, 57), "visionttt_h_tiny": (18, 57)}
+GLUE_CEILINGS = {"visionttt_tiny": (19, 56), "visionttt_tiny_la": (19, 56), "visionttt_h_tiny": (19, 56)}
 # the whole block on the torch path
-TORCH_CEILINGS = {"visionttt_tiny": (74, 334), "visionttt_tiny_la": (66, 158), "visionttt_h_tiny": (74, 334)}
+TORCH_CEILINGS = {"visionttt_tiny": (75, 334), "visionttt_tiny_la": (67, 159), "visionttt_h_tiny": (75, 334)}
 
 
 class _Stand(torch.autograd.Function):
@@ -69,10 +69,10 @@ def test_block_glue_launches(name):
     ceil_i, ceil_t = GLUE_CEILINGS[name]
     assert infer.total <= ceil_i, f"{name} glue, inference: {infer.total} > {ceil_i}: {dict(infer.aten)}"
     assert train.total <= ceil_t, f"{name} glue, training: {train.total} > {ceil_t}: {dict(train.aten)}"
-    # tau is two launches (add, relu), the lr scale costs none, no RoPE table or cast is built per call in the glue
+    # tau is two launches (add, relu), no RoPE table or cast is built per call in the glue
     for op in ("arange", "reciprocal", "cos", "sin", "pow", "_to_copy"):
         assert op not in infer.aten and op not in train.aten, (op, dict(infer.aten), dict(train.aten))
-    assert infer.aten["relu"] == 1 and infer.aten["mul"] == 2, dict(infer.aten)  # SwiGLU's and the gate's
+    assert infer.aten["relu"] == 1 and infer.aten["mul"] == 3, dict(infer.aten)  # lr scale, SwiGLU, gate
     assert train.aten["addmm"] == 4, dict(train.aten)  # fc1, fc2, o_proj and ONE fused q/k/gate/v/lr GEMM
 
 

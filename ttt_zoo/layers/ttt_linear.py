@@ -217,13 +217,6 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
-        q, k, v, rate, u_g = self._inner_inputs(x, feat_size)
-        return q, k, v, (self.base_lr / self.head_dim) * rate, u_g
-
-    def _inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As :meth:`inner_inputs` with the per-token rate ``sigmoid(logit)`` in place of the lr (the scan takes
-        the scale ``base_lr / d``: :meth:`_scan`)."""
         c = x.shape[2]
         _check_tokens(x, feat_size, "TTTLinearMixer")
         src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
@@ -242,7 +235,8 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         if self.proj_per_direction and q is k:
             q = k.clone()  # a distinct q: the scan then forms q S apart from k S, as the paper's FLOP count does
         v = self._heads(u_v)
-        return q, k, v, torch.sigmoid(logits).transpose(1, 2), u_g
+        lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
+        return q, k, v, lr, u_g
 
     def _project(self, src: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[u_qk, u_g, u_v] = proj(src)`` and the lr logits ``lr_proj(src)``.  In training one GEMM over both
@@ -269,13 +263,14 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in (self.proj, self.lr_proj))
 
-    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rate: torch.Tensor, rate_scale: float,
+    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor,
               return_grad_norm: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Both scan directions with the per-token lr ``rate_scale * rate`` (negated for ``gradient_ascent``, times
-        the inner steps of the dot loss).  The scans use lr only in the products ``tau_i lr_j``, so the scale goes
-        into tau (16 numbers) rather than into the (B, heads, N) rate."""
+        """Both scan directions with the per-token lr (negated for ``gradient_ascent``, times the inner steps of the
+        dot loss).  The scans use lr only in the products ``tau_i lr_j``, so those factors go into tau (16 numbers)
+        rather than into the (B, heads, N) lr."""
         dt = q.dtype
-        scale = rate_scale
+        rate = lr
+        scale = 1.0
         if self.gradient_ascent:  # the update is -lr * grad everywhere in the dual form: flip lr's sign
             scale = -scale
         if self.dot_loss:
@@ -319,8 +314,8 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v, rate, u_g = self._inner_inputs(x, feat_size)
-        z, _ = self._scan(q, k, v, rate, self.base_lr / self.head_dim)
+        q, k, v, lr, u_g = self.inner_inputs(x, feat_size)
+        z, _ = self._scan(q, k, v, lr)
         z = z.transpose(1, 2).reshape(b, n, c)
         if not torch.jit.is_scripting():
             if can_recompute(self, z):  # training: keep u_g and z only (ttt_zoo.layers.recompute)
@@ -336,8 +331,8 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     @torch.jit.ignore
     def inner_grad_norm(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """Per-token ``||grad_W l_t||_F`` (Eq. 6) over all heads (block-diagonal W), (2 directions, B, N)."""
-        q, k, v, rate, _ = self._inner_inputs(x, feat_size)
-        _, gn = self._scan(q, k, v, rate, self.base_lr / self.head_dim, return_grad_norm=True)
+        q, k, v, lr, _ = self.inner_inputs(x, feat_size)
+        _, gn = self._scan(q, k, v, lr, return_grad_norm=True)
         return gn.pow(2).sum(2).sqrt()
 
     # ---- the exact linear-attention form (every option: both inner losses, W0 modes, q/k modes, RoPE, ascent, steps)
