@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import jit_sizes, pid64
 from .torch import check_key_norm, make_function
 
 __all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton"]
@@ -28,10 +29,10 @@ def _load_cols(ptr, base, offs_n, offs_c, sn, sc, N, C):
     return tl.load(ptr + base + offs_n[:, None] * sn + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32), m
 
 
-@triton.jit
+@jit_sizes
 def _knorm_fwd(X, Y, MEAN, RSTD, sxb, sxn, sxc, syb, syn, syc, N, C, eps,
                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, cb = tl.program_id(0), tl.program_id(1)
+    b, cb = pid64(0), pid64(1)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
@@ -54,10 +55,10 @@ def _knorm_fwd(X, Y, MEAN, RSTD, sxb, sxn, sxc, syb, syn, syc, N, C, eps,
     tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
 
 
-@triton.jit
+@jit_sizes
 def _knorm_bwd(DY, X, MEAN, RSTD, DX, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn, sgc, N, C,
                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, cb = tl.program_id(0), tl.program_id(1)
+    b, cb = pid64(0), pid64(1)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = offs_c < C
     mean = tl.load(MEAN + b * C + offs_c, mask=cm, other=0.0)
