@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["UNSPECIALISED", "jit_sizes", "pid64", "base_offset", "prec", "dot_prec", "block_d", "wstrides", "load_tile", "store_tile", "load_tile_pair", "load_mat",
+__all__ = ["UNSPECIALISED", "jit_sizes", "pid64", "base_offset", "prec", "dot_prec", "block_d", "wstrides", "load_tile", "load_tile_raw", "store_tile", "atomic_add_mat", "dot_acc", "load_tile_pair", "load_mat",
            "store_mat", "tile_rows"]
 
 
@@ -72,9 +72,16 @@ def tile_rows(chunk, t, TILES, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def load_tile_raw(ptr, base, offs_r, offs_c, sr, sc, r_max, c_max):
+    """A masked 2-D tile in the tensor's own dtype (zeros outside): what the fused kernels feed ``tl.dot``."""
+    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
+    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0)
+
+
+@triton.jit
 def load_tile(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max):
-    m = (offs_n[:, None] < n_max) & (offs_d[None, :] < d_max)
-    return tl.load(ptr + base + offs_n[:, None] * sn + offs_d[None, :] * sd, mask=m, other=0.0).to(tl.float32)
+    """:func:`load_tile_raw` upcast to fp32."""
+    return load_tile_raw(ptr, base, offs_n, offs_d, sn, sd, n_max, d_max).to(tl.float32)
 
 
 @triton.jit
@@ -103,3 +110,16 @@ def store_mat(ptr, base, val, offs_r, offs_c, d_max):
     """Into a contiguous d x d matrix (a fp32 partial)."""
     m = (offs_r[:, None] < d_max) & (offs_c[None, :] < d_max)
     tl.store(ptr + base + offs_r[:, None] * d_max + offs_c[None, :], val, mask=m)
+
+
+@triton.jit
+def atomic_add_mat(ptr, base, val, offs_d, D):
+    """Relaxed fp32 atomic add of a d x d tile into a contiguous d x d matrix (no fences)."""
+    m = (offs_d[:, None] < D) & (offs_d[None, :] < D)
+    tl.atomic_add(ptr + base + offs_d[:, None] * D + offs_d[None, :], val, mask=m, sem="relaxed")
+
+
+@triton.jit
+def dot_acc(a, b, PREC: tl.constexpr):
+    """a @ b on a's dtype (b cast to it), fp32 accumulation."""
+    return tl.dot(a, b.to(a.dtype), input_precision=PREC, out_dtype=tl.float32)

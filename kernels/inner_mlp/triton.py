@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ..backend import MAX_HEAD_DIM
+from ..triton_utils import load_tile_raw as _ld, store_tile as _st, atomic_add_mat as _add, dot_acc as _dot
 from ..triton_utils import block_d as _block_d, dot_prec, wstrides as _wstrides
 from .torch import _check, make_function, model_entry_points
 
@@ -68,30 +69,6 @@ def launch_cfg(bd: int, pass_: str, fp32: bool = False):
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
-@triton.jit
-def _ld(ptr, base, offs_r, offs_c, sr, sc, r_max, c_max):
-    """A masked 2-D tile in the tensor's own dtype (zeros outside)."""
-    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
-    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0)
-
-
-@triton.jit
-def _st(ptr, base, val, offs_r, offs_c, sr, sc, r_max, c_max):
-    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
-    tl.store(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, val.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _add(ptr, base, val, offs_d, D):
-    """Relaxed atomic add of a d x d fp32 block into a contiguous d x d matrix (no fences)."""
-    m = (offs_d[:, None] < D) & (offs_d[None, :] < D)
-    tl.atomic_add(ptr + base + offs_d[:, None] * D + offs_d[None, :], val, mask=m, sem="relaxed")
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    """a @ b on a's dtype (b cast to it), fp32 accumulation."""
-    return tl.dot(a, b.to(a.dtype), input_precision=PREC, out_dtype=tl.float32)
 
 
 @triton.jit

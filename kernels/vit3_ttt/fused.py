@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import load_tile_raw as _ld, store_tile as _st, dot_acc as _dot
 from ..triton_utils import block_d as _block_d, dot_prec, jit_sizes, pid64, wstrides as _wstrides
 
 __all__ = ["qkv_fused_fwd", "qkv_fused_bwd", "launch_cfg"]
@@ -62,23 +63,6 @@ def conv_block(bd: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-@triton.jit
-def _ld(ptr, base, offs_r, offs_c, sr, sc, r_max, c_max):
-    """A masked 2-D tile in the tensor's own dtype (zeros outside)."""
-    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
-    return tl.load(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, mask=m, other=0.0)
-
-
-@triton.jit
-def _st(ptr, base, val, offs_r, offs_c, sr, sc, r_max, c_max):
-    m = (offs_r[:, None] < r_max) & (offs_c[None, :] < c_max)
-    tl.store(ptr + base + offs_r[:, None] * sr + offs_c[None, :] * sc, val.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    """a @ b on a's dtype (b cast to it), fp32 accumulation."""
-    return tl.dot(a, b.to(a.dtype), input_precision=PREC, out_dtype=tl.float32)
 
 
 @triton.jit
