@@ -171,7 +171,8 @@ def test_triton_path_block_within_deit(name, deit):
 
 # Ceilings of the torch path per block (inference, training), from experiments/results/launch_counts.md (the
 # smallest input: ttt_zoo.bench.launches.smallest_img_size).  Lower a ceiling when a count drops; never raise one
-# without saying why.
+# without saying why (Vision-TTT + 1 / + 1 at 9326f37: the lr keeps its base_lr / d scale, one mul, so that
+# `_scan(q, k, v, lr)` keeps its contract for test_linear_attention's check).
 TORCH_CEILINGS = {
     "dit3_s_2": (43, 158),
     "dit5_s_2": (58, 198),
@@ -181,10 +182,10 @@ TORCH_CEILINGS = {
     "hvit3_tiny_v6": (43, 107),
     "t5_plus_tiny": (58, 251),
     "t5_tiny": (57, 243),
-    "visionttt_h_tiny": (74, 328),
-    "visionttt_h_tiny_la": (66, 158),
-    "visionttt_tiny": (74, 328),
-    "visionttt_tiny_la": (66, 158),
+    "visionttt_h_tiny": (75, 329),
+    "visionttt_h_tiny_la": (67, 159),
+    "visionttt_tiny": (75, 329),
+    "visionttt_tiny_la": (67, 159),
     "vit3_tiny": (33, 129),
     "vit3_tiny_v1": (36, 140),
     "vit3_tiny_v3": (28, 102),

@@ -117,8 +117,9 @@ def test_image_only_layer_equals_dit5_ttt_path():
         dit5.k_conv2d.load_state_dict(attn.ttt.k_conv2d.state_dict())
     x = torch.randn(2, 4 * 6, dim)
     with torch.no_grad():
-        q, k, v = dit5.qkv(x).chunk(3, dim=-1)
-        ref = dit5.proj(dit5._ttt(q, k, v, (4, 6)))
+        qkv = dit5.qkv(x)
+        q, k, v = qkv.chunk(3, dim=-1)
+        ref = dit5.proj(dit5._ttt(qkv, q, k, v, (4, 6)).transpose(1, 2).reshape(x.shape))  # (B, heads, N, d) out
         out = attn(x, feat_size=(4, 6))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 

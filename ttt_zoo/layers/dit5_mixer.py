@@ -14,9 +14,11 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
+from .block import map_to_tokens, tokens_to_map
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import PlainStepTTT, dit5_form, fold_identity, qkv_inputs, residual_dwconv, silu_gate_features
+from .t5_ttt import (PlainStepTTT, dit5_form, eager_fold, fold_identity, qkv_inputs, residual_dwconv,
+                     silu_gate_features)
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -118,7 +120,10 @@ class DiT5MixedAttention(PlainStepTTT):
             qk = torch.addcmul(o, qkv[..., :2 * k.shape[-1]].unflatten(-1, (2, k.shape[-1])).transpose(-1, -2), s)
             q, k = qk[..., 0], qk[..., 1]
         k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
-        if self.share_qk:
+        if not eager_fold():
+            k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size))))
+            q = k if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+        elif self.share_qk:
             wk = fold_identity([self.k_conv2d.weight])[0]
             q = k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
         else:

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from ttt_zoo.kernels.backend import exporting
+
 __all__ = ["neighborhood_indices", "neighborhood_attention_2d", "neighborhood_attention_2d_torch",
            "natten_available", "window_size", "window_bias", "DENSE_MAX_TOKENS"]
 
@@ -198,8 +200,8 @@ def neighborhood_attention_2d_torch(q: torch.Tensor, k: torch.Tensor, v: torch.T
     kernel_w = window_size(w, kernel_size, dilation, clamp_to_map)
     if tile is None:
         tile = 8
-        if not torch.jit.is_scripting():  # TorchScript: the tiled form
-            if h * w <= DENSE_MAX_TOKENS:
+        if not torch.jit.is_scripting():  # TorchScript and the exporters (ONNX): the tiled form
+            if h * w <= DENSE_MAX_TOKENS and not exporting():
                 return _na2d_dense(q, k, v, kernel_size, dilation, scale, clamp_to_map)
     if dilation == 1 and tile > 0:
         return _na2d_tiled(q, k, v, kernel_h, kernel_w, scale, tile)

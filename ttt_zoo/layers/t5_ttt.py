@@ -10,11 +10,12 @@ from typing import Callable, Dict, Final, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
-from ttt_zoo.kernels.backend import TRITON_BACKEND, resolve_backend
+from ttt_zoo.kernels.backend import TRITON_BACKEND, exporting, resolve_backend
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
 from ttt_zoo.kernels.utils import compute_dtype
 from . import la_forms as laf
@@ -24,7 +25,7 @@ from .mixer import TTTMixer, register_mixer
 from .variants import VariantOptions, init_plain_step_variant
 
 __all__ = ["T5TTT", "PlainStepTTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form",
-           "fold_identity", "residual_dwconv"]
+           "eager_fold", "fold_identity", "residual_dwconv"]
 
 def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
     """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
@@ -78,18 +79,16 @@ def _dwconv_res(z: torch.Tensor, conv: nn.Module, fs: Tuple[int, int]) -> torch.
 
 
 def _identity_taps(w: torch.Tensor) -> torch.Tensor:
-    """The depthwise kernel shaped like ``w`` (C, 1, kh, kw) that copies its input: 1 at the centre tap."""
-    eye = torch.zeros_like(w)
-    eye[:, :, w.shape[2] // 2, w.shape[3] // 2] = 1.0
-    return eye
+    """The depthwise kernel shaped like ``w`` (C, 1, kh, kw, odd) that copies its input: 1 at the centre tap (built
+    by padding, no item assignment, so FX, TorchScript and both ONNX exporters trace it)."""
+    ph, pw = w.shape[2] // 2, w.shape[3] // 2
+    return F.pad(torch.ones_like(w[:, :, :1, :1]), (pw, pw, ph, ph))
 
 
 _IDENTITY_TAPS: Dict[Tuple[Tuple[int, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _cached_identity_taps(w: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return _identity_taps(w)
     key = (tuple(w.shape), w.device, w.dtype)
     eye = _IDENTITY_TAPS.get(key)
     if eye is None:
@@ -98,14 +97,24 @@ def _cached_identity_taps(w: torch.Tensor) -> torch.Tensor:
     return eye
 
 
+def eager_fold() -> bool:
+    """Fold the conv residuals into the weights (:func:`fold_identity`): in eager mode only.  While a graph is traced
+    (TorchScript, FX, torch.compile / export, both ONNX exporters) the convs run as ``z + conv(z)`` on the modules'
+    own weights, which every tracer and exporter takes (``_foreach_add`` has no ONNX function, and a folded weight's
+    shape is unknown to the TorchScript exporter)."""
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing()
+                    or exporting())
+
+
+@torch.jit.unused  # TorchScript never folds (eager_fold)
 def fold_identity(ws: List[torch.Tensor]) -> List[torch.Tensor]:
     """Depthwise-conv weights with the residual folded in, ``z + conv(z, w) = conv(z, w + identity)``: one
-    (multi-tensor) launch for all of them, none in the backward, instead of a residual add each way per conv."""
-    if torch.jit.is_scripting():
-        eye = _identity_taps(ws[0])
-    else:
-        eye = _cached_identity_taps(ws[0])
-    return torch._foreach_add(ws, [eye for _ in ws])
+    (multi-tensor) launch for all of them, none in the backward, instead of a residual add each way per conv.
+    Eager mode only (:func:`eager_fold`)."""
+    return list(torch._foreach_add(ws, [_cached_identity_taps(ws[0])] * len(ws)))
 
 
 def residual_dwconv(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -268,7 +277,10 @@ class T5TTT(PlainStepTTT):
         else:
             q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
         kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-        if self.share_qk:
+        if not eager_fold():
+            k2h = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
+            q2h = k2h if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+        elif self.share_qk:
             wk = fold_identity([self.k_conv2d.weight])[0]
             q2h = k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
         else:
