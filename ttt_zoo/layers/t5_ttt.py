@@ -98,22 +98,24 @@ def _cached_identity_taps(w: torch.Tensor) -> torch.Tensor:
 
 
 def eager_fold() -> bool:
-    """Fold the conv residuals into the weights (:func:`fold_identity`): in eager mode only.  While a graph is traced
-    (TorchScript, FX, torch.compile / export, both ONNX exporters) the convs run as ``z + conv(z)`` on the modules'
-    own weights, which every tracer and exporter takes (``_foreach_add`` has no ONNX function, and a folded weight's
-    shape is unknown to the TorchScript exporter)."""
+    """Fold the conv residuals into the weights (:func:`fold_identity`): in eager mode and under FX.  While a graph
+    is traced otherwise (TorchScript, torch.compile / export, both ONNX exporters) the convs run as ``z + conv(z)``
+    on the modules' own weights, which every tracer and exporter takes (``_foreach_add`` has no ONNX function, and a
+    folded weight's shape is unknown to the TorchScript exporter)."""
     if torch.jit.is_scripting():
         return False
     else:
-        return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or is_fx_symbolic_tracing()
-                    or exporting())
+        return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or exporting())
 
 
 @torch.jit.unused  # TorchScript never folds (eager_fold)
 def fold_identity(ws: List[torch.Tensor]) -> List[torch.Tensor]:
     """Depthwise-conv weights with the residual folded in, ``z + conv(z, w) = conv(z, w + identity)``: one
     (multi-tensor) launch for all of them, none in the backward, instead of a residual add each way per conv.
-    Eager mode only (:func:`eager_fold`)."""
+    Eager mode and FX (:func:`eager_fold`)."""
+    if is_fx_symbolic_tracing():  # the same adds, recorded per weight (bitwise the eager result)
+        eye = _identity_taps(ws[0])
+        return [w + eye for w in ws]
     return list(torch._foreach_add(ws, [_cached_identity_taps(ws[0])] * len(ws)))
 
 
