@@ -138,17 +138,17 @@ _VARIANT_IO = ("K1", "V1", "Q1", "O1", "DO1", "DQ1", "DK1", "DV1", "K2", "V2", "
 
 def vit3_variant_rows(block_ds, arch):
     """The ViT3 variants' fused core (vit3_variant/fused.py) per inner model (KIND: the full SwiGLU, the last layer,
-    one linear layer), bf16 activations, the launcher's tiles and warps (vit3_ttt.fused.launch_cfg)."""
+    one linear layer), fp32 / fp16 / bf16 activations, the launcher's tiles and warps (vit3_ttt.fused.launch_cfg)."""
     lines = []
     kernels = (VV._fwd_update, VV._fwd_finalize, VV._fwd_apply, VV._bwd_apply, VV._bwd_finalize, VV._bwd_update)
     for bd in [bd for bd in block_ds if bd <= VO.FUSED_MAX_HEAD_DIM]:  # above: the per-branch kernels
         bn, warps = VV.launch_cfg(bd)
-        for name, kind in VV.KINDS.items():
-            for fn in kernels:
-                consts = {a: v for a, v in dict(KIND=kind, TILES=VV.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VV.BLOCK_P,
-                                                PREC="ieee", NORM=True, SHARE=False).items() if a in fn.arg_names}
-                lines.append(_row(fn, f"variant core, {name}", bd, f"{bn} tokens / {VV.BLOCK_P} px", warps, consts,
-                                  arch, io=_VARIANT_IO))
+        for act, (name, kind), fn in itertools.product(_ACT, VV.KINDS.items(), kernels):
+            consts = {a: v for a, v in dict(KIND=kind, TILES=VV.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VV.BLOCK_P,
+                                            PREC=VV.dot_prec(_TORCH[act]), NORM=True, SHARE=False).items()
+                      if a in fn.arg_names}  # the launcher's dot precision per dtype
+            lines.append(_row_act(act, fn, f"variant core, {name}", bd, f"{bn} tokens / {VV.BLOCK_P} px", warps,
+                                  consts, arch, io=_VARIANT_IO))
     return lines
 
 
@@ -172,12 +172,15 @@ def ttt_linear_rows(block_ds, arch, mini_batch=16):
     for bd in block_ds:
         bc, _, warps = LT._launch_cfg(bd, mini_batch)
         for ln in (True, False):
-            consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC="tf32")
-            for fn in (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states, LT._bwd_keys):
-                lines.append(_row(fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts, arch))
+            for act, fn in itertools.product(_ACT, (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states,
+                                                    LT._bwd_keys)):
+                consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC=LT._prec(_TORCH[act]))
+                lines.append(_row_act(act, fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts,
+                                      arch))
     return lines
 
 
+_TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _ACT = {"fp32": ("fp32", "ieee"), "fp16": ("fp16", "ieee"), "bf16": ("bf16", "ieee")}  # activations, fp32 dots
 
 
@@ -226,7 +229,7 @@ FAMILIES = {
              "10,304 bytes and _bwd_update needed 311,296 bytes of shared memory); above, the per-branch kernels."),
     "linear_attention": ("Vision-TTT linear attention", linear_attention_rows,
                          "fp32 / fp16 / bf16 q/k/v (loads upcast to fp32), fp32 state; the launcher's warps."),
-    "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "bf16 q/k/v, fp32 state; shipped launch config."),
+    "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "fp32 / fp16 / bf16 q/k/v, fp32 state; shipped launch config."),
     "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,
            "fp32 / fp16 / bf16 activations (dots on their dtype, fp32 accumulation), fp32 weights/partials; "
            "tiles and warps as inner_mlp.triton.launch_cfg picks them."),
