@@ -7,7 +7,7 @@
 
 A rotation is orthogonal: ``-sin`` turns back (the backward of both).
 """
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -42,22 +42,63 @@ def inner_rope(x: torch.Tensor, mini_batch: int, theta: float = 10000.0) -> torc
     return rope_1d(x, cos[pos], sin[pos])
 
 
-def rope_2d_tables(feat_size: Tuple[int, int], dim: int, base: float = 10000.0,
-                   device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of H-ViT3's 2-D RoPE, (H, W, dim // 2), built in float32 as the official code does.
-
-    Channel pairs (2p, 2p+1) are complex numbers; pair p < dim/4 turns by row * theta_p,
-    pair p >= dim/4 by col * theta_{p - dim/4}, theta_k = base^(-k / (dim/4)).
-    """
-    if dim % 4:
-        raise ValueError(f"2-D RoPE needs a channel count divisible by 4, got {dim}")
-    h, w = feat_size
+def _build_rope_2d_tables(h: int, w: int, dim: int, base: float, device: Optional[torch.device]
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     k_max = dim // 4
     theta = 1.0 / torch.pow(base, torch.arange(0, k_max, device=device, dtype=torch.float32) / k_max)
     rows = torch.arange(0, h, device=device, dtype=torch.float32).view(h, 1, 1).expand(h, w, 1)
     cols = torch.arange(0, w, device=device, dtype=torch.float32).view(1, w, 1).expand(h, w, 1)
     angles = torch.cat([rows * theta, cols * theta], dim=-1)
     return angles.cos(), angles.sin()
+
+
+# eager-only cache of the 2-D tables and their complex turn, keyed by everything they depend on (never stale when the
+# map size changes); plain tensors, not buffers: no state-dict key
+_ROPE_2D_CACHE: Dict[Tuple[int, int, int, float, str], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_ROPE_2D_CACHE_SIZE = 32
+
+
+@torch.jit.ignore
+def _cached_rope_2d_tables(h: int, w: int, dim: int, base: float, device: Optional[torch.device]
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    key = (h, w, dim, float(base), str(dev))
+    hit = _ROPE_2D_CACHE.get(key)
+    if hit is None:
+        # normal tensors even when first built under inference_mode: a training step may save them for backward
+        with torch.inference_mode(False), torch.no_grad():
+            cos, sin = _build_rope_2d_tables(h, w, dim, base, dev)
+            hit = (cos, sin, torch.complex(cos, sin))
+        if len(_ROPE_2D_CACHE) >= _ROPE_2D_CACHE_SIZE:
+            _ROPE_2D_CACHE.pop(next(iter(_ROPE_2D_CACHE)))
+        _ROPE_2D_CACHE[key] = hit
+    return hit[0], hit[1]
+
+
+def _cached_turn(cos: torch.Tensor, sin: torch.Tensor) -> Optional[torch.Tensor]:
+    """The complex turn cos + i sin if (cos, sin) are tables of the cache (then no launch builds it)."""
+    for c, s, turn in _ROPE_2D_CACHE.values():
+        if c is cos and s is sin:
+            return turn
+    return None
+
+
+def rope_2d_tables(feat_size: Tuple[int, int], dim: int, base: float = 10000.0,
+                   device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of H-ViT3's 2-D RoPE, (H, W, dim // 2), built in float32 as the official code does.
+
+    Channel pairs (2p, 2p+1) are complex numbers; pair p < dim/4 turns by row * theta_p,
+    pair p >= dim/4 by col * theta_{p - dim/4}, theta_k = base^(-k / (dim/4)).
+    In eager the tables are cached per (H, W, dim, base, device) (no launch after the first call); TorchScript,
+    torch.compile and the exporters build them in the graph.  Treat them as read-only.
+    """
+    if dim % 4:
+        raise ValueError(f"2-D RoPE needs a channel count divisible by 4, got {dim}")
+    h, w = feat_size[0], feat_size[1]
+    if not torch.jit.is_scripting():
+        if not torch.compiler.is_compiling() and not exporting():
+            return _cached_rope_2d_tables(h, w, dim, base, device)
+    return _build_rope_2d_tables(h, w, dim, base, device)
 
 
 def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +111,9 @@ def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         if not torch.compiler.is_compiling() and not exporting():
             xd = x.to(dt)
             if xd.stride(-1) == 1 and xd.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xd.stride()[:-1]):
-                turn = torch.complex(cos.to(dt), sin.to(dt))
+                turn = _cached_turn(cos, sin) if dt == torch.float32 else None
+                if turn is None:
+                    turn = torch.complex(cos.to(dt), sin.to(dt))
                 return torch.view_as_real(torch.view_as_complex(xd.unflatten(-1, (-1, 2))) * turn).flatten(-2).to(
                     x.dtype)
     xr = x.to(dt).unflatten(-1, (-1, 2))
