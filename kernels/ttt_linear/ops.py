@@ -13,12 +13,13 @@ so ``torch.compile`` treats them as opaque nodes and meta-device models build an
 ``ttt_linear_op`` / ``ttt_linear_bidir_op`` have the signatures of the references.  ``return_grad_norm=True`` (the
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
 """
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backend import triton_choice
+from ..backend import exporting, triton_choice
+from ..rope import rope_1d, rope_1d_tables
 from ..utils import needs_grad as _needs_grad
 from ..utils import count_flops_as, launches_kernel, triton_module
 from . import torch as R
@@ -101,17 +102,56 @@ def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
+# eager-only cache of the bidirectional in-chunk RoPE tables (2, N, d/2), keyed by everything they depend on; plain
+# tensors, never modified
+_ROPE_TABLES: Dict[Tuple[int, int, int, float, str, torch.dtype], Tuple[Tensor, Tensor]] = {}
+_ROPE_TABLES_SIZE = 32
+
+
+def _cached_bidir_rope(n: int, mini_batch: int, d: int, theta: float, device: torch.device, dtype: torch.dtype
+                       ) -> Tuple[Tensor, Tensor]:
+    key = (n, mini_batch, d, float(theta), str(device), dtype)
+    hit = _ROPE_TABLES.get(key)
+    if hit is None:
+        # normal tensors even when first built under inference_mode: a training step saves them for backward
+        with torch.inference_mode(False), torch.no_grad():
+            pf, pb = R._bidir_positions(n, mini_batch, device)
+            cos, sin = rope_1d_tables(torch.cat([pf, pb]), d, theta, dtype)
+            hit = (cos.view(2, 1, 1, n, d // 2), sin.view(2, 1, 1, n, d // 2))
+        if len(_ROPE_TABLES) >= _ROPE_TABLES_SIZE:
+            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
+        _ROPE_TABLES[key] = hit
+    return hit
+
+
+def _bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, rope_theta: Optional[float]
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch.bidir_inputs`` with the tables cached and both directions rotated in one broadcast ``rope_1d`` (on the
+    stacked q, k when they differ); tracing (TorchScript, FX, torch.compile, export) takes the reference form."""
+    if (rope_theta is None or torch.jit.is_scripting() or torch.compiler.is_compiling() or exporting()
+            or isinstance(q, torch.fx.Proxy)):
+        return R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
+    R.check_bidir_state(w0, b0)
+    cos, sin = _cached_bidir_rope(q.shape[2], mini_batch, q.shape[-1], rope_theta, q.device, q.dtype)
+    if k is q:
+        q2 = rope_1d(q, cos, sin)  # (2, B, H, N, d)
+        return q2, q2.view_as(q2), w0[:, None], b0[:, None]
+    qk = rope_1d(torch.stack([q, k]).unsqueeze(1), cos.unsqueeze(0), sin.unsqueeze(0))  # (2 [q, k], 2, B, H, N, d)
+    return qk[0], qk[1], w0[:, None], b0[:, None]
+
+
 def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                         rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False,
                         triton=None) -> Tuple[Tensor, Optional[Tensor]]:
     """Bidirectional scan, both directions in one kernel launch; signature of ``ttt_linear_bidir``.
 
-    In-chunk RoPE runs in PyTorch before the op (one rotated q, k per direction, in original token order).
+    In-chunk RoPE runs in PyTorch before the op (one rotated q, k per direction, in original token order; in eager
+    from cached tables).
     """
     if return_grad_norm:  # as above
         return R.ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                         eps, True)
     check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
-    q2, k2, w2, b2 = R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
+    q2, k2, w2, b2 = _bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
     triton = triton_choice(q, "ttt_linear_bidir", q.shape[-1]) if triton is None else bool(triton)
     return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps, triton), None
