@@ -134,9 +134,9 @@ TRITON_ABOVE_TARGET = {
     "hvit3_tiny_v6": (19, 59),
     "t5_plus_tiny": (17, 49),
     "visionttt_h_tiny": (28, 95),
-    "visionttt_h_tiny_la": (48, 161),
+    "visionttt_h_tiny_la": (49, 162),
     "visionttt_tiny": (28, 95),
-    "visionttt_tiny_la": (48, 161),
+    "visionttt_tiny_la": (49, 162),
     "dit3_s_2": (24, 69),
     "dit5_s_2": (28, 89),
 }
