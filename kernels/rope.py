@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .backend import exporting
-from .utils import compute_dtype
+from .utils import cached_constant, compute_dtype
 
 __all__ = ["rope_1d_tables", "rope_1d", "inner_rope", "rope_2d_tables", "rope_2d"]
 
@@ -52,27 +52,24 @@ def _build_rope_2d_tables(h: int, w: int, dim: int, base: float, device: Optiona
     return angles.cos(), angles.sin()
 
 
-# eager-only cache of the 2-D tables and their complex turn, keyed by everything they depend on (never stale when the
-# map size changes); plain tensors, not buffers: no state-dict key
+# eager-only cache of the 2-D tables and their complex turn (utils.cached_constant); plain tensors, not buffers: no
+# state-dict key
 _ROPE_2D_CACHE: Dict[Tuple[int, int, int, float, str], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_ROPE_2D_CACHE_SIZE = 32
+
+
+def _tables_and_turn(h: int, w: int, dim: int, base: float, device: torch.device
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cos, sin = _build_rope_2d_tables(h, w, dim, base, device)
+    return cos, sin, torch.complex(cos, sin)
 
 
 @torch.jit.ignore
 def _cached_rope_2d_tables(h: int, w: int, dim: int, base: float, device: Optional[torch.device]
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     dev = torch.device("cpu") if device is None else torch.device(device)
-    key = (h, w, dim, float(base), str(dev))
-    hit = _ROPE_2D_CACHE.get(key)
-    if hit is None:
-        # normal tensors even when first built under inference_mode: a training step may save them for backward
-        with torch.inference_mode(False), torch.no_grad():
-            cos, sin = _build_rope_2d_tables(h, w, dim, base, dev)
-            hit = (cos, sin, torch.complex(cos, sin))
-        if len(_ROPE_2D_CACHE) >= _ROPE_2D_CACHE_SIZE:
-            _ROPE_2D_CACHE.pop(next(iter(_ROPE_2D_CACHE)))
-        _ROPE_2D_CACHE[key] = hit
-    return hit[0], hit[1]
+    cos, sin, _ = cached_constant(_ROPE_2D_CACHE, (h, w, dim, float(base), str(dev)),
+                                  lambda: _tables_and_turn(h, w, dim, base, dev))
+    return cos, sin
 
 
 def _cached_turn(cos: torch.Tensor, sin: torch.Tensor) -> Optional[torch.Tensor]:

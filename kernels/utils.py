@@ -2,13 +2,16 @@
 import contextlib
 import importlib
 from types import ModuleType
+from typing import Callable, Dict, Hashable, TypeVar
 
 import torch
 
 from .backend import needs_grad  # noqa: F401  (defined with the other path decisions)
 
 __all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
-           "triton_module", "count_flops_as", "launches_kernel"]
+           "triton_module", "count_flops_as", "launches_kernel", "cached_constant"]
+
+_T = TypeVar("_T")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,6 +33,20 @@ def autocast_state(device: torch.device):
     if device.type not in ("cpu", "cuda"):
         return False, None
     return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def cached_constant(cache: Dict[Hashable, _T], key: Hashable, build: Callable[[], _T], max_entries: int = 32) -> _T:
+    """``cache[key]``, built by ``build()`` on a miss: eager-mode constants (tables, identity taps) keyed by everything
+    they depend on, so never stale.  Built as plain tensors whatever mode the first call ran in (a training step may
+    save them for backward after an ``inference_mode`` call); the oldest entry goes past ``max_entries``."""
+    hit = cache.get(key)
+    if hit is None:
+        with torch.inference_mode(False), torch.no_grad():
+            hit = build()
+        if len(cache) >= max_entries:
+            cache.pop(next(iter(cache)))
+        cache[key] = hit
+    return hit
 
 
 def reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

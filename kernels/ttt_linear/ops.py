@@ -21,7 +21,7 @@ from torch import Tensor
 from ..backend import exporting, triton_choice
 from ..rope import rope_1d, rope_1d_tables
 from ..utils import needs_grad as _needs_grad
-from ..utils import count_flops_as, launches_kernel, triton_module
+from ..utils import cached_constant, count_flops_as, launches_kernel, triton_module
 from . import torch as R
 from .common import check_scan_args
 
@@ -102,26 +102,22 @@ def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
-# eager-only cache of the bidirectional in-chunk RoPE tables (2, N, d/2), keyed by everything they depend on; plain
-# tensors, never modified
+# eager-only cache of the bidirectional in-chunk RoPE tables (2, N, d/2) (utils.cached_constant); plain tensors,
+# never modified
 _ROPE_TABLES: Dict[Tuple[int, int, int, float, str, torch.dtype], Tuple[Tensor, Tensor]] = {}
-_ROPE_TABLES_SIZE = 32
+
+
+def _bidir_rope_tables(n: int, mini_batch: int, d: int, theta: float, device: torch.device, dtype: torch.dtype
+                       ) -> Tuple[Tensor, Tensor]:
+    pf, pb = R._bidir_positions(n, mini_batch, device)
+    cos, sin = rope_1d_tables(torch.cat([pf, pb]), d, theta, dtype)
+    return cos.view(2, 1, 1, n, d // 2), sin.view(2, 1, 1, n, d // 2)
 
 
 def _cached_bidir_rope(n: int, mini_batch: int, d: int, theta: float, device: torch.device, dtype: torch.dtype
                        ) -> Tuple[Tensor, Tensor]:
-    key = (n, mini_batch, d, float(theta), str(device), dtype)
-    hit = _ROPE_TABLES.get(key)
-    if hit is None:
-        # normal tensors even when first built under inference_mode: a training step saves them for backward
-        with torch.inference_mode(False), torch.no_grad():
-            pf, pb = R._bidir_positions(n, mini_batch, device)
-            cos, sin = rope_1d_tables(torch.cat([pf, pb]), d, theta, dtype)
-            hit = (cos.view(2, 1, 1, n, d // 2), sin.view(2, 1, 1, n, d // 2))
-        if len(_ROPE_TABLES) >= _ROPE_TABLES_SIZE:
-            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
-        _ROPE_TABLES[key] = hit
-    return hit
+    return cached_constant(_ROPE_TABLES, (n, mini_batch, d, float(theta), str(device), dtype),
+                           lambda: _bidir_rope_tables(n, mini_batch, d, theta, device, dtype))
 
 
 def _bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, rope_theta: Optional[float]

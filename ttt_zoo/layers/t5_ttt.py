@@ -17,7 +17,7 @@ from timm.layers import trunc_normal_
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
 from ttt_zoo.kernels.backend import TRITON_BACKEND, exporting, resolve_backend
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
-from ttt_zoo.kernels.utils import compute_dtype
+from ttt_zoo.kernels.utils import cached_constant, compute_dtype
 from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
 from .neighborhood import neighborhood_attention_2d
@@ -89,12 +89,7 @@ _IDENTITY_TAPS: Dict[Tuple[Tuple[int, ...], torch.device, torch.dtype], torch.Te
 
 
 def _cached_identity_taps(w: torch.Tensor) -> torch.Tensor:
-    key = (tuple(w.shape), w.device, w.dtype)
-    eye = _IDENTITY_TAPS.get(key)
-    if eye is None:
-        with torch.inference_mode(False), torch.no_grad():  # a plain constant, whatever mode the first call ran in
-            eye = _IDENTITY_TAPS[key] = _identity_taps(w)
-    return eye
+    return cached_constant(_IDENTITY_TAPS, (tuple(w.shape), w.device, w.dtype), lambda: _identity_taps(w))
 
 
 def eager_fold() -> bool:
