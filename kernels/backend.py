@@ -36,7 +36,7 @@ from .verify import (KERNELS_DIR, RECORDS_ENV, clear_verification_cache, gpu_ver
                      kernel_source_hash, kernel_sources, load_gpu_records, records_path)
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendError", "HAS_TRITON", "MAX_HEAD_DIM", "RECORDS_ENV", "TRITON_BACKEND",
-           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "compiling", "default_backend", "exporting",
+           "TRITON_DTYPES", "available_ops", "clear_verification_cache", "compiling", "default_backend", "exporting", "tracing",
            "get_op",
            "gpu_verified", "kernel_folder", "kernel_source_hash", "kernel_sources", "load_gpu_records", "records_path",
            "needs_grad", "register_op", "resolve_backend", "set_backend", "triton_choice", "triton_unsupported",
@@ -108,6 +108,12 @@ def exporting() -> bool:
     export decision: ``auto`` runs PyTorch, and the ops that branch on it (the ViT3 ops) run a path both exporters
     trace (no autograd.Function, no strided view, no grouped conv with a traced group count)."""
     return torch.compiler.is_exporting() or torch.jit.is_tracing() or is_exportable()
+
+
+def tracing() -> bool:
+    """A graph is being captured (torch.compile, torch.export, torch.jit.trace, timm's ``exportable``): eager-only
+    shortcuts (cached constants, strided ``out=`` buffers, complex views) give way to forms every tracer takes."""
+    return torch.compiler.is_compiling() or exporting()
 
 
 def compiling() -> bool:

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .backend import exporting
+from .backend import tracing
 from .utils import cached_constant, compute_dtype
 
 __all__ = ["rope_1d_tables", "rope_1d", "inner_rope", "rope_2d_tables", "rope_2d"]
@@ -93,7 +93,7 @@ def rope_2d_tables(feat_size: Tuple[int, int], dim: int, base: float = 10000.0,
         raise ValueError(f"2-D RoPE needs a channel count divisible by 4, got {dim}")
     h, w = feat_size[0], feat_size[1]
     if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling() and not exporting():
+        if not tracing():
             return _cached_rope_2d_tables(h, w, dim, base, device)
     return _build_rope_2d_tables(h, w, dim, base, device)
 
@@ -105,7 +105,7 @@ def rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     table instead of nine); the real form under TorchScript, torch.compile and export."""
     dt = compute_dtype(x.dtype)
     if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling() and not exporting():
+        if not tracing():
             xd = x.to(dt)
             if xd.stride(-1) == 1 and xd.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xd.stride()[:-1]):
                 turn = _cached_turn(cos, sin) if dt == torch.float32 else None

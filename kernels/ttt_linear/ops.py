@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import exporting, triton_choice
+from ..backend import tracing, triton_choice
 from ..rope import rope_1d, rope_1d_tables
 from ..utils import needs_grad as _needs_grad
 from ..utils import cached_constant, count_flops_as, launches_kernel, triton_module
@@ -124,7 +124,7 @@ def _bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int,
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``torch.bidir_inputs`` with the tables cached and both directions rotated in one broadcast ``rope_1d`` (on the
     stacked q, k when they differ); tracing (TorchScript, FX, torch.compile, export) takes the reference form."""
-    if (rope_theta is None or torch.jit.is_scripting() or torch.compiler.is_compiling() or exporting()
+    if (rope_theta is None or torch.jit.is_scripting() or tracing()
             or isinstance(q, torch.fx.Proxy)):
         return R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
     R.check_bidir_state(w0, b0)

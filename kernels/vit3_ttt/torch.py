@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..backend import exporting
+from ..backend import exporting, tracing
 from ..utils import autocast_state as _autocast_state
 from ..utils import compute_dtype, make_function
 from ..utils import no_autocast as _autocast
@@ -49,7 +49,7 @@ def normalize_columns_bwd(g: torch.Tensor, dghat: torch.Tensor, dim=-2) -> torch
 def _eager() -> bool:
     """Buffers written through strided views and in-place chains (``out=``); torch.compile and export get the
     functional forms (inductor: no in-place op on a view; dynamo: no strided ``out=``; ONNX: no strided views)."""
-    return not torch.compiler.is_compiling() and not exporting()
+    return not tracing()
 
 
 def _step(w: torch.Tensor, r: torch.Tensor, c: float, normalize: bool, dim) -> torch.Tensor:
@@ -250,7 +250,7 @@ def _dwconv(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch
     b, d, h, wd = x.shape
     # the nine shifted taps instead of a grouped conv: ONNX's Conv needs a static group count, and inductor fuses
     # the taps (its grouped-conv fallback fails under dynamic shapes: `cannot determine truth value of Relational`)
-    if exporting() or torch.compiler.is_compiling():
+    if tracing():
         w = w.flip(-2, -1) if transposed else w
         xp = F.pad(x, (1, 1, 1, 1))
         return sum(xp[:, :, i:i + h, j:j + wd] * w[:, :, i, j, None, None] for i in range(3) for j in range(3))

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
-from ttt_zoo.kernels.backend import TRITON_BACKEND, exporting, resolve_backend
+from ttt_zoo.kernels.backend import TRITON_BACKEND, tracing, resolve_backend
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
 from ttt_zoo.kernels.utils import cached_constant, compute_dtype
 from . import la_forms as laf
@@ -100,7 +100,7 @@ def eager_fold() -> bool:
     if torch.jit.is_scripting():
         return False
     else:
-        return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or exporting())
+        return not tracing()
 
 
 @torch.jit.unused  # TorchScript never folds (eager_fold)

@@ -7,7 +7,7 @@ the mini-batch dual form over the raster order and over the flipped order (both 
 Items the paper does not state are constructor options with the spec's proposed defaults.
 """
 
-from typing import Callable, Dict, Final, Optional, Tuple
+from typing import Dict, Final, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,8 @@ from torch.nn.modules import module as _module
 from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
-from ttt_zoo.kernels.backend import exporting
+from ttt_zoo.kernels.backend import tracing
+from ttt_zoo.kernels.utils import cached_constant
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
@@ -36,17 +37,7 @@ def _check_tokens(x: torch.Tensor, feat_size: Tuple[int, int], name: str) -> Non
                          f"pass feat_size=(H, W) with H * W == N.")
 
 
-_CONSTANTS: Dict[Tuple, torch.Tensor] = {}
-
-
-def _constant(key: Tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """A tensor that depends only on ``key`` (sizes, scalars, device, dtype), built once per process: no launches
-    per call.  Built outside inference mode, so autograd may use it later."""
-    t = _CONSTANTS.get(key)
-    if t is None:
-        with torch.inference_mode(False), torch.no_grad():
-            t = _CONSTANTS[key] = make()
-    return t
+_CONSTANTS: Dict[Tuple, torch.Tensor] = {}  # kernels.utils.cached_constant: built once per key, no launches
 
 
 _QK_MODES = ("shared", "conv_q")
@@ -308,9 +299,9 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         off = self.tau_offset
         b = self.mini_batch
         make = lambda: scale / torch.arange(1, b + 1, device=off.device, dtype=off.dtype)  # noqa: E731
-        if isinstance(off, torch.fx.Proxy) or torch.compiler.is_compiling() or exporting():
+        if isinstance(off, torch.fx.Proxy) or tracing():
             return make()  # traced graphs compute it (a cached tensor would become a graph constant)
-        return _constant(("inv_positions", b, scale, off.device, off.dtype), make)
+        return cached_constant(_CONSTANTS, ("inv_positions", b, scale, off.device, off.dtype), make)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
