@@ -9,6 +9,7 @@ elements from about batch 30 at 2048 px.  ``tests/test_triton_int64.py`` checks 
 file and runs ``base_offset`` past 2^31 in the interpreter.
 """
 import inspect
+from typing import Tuple
 
 import torch
 import triton
@@ -20,14 +21,17 @@ __all__ = ["UNSPECIALISED", "jit_sizes", "pid64", "base_offset", "prec", "dot_pr
 
 # argument names of sizes that change with the image, the batch or the model (tokens, map height / width, batch,
 # the program counts built from them, heads): not specialised, so one compiled variant per dtype and head dim serves
-# every image size (experiments/compiled_variants.py counts them)
+# every image size (tests/test_compiled_variants.py and experiments/compiled_variants_registry.py count them)
 UNSPECIALISED = ("B", "N", "Hh", "Ww", "HEADS", "n_chunks", "n_pchunks", "n_tiles", "n_ptiles", "n_sw", "n_wb")
 
 
-def jit_sizes(fn):
-    """``triton.jit`` with ``do_not_specialize`` on the arguments of ``fn`` named in ``UNSPECIALISED``."""
+def jit_sizes(fn=None, *, also: Tuple[str, ...] = ()):
+    """``triton.jit`` with ``do_not_specialize`` on the arguments of ``fn`` named in ``UNSPECIALISED`` and in ``also``
+    (a kernel's own arguments that vary with the token count, e.g. the batch stride of a per-token tensor)."""
+    if fn is None:
+        return lambda f: jit_sizes(f, also=also)
     names = inspect.signature(fn).parameters
-    return triton.jit(fn, do_not_specialize=[a for a in UNSPECIALISED if a in names])
+    return triton.jit(fn, do_not_specialize=[a for a in UNSPECIALISED + tuple(also) if a in names])
 
 
 def prec(dtype: torch.dtype) -> str:

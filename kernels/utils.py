@@ -9,7 +9,7 @@ import torch
 from .backend import needs_grad  # noqa: F401  (defined with the other path decisions)
 
 __all__ = ["compute_dtype", "no_autocast", "autocast_state", "reduce_to", "needs_grad", "make_function",
-           "triton_module", "count_flops_as", "launches_kernel", "cached_constant"]
+           "triton_module", "count_flops_as", "launches_kernel", "launch_on_meta", "cached_constant"]
 
 _T = TypeVar("_T")
 
@@ -82,11 +82,25 @@ def make_function(name: str, fwd, bwd, n_weights: int):
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
+_LAUNCH_ON_META = [False]  # set by launch_on_meta()
+
+
 def launches_kernel(triton: bool, t: torch.Tensor) -> bool:
     """Inside a ``ttt_zoo::`` custom op: run its Triton kernel.  ``triton`` is the op's last argument, the choice
     its caller made once (``backend.resolve_backend``, under the op's own name); an empty batch needs no launch and
-    meta tensors run only the fake."""
-    return triton and t.numel() != 0 and t.device.type != "meta"
+    meta tensors run only the fake (except under :func:`launch_on_meta`)."""
+    return triton and t.numel() != 0 and (t.device.type != "meta" or _LAUNCH_ON_META[0])
+
+
+@contextlib.contextmanager
+def launch_on_meta():
+    """Let the custom ops call their launchers on meta tensors, for tools that record launches without running them
+    (``ttt_zoo.bench.compiled_variants``: Triton's compile keys on every standard shape, no GPU)."""
+    previous, _LAUNCH_ON_META[0] = _LAUNCH_ON_META[0], True
+    try:
+        yield
+    finally:
+        _LAUNCH_ON_META[0] = previous
 
 
 def count_flops_as(custom_op, impl) -> None:

@@ -19,7 +19,7 @@ from ..ttt_linear.common import check_scan_args
 __all__ = ["la_fwd_triton"]
 
 
-@jit_sizes
+@jit_sizes(also=("slb", "slh"))  # lr is (B, heads, N): its strides follow N
 def _la_fwd(Q, K, V, LR, TAU, W0, B0, O,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, slb, slh, sln,
             swb, swh, swr, swc, sbb, sbh, sbd, sob, soh, son, sod,

@@ -1,0 +1,128 @@
+"""Count the compiled variants of every Triton kernel a model launches, over many input shapes, without a GPU.
+
+Triton compiles a kernel once per key of its ``JITFunction`` cache: the specialization its binder builds from the
+arguments (the dtype of each pointer, 16-byte alignment and ``== 1`` of each integer not in ``do_not_specialize``),
+the constexprs and the launch options.  Here a model runs forward and backward on the meta device with the Triton
+backend; the ``ttt_zoo::`` custom ops are opened so that their launchers run on meta tensors
+(``kernels.utils.launch_on_meta``), and each launch records that key instead of compiling (issue 48: "at most one
+compiled variant per dtype and head dim for the standard shapes").
+
+    >>> keys = compile_keys(timm.create_model("vit3_tiny", device="meta"), sizes=(224, 384), batches=(1, 64))
+    >>> variants_per_kernel(keys)   # {(kernel, dtype, head dims): number of distinct keys}
+
+Under ``TRITON_INTERPRET=1`` the kernels are the interpreter's and there is no compile key: :func:`available` says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from typing import Dict, Iterator, List, Sequence, Set, Tuple
+
+import torch
+from torch._library.custom_ops import _maybe_get_opdef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["STANDARD_SIZES", "STANDARD_BATCHES", "STANDARD_DTYPES", "available", "compile_keys", "head_dims",
+           "variants_per_kernel"]
+
+STANDARD_SIZES = (224, 256, 384, 512, 1024)  # image px (DiT: latent px = px / 8)
+STANDARD_BATCHES = (1, 32, 64)
+STANDARD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+Call = Tuple[str, str, str]  # (kernel, dtype of the model, compile key)
+
+
+def available() -> str:
+    """Why compile keys cannot be recorded here, or '' when they can."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: the kernels are interpreted, there is no compile key"
+    try:
+        from triton.runtime import jit  # noqa: F401
+        from triton.backends.compiler import BaseBackend  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return ""
+
+
+class _OpenOps(TorchDispatchMode):
+    """Run the ``ttt_zoo::`` custom ops' implementations (their launchers), not their fakes, on meta tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "ttt_zoo":
+            opdef = _maybe_get_opdef(func)
+            if opdef is not None:
+                with self:
+                    return opdef._init_fn(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _record(calls: List[Tuple[str, str]]) -> Iterator[None]:
+    """``JITFunction.run`` records (kernel, key) and launches nothing."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime import jit
+
+    binders = {}
+    original = jit.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self not in binders:
+            binders[self] = jit.create_function_from_signature(self.signature, self.params, BaseBackend)
+        options = sorted((k, kwargs.pop(k)) for k in list(kwargs) if k in ("num_warps", "num_stages", "num_ctas"))
+        _, spec, _ = binders[self](*args, **kwargs)
+        calls.append((f"{self.fn.__module__.rsplit('.', 2)[-2]}.{self.fn.__name__}", f"{spec}{options}"))
+
+    jit.JITFunction.run = run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = original
+
+
+def head_dims(model: torch.nn.Module) -> str:
+    """The head dims of the model's TTT mixers, e.g. ``'32'`` or ``'32/64'``."""
+    dims = sorted({m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)})
+    return "/".join(map(str, dims)) or "-"
+
+
+def _inputs(model: torch.nn.Module, px: int, batch: int, dtype: torch.dtype) -> tuple:
+    from .launches import is_conditioned
+    if is_conditioned(model):  # a DiT: latents, timesteps, labels
+        side = px // 8
+        x = torch.empty(batch, model.in_chans, side, side, device="meta", dtype=dtype, requires_grad=True)
+        return x, torch.empty(batch, device="meta", dtype=dtype), torch.zeros(batch, device="meta", dtype=torch.long)
+    return (torch.empty(batch, 3, px, px, device="meta", dtype=dtype, requires_grad=True),)
+
+
+def compile_keys(model: torch.nn.Module, sizes: Sequence[int] = STANDARD_SIZES,
+                 batches: Sequence[int] = STANDARD_BATCHES,
+                 dtypes: Sequence[torch.dtype] = STANDARD_DTYPES) -> List[Call]:
+    """(kernel, dtype, key) of every Triton launch of a forward and backward of the meta-device ``model`` at each
+    square size, batch and dtype, on the Triton backend."""
+    reason = available()
+    if reason:
+        raise RuntimeError(f"cannot record compile keys: {reason}")
+    from ttt_zoo.kernels.backend import use_backend
+    from ttt_zoo.kernels.utils import launch_on_meta
+
+    out: List[Call] = []
+    for dtype in dtypes:
+        model = model.to(dtype)
+        for px in sizes:
+            for batch in batches:
+                calls: List[Tuple[str, str]] = []
+                with use_backend("triton"), launch_on_meta(), _record(calls), _OpenOps():
+                    model(*_inputs(model, px, batch, dtype)).float().sum().backward()
+                model.zero_grad(set_to_none=True)
+                out += [(kernel, str(dtype).replace("torch.", ""), key) for kernel, key in calls]
+    return out
+
+
+def variants_per_kernel(calls: Sequence[Call], dims: str = "-") -> Dict[Tuple[str, str, str], int]:
+    """(kernel, dtype, head dims) -> number of distinct compile keys."""
+    keys: Dict[Tuple[str, str, str], Set[str]] = defaultdict(set)
+    for kernel, dtype, key in calls:
+        keys[(kernel, dtype, dims)].add(key)
+    return {k: len(v) for k, v in sorted(keys.items())}
