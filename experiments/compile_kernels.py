@@ -53,15 +53,21 @@ def _compile(fn, consts, arch, num_warps, io=_IO):
     k = triton.compile(ASTSource(fn, _signature(fn, consts, io), consts), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=num_warps))
     secs = time.time() - t0
+    regs, spill = ptxas_stats(k.asm["ptx"], arch)
+    return secs, regs, spill, k.metadata.shared
+
+
+def ptxas_stats(ptx: str, arch: int):
+    """(registers, spill-store bytes) of a PTX module from ``ptxas -v`` for ``sm_<arch>`` ('?' where not reported)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
+        f.write(ptx)
     r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", f.name,
                         "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return secs, regs.group(1) if regs else "?", spill.group(1) if spill else "?", k.metadata.shared
+    return regs.group(1) if regs else "?", spill.group(1) if spill else "?"
 
 
 def _header(title, arch, note):

@@ -17,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import defaultdict
-from typing import Dict, Iterator, List, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["STANDARD_SIZES", "STANDARD_BATCHES", "STANDARD_DTYPES", "available", "compile_keys", "head_dims",
-           "variants_per_kernel"]
+__all__ = ["STANDARD_SIZES", "STANDARD_BATCHES", "STANDARD_DTYPES", "Launch", "available", "compile_keys",
+           "compile_launch", "head_dims", "variants_per_kernel"]
 
 STANDARD_SIZES = (224, 256, 384, 512, 1024)  # image px (DiT: latent px = px / 8)
 STANDARD_BATCHES = (1, 32, 64)
@@ -58,27 +58,61 @@ class _OpenOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+#: the GPU whose binder keys the launches (its specialization rules; no GPU is needed to build it)
+TARGET = ("cuda", 90, 32)
+
+
 @contextlib.contextmanager
-def _record(calls: List[Tuple[str, str]]) -> Iterator[None]:
-    """``JITFunction.run`` records (kernel, key) and launches nothing."""
-    from triton.backends.compiler import BaseBackend
+def _record(calls: List[Tuple[str, str]], launches: Optional[Dict[Tuple[str, str], Launch]] = None
+            ) -> Iterator[None]:
+    """``JITFunction.run`` records (kernel, key) (and in ``launches`` what compiling that key needs) and launches
+    nothing."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
     from triton.runtime import jit
 
+    backend = make_backend(GPUTarget(*TARGET))
     binders = {}
     original = jit.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         if self not in binders:
-            binders[self] = jit.create_function_from_signature(self.signature, self.params, BaseBackend)
-        options = sorted((k, kwargs.pop(k)) for k in list(kwargs) if k in ("num_warps", "num_stages", "num_ctas"))
-        _, spec, _ = binders[self](*args, **kwargs)
-        calls.append((f"{self.fn.__module__.rsplit('.', 2)[-2]}.{self.fn.__name__}", f"{spec}{options}"))
+            binders[self] = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound, spec, _ = binders[self](*args, **kwargs)
+        options = sorted((k, v) for k, v in kwargs.items() if k in ("num_warps", "num_stages", "num_ctas"))
+        name = f"{self.fn.__module__.rsplit('.', 2)[-2]}.{self.fn.__name__}"
+        key = f"{spec}{options}"
+        calls.append((name, key))
+        if launches is not None and (name, key) not in launches:
+            launches[(name, key)] = Launch(self, dict(kwargs), bound, spec)
 
     jit.JITFunction.run = run
     try:
         yield
     finally:
         jit.JITFunction.run = original
+
+
+class Launch(NamedTuple):
+    """What compiling one recorded launch for :data:`TARGET` needs (:func:`compile_launch`)."""
+    fn: object  # the JITFunction
+    kwargs: dict  # its launch keywords (constexprs passed by name, num_warps, ...)
+    bound: dict  # the bound arguments
+    spec: list  # the binder's specialization
+
+
+def compile_launch(launch: Launch, arch: int = 90):
+    """Compile a recorded launch for ``sm_<arch>`` exactly as that launch would be (no GPU): a
+    ``triton.compiler.CompiledKernel`` whose ``asm['ptx']`` ptxas can take."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    options, signature, constexprs, attrs = launch.fn._pack_args(backend, launch.kwargs, launch.bound, launch.spec,
+                                                                 None)
+    return triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def head_dims(model: torch.nn.Module) -> str:
@@ -98,9 +132,11 @@ def _inputs(model: torch.nn.Module, px: int, batch: int, dtype: torch.dtype) -> 
 
 def compile_keys(model: torch.nn.Module, sizes: Sequence[int] = STANDARD_SIZES,
                  batches: Sequence[int] = STANDARD_BATCHES,
-                 dtypes: Sequence[torch.dtype] = STANDARD_DTYPES) -> List[Call]:
+                 dtypes: Sequence[torch.dtype] = STANDARD_DTYPES,
+                 launches: Optional[Dict[Tuple[str, str], Launch]] = None) -> List[Call]:
     """(kernel, dtype, key) of every Triton launch of a forward and backward of the meta-device ``model`` at each
-    square size, batch and dtype, on the Triton backend."""
+    square size, batch and dtype, on the Triton backend; ``launches`` (a dict) gets one :class:`Launch` per new
+    (kernel, key), for :func:`compile_launch`."""
     reason = available()
     if reason:
         raise RuntimeError(f"cannot record compile keys: {reason}")
@@ -113,7 +149,7 @@ def compile_keys(model: torch.nn.Module, sizes: Sequence[int] = STANDARD_SIZES,
         for px in sizes:
             for batch in batches:
                 calls: List[Tuple[str, str]] = []
-                with use_backend("triton"), launch_on_meta(), _record(calls), _OpenOps():
+                with use_backend("triton"), launch_on_meta(), _record(calls, launches), _OpenOps():
                     model(*_inputs(model, px, batch, dtype)).float().sum().backward()
                 model.zero_grad(set_to_none=True)
                 out += [(kernel, str(dtype).replace("torch.", ""), key) for kernel, key in calls]
