@@ -324,8 +324,9 @@ def _autograd_vit3(m, x, fs):
 
 
 def _autograd_inner(m, dot):
-    """A T5 / DiT5 ``_inner`` replacement: the inner loss's steps by autograd (per sample), read with q."""
-    def inner(q, k, v):
+    """A T5 / DiT5 ``_inner`` replacement: the inner loss's steps by autograd (per sample), read with q, averaged
+    with the neighbourhood attention ``na`` where the mixer passes one (T5+, DiT5)."""
+    def inner(q, k, v, na=None):
         b, n = k.shape[0], k.shape[2]
         s = (-m.scale if m.gradient_ascent else m.scale) / n
         if m.linear:
@@ -341,7 +342,8 @@ def _autograd_inner(m, dot):
             f = hidden(k, *a[:-1]) @ a[-1]
             return -s * (f * v).sum() if dot else 0.5 * s * (f - v).pow(2).sum()
         ws = _grad_steps(loss, ws, m.inner_steps, [m.inner_update == "all"] * len(names) + [True])
-        return hidden(q, *ws[:-1]) @ ws[-1]
+        out = hidden(q, *ws[:-1]) @ ws[-1]
+        return out if na is None else 0.5 * (out + na)
     return inner
 
 

@@ -64,6 +64,32 @@ def test_recompute_matches_reference_fp64(op, shared):
 
 
 @pytest.mark.parametrize("op", ["t5", "dit5"])
+def test_mix_blend_every_path_fp64(op):
+    # the T5+ / DiT5 blend inside the op: (1 - a) TTT + a mix.  The reference against the plain op plus the blend
+    # written out; the recomputing path, the custom op (PyTorch path) and gradcheck against the reference, d mix too
+    fast, custom, ref, n_w = OPS[op]
+    b, h, n, d, a = 2, 2, 9, 5, 0.3
+    x = _inputs(b, h, n, d, 1, n_w, std=0.5)
+    mix = torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2).requires_grad_()  # NA's layout
+    plain = ref(*[t.detach() for t in x], 0.4)
+    torch.testing.assert_close(ref(*[t.detach() for t in x], 0.4, mix=mix.detach(), mix_weight=a),
+                               (1 - a) * plain + a * mix.detach(), rtol=1e-13, atol=1e-13)
+    do = torch.randn(b, h, n, d, dtype=torch.float64)
+    want = _fwd_bwd(lambda *t: ref(*t[:-1], 0.4, mix=t[-1], mix_weight=a), x + [mix], do)
+    for f in (fast, lambda *t, **kw: custom(*t, triton=False, **kw)):
+        got = _fwd_bwd(lambda *t: f(*t[:-1], 0.4, mix=t[-1], mix_weight=a), x + [mix], do)
+        for name, g, w in zip(["out", "dq", "dk", "dv"] + [f"dw{i + 1}" for i in range(n_w)] + ["dmix"], got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{op} {name}: {m}")
+    torch.testing.assert_close(want[-1], a * do, rtol=0, atol=0)
+    small = _inputs(1, 1, 4, 3, 1, n_w, std=0.5)
+    small_mix = torch.randn(1, 1, 4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: custom(*t[:-1], 0.7, triton=False, mix=t[-1], mix_weight=a),
+                                    small + [small_mix], fast_mode=True)
+    with pytest.raises(ValueError, match="mix must match"):
+        custom(*[t.detach() for t in x], 0.4, mix=mix.detach()[:, :, :3], mix_weight=a)
+
+
+@pytest.mark.parametrize("op", ["t5", "dit5"])
 def test_recompute_and_custom_op_gradcheck(op):
     fast, custom, _, n_w = OPS[op]
     x = _inputs(2, 1, 5, 3, 1, n_w, std=0.5)
@@ -103,6 +129,10 @@ def test_custom_ops_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.ttt_zoo.key_instance_norm_fwd.default, [torch.randn(2, 9, 6), 1.0, False],
                           test_utils=("test_schema", "test_faketensor"))
+    mix = torch.randn(2, 7, 2, 8).transpose(1, 2)
+    for name, ws in (("t5_swiglu_fwd", w), ("dit5_mlp_fwd", w[:2])):
+        torch.library.opcheck(getattr(torch.ops.ttt_zoo, name).default, [*q, *ws, 0.5, False, mix, 0.5],
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("which", ["wrapper", "custom_op"])
@@ -350,6 +380,53 @@ def test_inner_kernels_large_n_vs_float64(op, dtype, monkeypatch):
         assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} {name}: {err:.2e} of its max"
 
 
+MIX_CASES = [(3136, 1, 1),  # 56 x 56 tokens, 13 chunks (the finalize path)
+             (196, 2, 2)]  # 14 x 14 tokens, one chunk per (batch, head), batch 2, two heads
+
+
+@pytest.mark.parametrize("n,b,h", MIX_CASES, ids=["N3136", "N196b2h2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op", ["t5", "dit5"])
+@triton_test
+def test_inner_kernels_mix_vs_float64(op, dtype, n, b, h, monkeypatch):
+    # the blend (1 - a) TTT + a mix written by the apply kernel (mix in NA's heads-merged layout), dO scaled by
+    # 1 - a and d mix = a dO written by the backward apply kernel: forward and every gradient, d mix included,
+    # against the float64 reference on the same data, head dim 64, the shipped tiles; still 3 + 3 launches at most
+    from ttt_zoo.bench.launches import count_launches
+    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
+    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
+    _, custom, ref, n_w = OPS[op]
+    d, a = 64, 0.3
+    gen = torch.Generator().manual_seed(n + b)
+    x = [torch.randn(b, h, n, d, generator=gen) for _ in range(3)]
+    x += [torch.randn(1, h, d, d, generator=gen) * 0.05 for _ in range(n_w)]
+    x += [torch.randn(b, n, h, d, generator=gen).transpose(1, 2)]
+    x = [t.to(dtype) for t in x]
+    leaves = [t.to(DEV).requires_grad_() for t in x]
+    ref_leaves = [t.double().requires_grad_() for t in x]
+    scale = d ** -0.5
+    out = custom(*leaves[:-1], scale, triton=True, mix=leaves[-1], mix_weight=a)
+    want = ref(*ref_leaves[:-1], scale, mix=ref_leaves[-1], mix_weight=a)
+    do = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
+    got = [out] + list(torch.autograd.grad(out, leaves, do.to(DEV)))
+    want = [want] + list(torch.autograd.grad(want, ref_leaves, do.double()))
+    names = ["out", "q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)] + ["mix"]
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        err = (g.cpu().double() - w).abs().max() / w.abs().max()
+        assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} N={n} {name}: {err:.2e} of its max"
+    if n > 256 or dtype != torch.float32:
+        return
+    names = ("t5_swiglu_fwd", "t5_swiglu_bwd") if op == "t5" else ("dit5_mlp_fwd", "dit5_mlp_bwd")
+    fwd, bwd = (getattr(torch.ops.ttt_zoo, name) for name in names)
+    q, k, v, *ws, mix = [t.detach() for t in leaves]
+    res = fwd(q, k, v, *ws, scale, True, mix, a)
+    for name, call in ((names[0], lambda: fwd(q, k, v, *ws, scale, True, mix, a)),
+                       (names[1], lambda: bwd(do, q, k, v, *ws, *res[1:], scale, True, a, True))):
+        c = count_launches(call)
+        assert c.aten_total == 0 and c.triton_total == 2, (name, dict(c.aten), dict(c.triton))
+
+
 ONE_CHUNK_CASES = [(196, 2, False),  # 14 x 14 tokens (every T5 model at 224 px): one chunk, batch 2, shared W
                    (256, 2, True),   # exactly one chunk, per-sample weights
                    (257, 1, False)]  # one token over: two chunks (the finalize path)
@@ -502,7 +579,9 @@ def test_inner_kernels_strided_views():
 def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
     calls = []
     fwd = T.inner_fwd_triton  # what the custom op looks up per call
-    monkeypatch.setattr(T, "inner_fwd_triton", lambda *a: calls.append(a[-1] == (mixer == "t5")) or fwd(*a))
+    # (gated, NA blended in by the op's apply kernel) of each call
+    monkeypatch.setattr(T, "inner_fwd_triton", lambda *a: calls.append(a[5] == (mixer == "t5") and
+                                                                       (a[6] is not None) == (mixer == "dit5")) or fwd(*a))
     kcalls = []
     kfwd = KT._knorm_fwd
     monkeypatch.setattr(KT, "_knorm_fwd", type("Spy", (), {"__getitem__": lambda s, g: kcalls.append(1) or kfwd[g]})())
@@ -517,10 +596,11 @@ def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
     for backend in ("triton", "torch_naive"):
         m.backend = backend
         out = m(x, hw)
-        params = [x, m.w1, m.w2, m.qkv.weight, m.k_conv2d.weight]
+        params = [x, m.w1, m.w2, m.qkv.weight, m.k_conv2d.weight, m.k_conv2d.bias, m.q_conv2d.weight,
+                  m.q_conv2d.bias]
         res.append([out] + list(torch.autograd.grad(out.square().sum(), params)))
     assert calls and all(calls) and kcalls  # the triton backend really ran the kernels (the mixer's form)
-    for name, a, b in zip(["out", "dx", "dw1", "dw2", "dqkv", "dkconv"], *res):
+    for name, a, b in zip(["out", "dx", "dw1", "dw2", "dqkv", "dkconv", "dkbias", "dqconv", "dqbias"], *res):
         scale = b.abs().max()
         torch.testing.assert_close(a / scale, b / scale, atol=1e-4, rtol=1e-4, msg=lambda msg: f"{name}: {msg}")
 

@@ -6,10 +6,11 @@ the backend decision and an empty batch.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from _ops import BACKENDS, DEV, compare_kernel, triton_kernels, triton_test
 from ttt_zoo.kernels import get_op, key_instance_norm
-from ttt_zoo.kernels.key_norm import key_norm_op, key_norm_reference, key_norm_torch
+from ttt_zoo.kernels.key_norm import identity_taps, key_norm_op, key_norm_reference, key_norm_torch, qk_norm_fold_op
 
 KT = triton_kernels("key_norm")
 KTOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=5e-3, rtol=5e-3)}
@@ -91,3 +92,75 @@ def test_empty_batch(backend):
     assert y.shape == x.shape
     y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+# ------------------------------------------------ [q | key norm(k)] + the folded taps of both convs (qk_norm_fold)
+def _fold_reference(q, k, eps, wq, bq, wk, bk):
+    """The two residual depthwise convs written out: q + conv_q(q), kn + conv_k(kn), kn the reference key norm."""
+    return torch.cat([q, key_norm_reference(k, eps)], -1), torch.cat([wq, wk]) + identity_taps(wq.repeat(2, 1, 1, 1)), \
+        torch.cat([bq, bk])
+
+
+def _fold_inputs(b, n, c, dtype, gen=None, taps=3):
+    qkv = torch.randn(b, n, 3 * c, generator=gen, dtype=dtype) * 2 + 1
+    ws = [torch.randn(c, 1, taps, taps, generator=gen, dtype=dtype) * 0.3, torch.randn(c, generator=gen, dtype=dtype),
+          torch.randn(c, 1, taps, taps, generator=gen, dtype=dtype) * 0.3, torch.randn(c, generator=gen, dtype=dtype)]
+    return qkv[..., :c], qkv[..., c:2 * c], ws  # strided q, k slices of a qkv output, as in the mixers
+
+
+def test_qk_norm_fold_is_both_residual_convs_fp64():
+    # one depthwise conv of the op's [q | kn] with its stacked taps and biases = the two convs with their residuals
+    q, k, (wq, bq, wk, bk) = _fold_inputs(2, 5 * 4, 6, torch.float64)
+    y, w, b = qk_norm_fold_op(q, k, 0.5, wq, bq, wk, bk, triton=False)
+    both = F.conv2d(y.transpose(1, 2).reshape(2, 12, 5, 4), w, b, padding=1, groups=12).flatten(2).transpose(1, 2)
+    kn = key_norm_reference(k, 0.5)
+    for z, wz, bz, got in ((q, wq, bq, both[..., :6]), (kn, wk, bk, both[..., 6:])):
+        zmap = z.transpose(1, 2).reshape(2, 6, 5, 4)
+        want = z + F.conv2d(zmap, wz, bz, padding=1, groups=6).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # gradients: the op's backward (slices + the key norm's backward) against autograd of the written-out form
+    leaves = [t.detach().requires_grad_() for t in (q, k, wq, bq, wk, bk)]
+    outs = qk_norm_fold_op(leaves[0], leaves[1], 0.5, *leaves[2:], triton=False)
+    refs = _fold_reference(leaves[0], leaves[1], 0.5, *leaves[2:])
+    cots = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, cots)
+    want = torch.autograd.grad(refs, leaves, cots)
+    for name, g, w_ in zip(["q", "k", "wq", "bq", "wk", "bk"], got, want):
+        torch.testing.assert_close(g, w_, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    small = [t.detach()[:1, :6].clone().requires_grad_() for t in (q, k)] + [t.detach().clone().requires_grad_()
+                                                                             for t in (wq, bq, wk, bk)]
+    assert torch.autograd.gradcheck(lambda *a: qk_norm_fold_op(a[0], a[1], 0.5, *a[2:], triton=False), small,
+                                    fast_mode=True)
+    with pytest.raises(ValueError, match="depthwise"):
+        qk_norm_fold_op(q, k, 0.5, wq[:, :, :2], bq, wk[:, :, :2], bk)
+
+
+FOLD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # of each tensor's largest magnitude
+
+
+@pytest.mark.parametrize("n,b,c,taps", [(3136, 1, 64, 3), (196, 2, 40, 5)], ids=["N3136C64", "N196b2C40k5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_qk_norm_fold_kernel_vs_float64(dtype, n, b, c, taps, monkeypatch):
+    # the key-norm launch that also writes q beside kn and the folded taps / biases of both convs: every output and
+    # every gradient against the float64 written-out form on the same (rounded) data; one launch forward, one back
+    from ttt_zoo.bench.launches import count_launches
+    monkeypatch.setattr(KT, "BLOCK_N", 64)
+    monkeypatch.setattr(KT, "BLOCK_C", 32)
+    gen = torch.Generator().manual_seed(n)
+    q, k, ws = _fold_inputs(b, n, c, dtype, gen, taps)
+    leaves = [t.to(DEV).requires_grad_() for t in (q, k)] + [w.float().to(DEV).requires_grad_() for w in ws]
+    ref_leaves = [t.double().requires_grad_() for t in (q, k)] + [w.double().requires_grad_() for w in ws]
+    outs = qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True)
+    refs = _fold_reference(ref_leaves[0], ref_leaves[1], 1.0, *ref_leaves[2:])
+    cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64) for r in refs]
+    got = list(outs) + list(torch.autograd.grad(outs, leaves, [t.to(o.dtype).to(DEV) for t, o in zip(cots, outs)]))
+    want = list(refs) + list(torch.autograd.grad(refs, ref_leaves, cots))
+    for name, g, w_ in zip(["y", "w", "b", "q", "k", "wq", "bq", "wk", "bk"], got, want):
+        assert g.shape == w_.shape, name
+        err = (g.cpu().double() - w_).abs().max() / w_.abs().max()
+        assert err < FOLD_TOL[dtype], f"{name}: {err:.2e} of its max"
+    assert outs[0].dtype == dtype and torch.equal(outs[0][..., :c].cpu(), q)  # q copied exactly
+    with torch.no_grad():
+        c_fwd = count_launches(lambda: qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True))
+    assert c_fwd.aten_total == 0 and dict(c_fwd.triton) == {"_knorm_fwd": 1}, (dict(c_fwd.aten), dict(c_fwd.triton))

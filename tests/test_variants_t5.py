@@ -45,14 +45,15 @@ def _ws(n_w, h=3, d=8):
 
 
 def _mixer_inputs(m, x, feat):
-    """Capture the (q, k, v) heads the mixer feeds its inner step, and its inner output."""
+    """Capture the (q, k, v) heads the mixer feeds its inner step, and its inner output (before the op blends in
+    the neighbourhood attention, T5+ / DiT5)."""
     seen = {}
     orig = m._inner
 
-    def hook(q, k, v):
+    def hook(q, k, v, *na):
         seen["qkv"] = (q, k, v)
         seen["out"] = orig(q, k, v)
-        return seen["out"]
+        return orig(q, k, v, *na)
     m._inner = hook
     m(x, feat)
     del m._inner

@@ -3,6 +3,8 @@ family, custom ops."""
 from functools import partial
 from typing import Callable, Optional
 
+import torch as _torch  # not ``torch``: that name is this package's PyTorch-path submodule
+from timm.layers import register_notrace_function
 from torch import Tensor
 
 from ..backend import resolve_backend
@@ -13,7 +15,7 @@ from .torch import last_layer_ttt_torch, mlp_ttt_torch, t5_swiglu_ttt_torch
 
 __all__ = ["t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "t5_swiglu_ttt_op", "t5_inner_update_reference",
            "mlp_ttt_reference", "mlp_ttt_torch", "mlp_ttt_op", "mlp_inner_update_reference",
-           "last_layer_ttt_reference", "last_layer_ttt_torch", "choose"]
+           "last_layer_ttt_reference", "last_layer_ttt_torch", "choose", "t5_swiglu_ttt_mix", "mlp_ttt_mix"]
 
 
 _PATHS = {"t5_swiglu_ttt": (t5_swiglu_ttt_reference, t5_swiglu_ttt_torch, t5_swiglu_ttt_op),
@@ -28,3 +30,23 @@ def choose(op: str, backend: Optional[str], q: Tensor, head_dim: int) -> Callabl
     naive, lean, custom = _PATHS[op]
     path = resolve_backend(backend, q.device, q.dtype, head_dim, op)
     return {"torch_naive": naive, "torch": lean}.get(path) or partial(custom, triton=True)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def t5_swiglu_ttt_mix(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, scale: float,
+                      mix: Tensor, mix_weight: float, backend: Optional[str] = None) -> Tensor:
+    """``(1 - mix_weight) t5_swiglu_ttt(...) + mix_weight mix`` as one op (T5+: 0.5 TTT + 0.5 NA): the Triton
+    path blends in its apply kernel and writes d mix in its backward, the PyTorch paths blend with one op."""
+    if _torch.jit.is_scripting():
+        return t5_swiglu_ttt_reference(q, k, v, w1, w2, w3, scale, mix, mix_weight)
+    return choose("t5_swiglu_ttt", backend, q, q.shape[-1])(q, k, v, w1, w2, w3, scale, mix=mix,
+                                                             mix_weight=mix_weight)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def mlp_ttt_mix(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, scale: float, mix: Tensor,
+                mix_weight: float, backend: Optional[str] = None) -> Tensor:
+    """``(1 - mix_weight) mlp_ttt(...) + mix_weight mix`` as one op (DiT5: 0.5 TTT + 0.5 NA), as above."""
+    if _torch.jit.is_scripting():
+        return mlp_ttt_reference(q, k, v, w1, w2, scale, mix, mix_weight)
+    return choose("dit5_mlp_ttt", backend, q, q.shape[-1])(q, k, v, w1, w2, scale, mix=mix, mix_weight=mix_weight)

@@ -8,6 +8,8 @@ normalisation) on the regression loss L = (scale / 2N) * sum_n ||f(k_n) - v_n||^
 Autograd flows through the updates.  Low-precision inputs (fp16/bf16) are computed in float32 and cast back.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,8 @@ def t5_swiglu_ttt_reference(
         w2: torch.Tensor,
         w3: torch.Tensor,
         scale: float,
+        mix: Optional[torch.Tensor] = None,
+        mix_weight: float = 0.0,
 ) -> torch.Tensor:
     """One T5 inner step on (k, v), applied to q.
 
@@ -49,6 +53,8 @@ def t5_swiglu_ttt_reference(
         q, k, v: (B, heads, N, d).
         w1, w2, w3: (1 or B, heads, d, d) initial inner weights.
         scale: inner-loss scale (T5 uses d ** -0.5).
+        mix, mix_weight: optional (B, heads, N, d) blended in: (1 - mix_weight) out + mix_weight mix (T5+: the
+            neighbourhood attention, weight 0.5).
     Returns:
         (B, heads, N, d) in the dtype of q.
     """
@@ -57,17 +63,25 @@ def t5_swiglu_ttt_reference(
     q, k, v, w1, w2, w3 = [t.to(dt) for t in (q, k, v, w1, w2, w3)]
     w1n, w2n, w3n = t5_inner_update_reference(k, v, w1, w2, w3, scale)
     out = (F.silu(q @ w1n) * (q @ w2n)) @ w3n
-    return out.to(out_dtype)
+    return _blend(out, mix, mix_weight).to(out_dtype)
+
+
+def _blend(out: torch.Tensor, mix: Optional[torch.Tensor], mix_weight: float) -> torch.Tensor:
+    """(1 - a) out + a mix in out's (compute) dtype; out itself without a mix."""
+    if mix is None:
+        return out
+    return out * (1.0 - mix_weight) + mix.to(out.dtype) * mix_weight
 
 
 def mlp_ttt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, mix: Optional[torch.Tensor] = None, mix_weight: float = 0.0) -> torch.Tensor:
     """One inner step of the 2-layer SiLU MLP on (k, v), applied to q.
 
     Args:
         q, k, v: (B, heads, N, d).
         w1, w2: (1 or B, heads, d, d) initial inner weights.
         scale: inner-loss scale (DiT5: d^-0.5).
+        mix, mix_weight: as in :func:`t5_swiglu_ttt_reference` (DiT5: the neighbourhood attention, 0.5).
     Returns:
         (B, heads, N, d) in the dtype of q.
     """
@@ -82,7 +96,7 @@ def mlp_ttt_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: tor
     g2 = a.transpose(-2, -1) @ e
     g1 = k.transpose(-2, -1) @ ((e @ w2.transpose(-2, -1)) * sig * (1 + z * (1 - sig)))  # silu'(z)
     out = F.silu(q @ (w1 - g1)) @ (w2 - g2)
-    return out.to(out_dtype)
+    return _blend(out, mix, mix_weight).to(out_dtype)
 
 
 def mlp_inner_update_reference(k, v, w1, w2, scale: float):

@@ -15,7 +15,7 @@ Backward, with dO given and D = -dW' the cotangent of G (the updated-weight grad
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -180,16 +180,23 @@ def _check(q, k, v, ws: Sequence[torch.Tensor], op: str) -> None:
                              f"got {tuple(w.shape)}")
 
 
-def t5_swiglu_ttt_torch(q, k, v, w1, w2, w3, scale: float) -> torch.Tensor:
+def _lerp(out: torch.Tensor, mix: Optional[torch.Tensor], mix_weight: float) -> torch.Tensor:
+    """(1 - a) out + a mix as one ``torch.lerp`` (autograd differentiates it); out without a mix."""
+    return out if mix is None else torch.lerp(mix, out, 1.0 - mix_weight)
+
+
+def t5_swiglu_ttt_torch(q, k, v, w1, w2, w3, scale: float, mix: Optional[torch.Tensor] = None,
+                        mix_weight: float = 0.0) -> torch.Tensor:
     """T5 inner step + apply (same signature as ``t5_swiglu_ttt_reference``), recomputing backward."""
     _check(q, k, v, (w1, w2, w3), "t5_swiglu_ttt")
-    return T5TTT.apply(q, k, v, w1, w2, w3, float(scale))
+    return _lerp(T5TTT.apply(q, k, v, w1, w2, w3, float(scale)), mix, mix_weight)
 
 
-def mlp_ttt_torch(q, k, v, w1, w2, scale: float) -> torch.Tensor:
+def mlp_ttt_torch(q, k, v, w1, w2, scale: float, mix: Optional[torch.Tensor] = None,
+                  mix_weight: float = 0.0) -> torch.Tensor:
     """DiT5 inner step + apply (same signature as ``mlp_ttt_reference``), recomputing backward."""
     _check(q, k, v, (w1, w2), "dit5_mlp_ttt")
-    return DiT5TTT.apply(q, k, v, w1, w2, float(scale))
+    return _lerp(DiT5TTT.apply(q, k, v, w1, w2, float(scale)), mix, mix_weight)
 
 
 # ------------------------------------------------------------------ the last-layer step (T5 / DiT5 V1 and V3)

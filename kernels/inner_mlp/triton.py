@@ -15,9 +15,11 @@ Forward (per (batch, head); the partials P and cotangents CT: fp32 (n_w, B heads
 fp32 tensor per weight, as the custom op's outputs may not alias):
   1. ``_fwd_update``: partial sums S of the inner gradients over chunks of TILES * BLOCK_N tokens.
   2. ``_fwd_finalize``: per (batch, head, column block): G = c sum(S), W' = W - G (saved for the backward).
-  3. ``_fwd_apply``: out = silu(q W1') [* q W2'] O' into a heads-merged (B, N, heads, d) buffer.
+  3. ``_fwd_apply``: out = silu(q W1') [* q W2'] O' into a heads-merged (B, N, heads, d) buffer; with a ``mix``
+     input (T5+ / DiT5: the neighbourhood-attention half) out = (1 - a) out + a mix, its grads in 4.
 Backward (dO given):
-  4. ``_bwd_apply``: recomputes y = q W', writes dq, partials of dW' = q^T dy (and zeroes dW).
+  4. ``_bwd_apply``: recomputes y = q W', writes dq, partials of dW' = q^T dy (and zeroes dW); with ``mix``,
+     dO -> (1 - a) dO and d mix = a dO.
   5. ``_bwd_finalize``: per (batch, head, column block): dW' summed over chunks, CT = -c dW' (the cotangent of S),
      dW += dW' (relaxed atomic add: per-sample weights get one add, shared weights one per sample).
   6. ``_bwd_update``: recomputes z, silu, silu', silu'', h, e~ from k, v, W; writes dk, dv; dW += its chunk's
@@ -34,7 +36,7 @@ N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MA
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -227,11 +229,13 @@ def _fwd_finalize(P, WA, WB, WO, NA, NB, NO,
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _fwd_apply(Q, NA, NB, NO, O,
-               sqb, sqh, sqn, sqd, sob, soh, son, sod,
-               H, N, D, n_bh, n_tiles,
-               GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """One token tile of one (batch, head): out = silu(q A') [* q B'] O'."""
+def _fwd_apply(Q, NA, NB, NO, O, MIX,
+               sqb, sqh, sqn, sqd, sob, soh, son, sod, smb, smh, smn, smd,
+               H, N, D, n_bh, n_tiles, mix_w,
+               GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+               HAS_MIX: tl.constexpr):
+    """One token tile of one (batch, head): out = silu(q A') [* q B'] O'; ``HAS_MIX``: out = (1 - a) out + a mix
+    (a = ``mix_w``, in fp32, one rounding)."""
     b, h, bh, tile = _program(H, n_tiles)
     dt: tl.constexpr = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -239,19 +243,25 @@ def _fwd_apply(Q, NA, NB, NO, O,
     wa, wb, wo = _weights(NA, NB, NO, bh * D * D, bh * D * D, bh * D * D, D, 1, offs_d, D, dt, GATED)
     q = _ld(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
     z1, a, da, s, z2, hid = _hidden(q, wa, wb, GATED, PREC)
-    _st(O, b * sob + h * soh, _dot(hid.to(dt), wo, PREC), offs_n, offs_d, son, sod, N, D)
+    out = _dot(hid.to(dt), wo, PREC)
+    if HAS_MIX:
+        mix = _ld(MIX, b * smb + h * smh, offs_n, offs_d, smn, smd, N, D).to(tl.float32)
+        out = out * (1.0 - mix_w) + mix * mix_w
+    _st(O, b * sob + h * soh, out, offs_n, offs_d, son, sod, N, D)
 
 
 # ----------------------------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=_SIZES)
-def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP,
-               sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd,
-               H, N, D, n_bh, n_chunks, n_wb, c,
+def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
+               sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd, smb, smh, smn, smd,
+               H, N, D, n_bh, n_chunks, n_wb, c, mix_w,
                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PREC: tl.constexpr, SINGLE: tl.constexpr):
+               PREC: tl.constexpr, SINGLE: tl.constexpr, HAS_MIX: tl.constexpr):
     """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
     the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds.
-    ``SINGLE`` (one chunk): the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'."""
+    ``SINGLE`` (one chunk): the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'.
+    ``HAS_MIX`` (the forward blended out = (1 - a) apply + a mix): dmix = a dO is written here and the apply's
+    cotangent is (1 - a) dO (scaled in fp32)."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -263,7 +273,12 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP,
     for t in range(TILES):
         offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         x = _ld(Q, b * sqb + h * sqh, offs_n, offs_d, sqn, sqd, N, D)
-        y = _ld(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D).to(dt)
+        y = _ld(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D)
+        if HAS_MIX:
+            yf = y.to(tl.float32)
+            _st(DMIX, b * smb + h * smh, yf * mix_w, offs_n, offs_d, smn, smd, N, D)
+            y = yf * (1.0 - mix_w)
+        y = y.to(dt)
         z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
         dh = _dot(y, tl.trans(wo), PREC)
         xt = tl.trans(x)
@@ -462,8 +477,10 @@ def _op_name(gated: bool) -> str:
     return "t5_swiglu_ttt" if gated else "dit5_mlp_ttt"
 
 
-def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool):
-    """Triton forward in 3 launches: (out (B, heads, N, d) in q's dtype, [W'] fp32 (B, heads, d, d) contiguous)."""
+def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: bool,
+                     mix: Optional[torch.Tensor] = None, mix_weight: float = 0.0):
+    """Triton forward in 3 launches: (out (B, heads, N, d) in q's dtype, [W'] fp32 (B, heads, d, d) contiguous);
+    with ``mix`` (any strided (B, heads, N, d)) out = (1 - mix_weight) apply + mix_weight mix, in the apply."""
     op = _op_name(gated)
     _check(q, k, v, ws, op)
     b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "update")
@@ -484,16 +501,20 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     out = _heads_merged(b, h, n, d, q)
     bn, _, warps = launch_cfg(bd, "apply", q.dtype == torch.float32)
     n_tiles = triton.cdiv(n, bn)
-    _fwd_apply[(bh * n_tiles,)](q, *_slots(wn), out, *q.stride(), *out.stride(), h, n, d, bh, n_tiles, GATED=gated,
-                                BLOCK_N=bn, BLOCK_D=bd, PREC=prec, num_warps=warps)
+    mixed = out if mix is None else mix  # never read without HAS_MIX
+    _fwd_apply[(bh * n_tiles,)](q, *_slots(wn), out, mixed, *q.stride(), *out.stride(), *mixed.stride(), h, n, d, bh,
+                                n_tiles, float(mix_weight), GATED=gated, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
+                                HAS_MIX=mix is not None, num_warps=warps)
     return out, wn
 
 
 def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float,
-                     gated: bool):
+                     gated: bool, mix_weight: Optional[float] = None):
     """Triton backward in 3 launches (4 under ``torch.use_deterministic_algorithms``: dW summed in a fixed order
     instead of by relaxed atomic adds): [dq, dk, dv, dW...] (dW in fp32, cast to the weights' dtype if lower);
-    recomputes every N x d intermediate from q, k, v, W and W' (fp32 contiguous (B, heads, d, d), as saved)."""
+    recomputes every N x d intermediate from q, k, v, W and W' (fp32 contiguous (B, heads, d, d), as saved).
+    ``mix_weight`` (the forward blended with ``mix``): dO is scaled by (1 - mix_weight) in ``_bwd_apply``, which
+    also writes d mix = mix_weight dO, returned last."""
     op = _op_name(gated)
     b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "bwd")
     n_w, bh, prec, dev, f32 = len(ws), b * h, dot_prec(q.dtype), q.device, torch.float32
@@ -509,9 +530,11 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     ct = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32)
     sp = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32) if det or single else ct  # each sample's dW'
     dq = _heads_merged(b, h, n, d, q)
-    _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), ct, sp, *q.stride(), *do.stride(),
-                               *dq.stride(), h, n, d, bh, chunks, n_wb, c, GATED=gated, TILES=tiles, BLOCK_N=bn,
-                               BLOCK_D=bd, PREC=prec, SINGLE=single, num_warps=warps)
+    dmix = dq if mix_weight is None else _heads_merged(b, h, n, d, q)  # never written without HAS_MIX
+    _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), ct, sp, dmix, *q.stride(), *do.stride(),
+                               *dq.stride(), *dmix.stride(), h, n, d, bh, chunks, n_wb, c, float(mix_weight or 0.0),
+                               GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, SINGLE=single,
+                               HAS_MIX=mix_weight is not None, num_warps=warps)
     bc = min(BLOCK_C, bd)
     cols = triton.cdiv(d, bc)
     if not single:
@@ -525,7 +548,8 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     if det:  # a fourth launch sums the partials in a fixed order (bitwise reproducible)
         _bwd_reduce[(n_wb * h * cols,)](part, sp, *_slots(dw), h, d, bh, chunks, cols, b // n_wb, GATED=gated,
                                         BLOCK_D=bd, BLOCK_C=bc, num_warps=4)
-    return [dq, dk, dv] + [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(dw, ws)]
+    grads = [dq, dk, dv] + [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(dw, ws)]
+    return grads if mix_weight is None else grads + [dmix]
 
 
 t5_fwd_triton, t5_bwd_triton, dit5_fwd_triton, dit5_bwd_triton = model_entry_points(inner_fwd_triton,

@@ -6,6 +6,11 @@ through ``register_autograd``:
 
     y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(x, eps, triton)
     dx = torch.ops.ttt_zoo.key_instance_norm_bwd(dy, x, mean, rstd, triton)
+    y, wf, bf, mean, rstd = torch.ops.ttt_zoo.qk_norm_fold_fwd(q, k, eps, wq, bq, wk, bk, triton)
+
+The last one serves the T5 / DiT5 q and k convs as one depthwise conv over [q | key norm(k)] (2C channels): the
+Triton kernel writes that buffer and the two convs' stacked taps with the identity folded in, in the key norm's one
+launch; its backward is the key norm's (dq, dW, db are slices of the incoming gradients).
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ from torch import Tensor
 
 from ..backend import triton_choice
 from ..utils import count_flops_as, launches_kernel, triton_module
-from .torch import check_key_norm, key_norm_bwd, key_norm_fwd
+from .torch import check_key_norm, check_qk_norm_fold, key_norm_bwd, key_norm_fwd, qk_norm_fold_fwd
 
-__all__ = ["key_norm_op"]
+__all__ = ["key_norm_op", "qk_norm_fold_op"]
 
 
 def _t():
@@ -80,3 +85,55 @@ def key_norm_op(x: Tensor, eps: float = 1.0, triton=None) -> Tensor:
     check_key_norm(x, eps)
     triton = triton_choice(x, "key_instance_norm", 0) if triton is None else bool(triton)
     return key_norm_fwd_op(x, float(eps), triton)[0]
+
+
+@torch.library.custom_op("ttt_zoo::qk_norm_fold_fwd", mutates_args=())
+def qk_norm_fold_fwd_op(q: Tensor, k: Tensor, eps: float, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor,
+                        triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    impl = _t().qk_norm_fold_fwd_triton if launches_kernel(triton, k) else qk_norm_fold_fwd
+    y, wf, bf, mean, rstd = impl(q, k, eps, wq, bq, wk, bk)
+    dtype = _stat_dtype(k, triton)
+    return y.contiguous(), wf.contiguous(), bf.contiguous(), mean.to(dtype), rstd.to(dtype)
+
+
+@qk_norm_fold_fwd_op.register_fake
+def _(q, k, eps, wq, bq, wk, bk, triton):
+    b, n, c = k.shape
+    dtype = _stat_dtype(k, triton)
+    return (k.new_empty(b, n, 2 * c), wq.new_empty((2 * c,) + tuple(wq.shape[1:])), bq.new_empty(2 * c),
+            k.new_empty(b, c, dtype=dtype), k.new_empty(b, c, dtype=dtype))
+
+
+def _fold_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], output[3], output[4])
+    ctx.mark_non_differentiable(output[3], output[4])
+    ctx.set_materialize_grads(False)
+    ctx.triton, ctx.c = inputs[7], inputs[1].shape[-1]
+
+
+def _fold_backward(ctx, dy, dwf, dbf, *_):
+    """dq and the weights' and biases' gradients are slices of the incoming ones (no launch); dk: the key norm's."""
+    k, mean, rstd = ctx.saved_tensors
+    c = ctx.c
+    dq = dk = dwq = dwk = dbq = dbk = None
+    if dy is not None:
+        dq, dk = dy[..., :c], key_norm_bwd_op(dy[..., c:], k, mean, rstd, ctx.triton)
+    if dwf is not None:
+        dwq, dwk = dwf[:c], dwf[c:]
+    if dbf is not None:
+        dbq, dbk = dbf[:c], dbf[c:]
+    return dq, dk, None, dwq, dbq, dwk, dbk, None
+
+
+qk_norm_fold_fwd_op.register_autograd(_fold_backward, setup_context=_fold_setup)
+count_flops_as(qk_norm_fold_fwd_op, qk_norm_fold_fwd)
+
+
+def qk_norm_fold_op(q: Tensor, k: Tensor, eps: float, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor,
+                    triton=None) -> Tuple[Tensor, Tensor, Tensor]:
+    """([q | key norm(k)] (B, N, 2C), stacked conv taps + identity (2C, 1, kh, kw), stacked biases) through the custom
+    op (``triton`` as in :func:`key_norm_op`): one depthwise conv of the first with the other two computes both
+    residual convs ``q + conv_q(q)``, ``kn + conv_k(kn)``."""
+    check_qk_norm_fold(q, k, eps, wq, bq, wk, bk)
+    triton = triton_choice(k, "key_instance_norm", 0) if triton is None else bool(triton)
+    return qk_norm_fold_fwd_op(q, k, float(eps), wq, bq, wk, bk, triton)[:3]

@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["key_norm_fwd", "key_norm_bwd", "key_norm_torch", "check_key_norm", "stat_dtype"]
+__all__ = ["key_norm_fwd", "key_norm_bwd", "key_norm_torch", "check_key_norm", "stat_dtype", "identity_taps",
+           "check_qk_norm_fold", "qk_norm_fold_fwd"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,3 +67,33 @@ def key_norm_torch(x: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
     """Lean PyTorch path: stores x (a view the mixer keeps anyway) and 2 x C fp32 statistics per sample."""
     check_key_norm(x, eps)
     return KeyNorm.apply(x, float(eps))
+
+
+# ------------------------------------------- [q | key norm(k)] for one depthwise conv over both (T5 / DiT5 mixers)
+def identity_taps(w: torch.Tensor) -> torch.Tensor:
+    """The depthwise kernel shaped like ``w`` (C, 1, kh, kw, odd) that copies its input: 1 at the centre tap (built
+    by padding, no item assignment, so FX, TorchScript and both ONNX exporters trace it)."""
+    ph, pw = w.shape[2] // 2, w.shape[3] // 2
+    return F.pad(torch.ones_like(w[:, :, :1, :1]), (pw, pw, ph, ph))
+
+
+def check_qk_norm_fold(q, k, eps: float, wq, bq, wk, bk) -> None:
+    check_key_norm(k, eps)
+    c = k.shape[-1]
+    if q.shape != k.shape or q.dtype != k.dtype:
+        raise ValueError(f"q must match k's shape and dtype {tuple(k.shape)}, {k.dtype}; got {tuple(q.shape)}, "
+                         f"{q.dtype}")
+    if wq.shape != wk.shape or wq.dim() != 4 or wq.shape[:2] != (c, 1) or wq.shape[2] % 2 == 0 or \
+            wq.shape[3] % 2 == 0 or bq.shape != (c,) or bk.shape != (c,):
+        raise ValueError(f"the q and k convs must be depthwise over the {c} channels with odd taps and biases, got "
+                         f"weights {tuple(wq.shape)}, {tuple(wk.shape)}, biases {tuple(bq.shape)}, {tuple(bk.shape)}")
+
+
+def qk_norm_fold_fwd(q: torch.Tensor, k: torch.Tensor, eps: float, wq: torch.Tensor, bq: torch.Tensor,
+                     wk: torch.Tensor, bk: torch.Tensor):
+    """([q | key norm(k)] (B, N, 2C), the stacked conv taps with the identity folded in (2C, 1, kh, kw), the stacked
+    biases (2C,), mean, rstd): one depthwise conv of the result over 2C channels is ``q + conv_q(q)`` and
+    ``kn + conv_k(kn)`` side by side.  The PyTorch form of the Triton kernel's single launch."""
+    y, mean, rstd = key_norm_fwd(k, eps)
+    w = torch.cat([wq, wk])
+    return torch.cat([q, y], -1), w + identity_taps(w), torch.cat([bq, bk]), mean, rstd

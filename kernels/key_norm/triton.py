@@ -7,6 +7,9 @@ One program per (sample, block of BLOCK_C channels) loops over the N tokens in B
   bwd ``_knorm_bwd``: pass 1 reduces sum(dy) and sum(dy x^) (x^ recomputed from x, mean, rstd), pass 2 writes
       dx = rstd (dy - mean(dy) - x^ mean(dy x^)).
 Memory per (sample, channel): 2 fp32 saved (mean, rstd); nothing else beyond y / dx themselves.
+``CAT`` (the T5 / DiT5 q and k convs as one depthwise conv over 2C channels, ``qk_norm_fold_fwd_triton``): the same
+launch writes [q | y] into one (B, N, 2C) buffer (pass 3 copies the q tile) and, in the first sample's programs,
+the two convs' taps with the identity folded in (the residual ``z + conv(z)``) and their biases, stacked.
 """
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import jit_sizes, pid64
-from .torch import check_key_norm, make_function
+from .torch import check_key_norm, check_qk_norm_fold, make_function
 
-__all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton"]
+__all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton", "qk_norm_fold_fwd_triton"]
 
 BLOCK_N = 64
 BLOCK_C = 32
@@ -29,9 +32,21 @@ def _load_cols(ptr, base, offs_n, offs_c, sn, sc, N, C):
     return tl.load(ptr + base + offs_n[:, None] * sn + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32), m
 
 
-@jit_sizes
-def _knorm_fwd(X, Y, MEAN, RSTD, sxb, sxn, sxc, syb, syn, syc, N, C, eps,
-               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit
+def _fold_taps(W, B, WF, BF, row0, offs_c, offs_t, C, T):
+    """Rows ``row0 + offs_c`` of the stacked (2C, T) taps = W + identity (1 at the centre tap), and of the biases."""
+    cm = offs_c < C
+    m = cm[:, None] & (offs_t[None, :] < T)
+    eye = (offs_t[None, :] == T // 2).to(tl.float32)
+    w = tl.load(W + offs_c[:, None] * T + offs_t[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(WF + (row0 + offs_c[:, None]) * T + offs_t[None, :], (w + eye).to(WF.dtype.element_ty), mask=m)
+    tl.store(BF + row0 + offs_c, tl.load(B + offs_c, mask=cm, other=0.0), mask=cm)
+
+
+@jit_sizes(also=("sxb", "syb", "sqb"))
+def _knorm_fwd(X, Y, MEAN, RSTD, Q, YQ, WQ, BQ, WK, BK, WF, BF, sxb, sxn, sxc, syb, syn, syc, sqb, sqn, sqc,
+               N, C, T, eps, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+               CAT: tl.constexpr):
     b, cb = pid64(0), pid64(1)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -50,6 +65,14 @@ def _knorm_fwd(X, Y, MEAN, RSTD, sxb, sxn, sxc, syb, syn, syc, N, C, eps,
         x, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
         y = (x - mean[None, :]) * rstd[None, :]
         tl.store(Y + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, y.to(Y.dtype.element_ty), mask=m)
+        if CAT:  # the q half of [q | y]
+            q = tl.load(Q + b * sqb + offs_n[:, None] * sqn + offs_c[None, :] * sqc, mask=m, other=0.0)
+            tl.store(YQ + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, q.to(YQ.dtype.element_ty), mask=m)
+    if CAT:
+        if b == 0:  # the folded taps and biases, once
+            offs_t = tl.arange(0, BLOCK_T)
+            _fold_taps(WQ, BQ, WF, BF, 0, offs_c, offs_t, C, T)
+            _fold_taps(WK, BK, WF, BF, C, offs_c, offs_t, C, T)
     cm = offs_c < C
     tl.store(MEAN + b * C + offs_c, mean, mask=cm)
     tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
@@ -89,9 +112,29 @@ def key_norm_fwd_triton(x: torch.Tensor, eps: float):
     y = torch.empty(b, n, c, device=x.device, dtype=x.dtype)
     mean = torch.empty(b, c, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](x, y, mean, rstd, *x.stride(), *y.stride(), n, c, float(eps),
-                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](x, y, mean, rstd, x, y, x, x, x, x, y, y, *x.stride(), *y.stride(),
+                                            *x.stride(), n, c, 1, float(eps), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
+                                            BLOCK_T=1, CAT=False)
     return y, mean, rstd
+
+
+def qk_norm_fold_fwd_triton(q, k, eps: float, wq, bq, wk, bk):
+    """One launch: ([q | key_norm(k)] (B, N, 2C) in k's dtype, the stacked taps (2C, 1, kh, kw) with the identity
+    folded in, the stacked biases (2C,), mean, rstd (B, C) fp32 of k)."""
+    check_qk_norm_fold(q, k, eps, wq, bq, wk, bk)
+    b, n, c = k.shape
+    y = torch.empty(b, n, 2 * c, device=k.device, dtype=k.dtype)
+    wf = torch.empty((2 * c,) + tuple(wq.shape[1:]), device=wq.device, dtype=wq.dtype)
+    bf = torch.empty(2 * c, device=bq.device, dtype=bq.dtype)
+    mean = torch.empty(b, c, device=k.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    taps = wq[0].numel()
+    wq, bq, wk, bk = (t.contiguous() for t in (wq, bq, wk, bk))
+    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](k, y[..., c:], mean, rstd, q, y[..., :c], wq, bq, wk, bk, wf, bf,
+                                            *k.stride(), *y.stride(), *q.stride(), n, c, taps, float(eps),
+                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, BLOCK_T=triton.next_power_of_2(taps),
+                                            CAT=True)
+    return y, wf, bf, mean, rstd
 
 
 def key_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:

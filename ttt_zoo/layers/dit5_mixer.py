@@ -12,13 +12,13 @@ from torch import nn
 from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
-from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference
+from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_mix
 from ttt_zoo.kernels.utils import compute_dtype
 from .block import map_to_tokens, tokens_to_map
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import (PlainStepTTT, dit5_form, eager_fold, fold_identity, qkv_inputs, residual_dwconv,
-                     silu_gate_features)
+from .t5_ttt import (PlainStepTTT, blend_na, dit5_form, eager_fold, fold_identity, fused_qk_convs,
+                     qkv_inputs, residual_dwconv, silu_gate_features)
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -86,15 +86,19 @@ class DiT5MixedAttention(PlainStepTTT):
             if w.device.type != "meta":
                 trunc_normal_(w, std=0.02)
 
-    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each."""
+    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               na: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each, blended with ``na`` (the forward always
+        passes it; :func:`~ttt_zoo.layers.t5_ttt.blend_na`), inside the inner-step op where it has one."""
         scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
         if self.linear or self.inner_update == "last":
             if not self.linear:
                 q, k = silu_gate_features(q, self.w1, None), silu_gate_features(k, self.w1, None)
             if torch.jit.is_scripting():
-                return last_layer_ttt_torch(q, k, v, self.w2, scale, "mse", self.inner_steps)
-            return last_layer_ttt(q, k, v, self.w2, scale, "mse", self.inner_steps, backend=self.backend)
+                return blend_na(last_layer_ttt_torch(q, k, v, self.w2, scale, "mse", self.inner_steps), na,
+                                self.na_weight)
+            return blend_na(last_layer_ttt(q, k, v, self.w2, scale, "mse", self.inner_steps, backend=self.backend),
+                            na, self.na_weight)
         w1, w2 = self.w1, self.w2
         if self.inner_steps > 1:  # the first k - 1 steps (tiny d x d updates), then the last step + read by the op
             dt = compute_dtype(q.dtype)
@@ -103,22 +107,30 @@ class DiT5MixedAttention(PlainStepTTT):
             for _ in range(self.inner_steps - 1):
                 w1, w2 = mlp_inner_update_reference(kc, vc, w1, w2, scale)
             w1, w2 = w1.to(q.dtype), w2.to(q.dtype)
-        return mlp_ttt(q, k, v, w1, w2, scale, backend=self.backend)
+        if na is None:
+            return mlp_ttt(q, k, v, w1, w2, scale, backend=self.backend)
+        return mlp_ttt_mix(q, k, v, w1, w2, scale, na, self.na_weight, backend=self.backend)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
 
     def _ttt(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             feat_size: Tuple[int, int]) -> torch.Tensor:
-        """(B, heads, N, d) from the qkv output and its q, k, v views; the q and k affines as one launch, the convs'
-        residuals folded into their weights."""
+             feat_size: Tuple[int, int], na: torch.Tensor) -> torch.Tensor:
+        """(B, heads, N, d) from the qkv output and its q, k, v views, blended with ``na``; the q and k affines as one
+        launch, the convs' residuals folded into their weights."""
         s, o = self.qk_scale_ttt, self.qk_offset_ttt  # (1, 1, C, 2): [..., 0] for q, [..., 1] for k
         if self.share_qk:
             k = torch.addcmul(o[..., 1], k, s[..., 1])
         else:  # [q | k] of the projection as (B, N, C, 2), the parameters' layout
             qk = torch.addcmul(o, qkv[..., :2 * k.shape[-1]].unflatten(-1, (2, k.shape[-1])).transpose(-1, -2), s)
             q, k = qk[..., 0], qk[..., 1]
+        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        if eager_fold() and not self.share_qk:  # [q | kn] and one conv where the key norm runs Triton
+            fused = fused_qk_convs(q, k, 1.0, self.q_conv2d.weight, self.q_conv2d.bias, self.k_conv2d.weight,
+                                   self.k_conv2d.bias, feat_size, self.backend)
+        if fused is not None:
+            return self._inner(self._heads(fused[0]), self._heads(fused[1]), self._heads(v), na)
         k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
         if not eager_fold():
             k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size))))
@@ -130,7 +142,7 @@ class DiT5MixedAttention(PlainStepTTT):
             wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
             k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
             q = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
-        return self._inner(q, k, self._heads(v))
+        return self._inner(q, k, self._heads(v), na)
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """(B, heads, N, d) from (B, N, C) q, k, v (views of the qkv output)."""
@@ -151,8 +163,8 @@ class DiT5MixedAttention(PlainStepTTT):
             q = k
         else:
             q, k, v = qkv.chunk(3, dim=-1)
-        # 0.5 (NA + TTT) in one launch; NA first: its (B, N, heads, d) layout makes merging the heads free
-        x = torch.lerp(self._na(q, k, v, feat_size), self._ttt(qkv, q, k, v, feat_size), 0.5)
+        # 0.5 (NA + TTT), blended inside the inner-step op; NA's (B, N, heads, d) layout makes merging the heads free
+        x = self._ttt(qkv, q, k, v, feat_size, self._na(q, k, v, feat_size))
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
 
     def extra_repr(self) -> str:

@@ -16,7 +16,8 @@ from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
 from ttt_zoo.kernels.backend import TRITON_BACKEND, tracing, resolve_backend
-from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference
+from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference, t5_swiglu_ttt_mix
+from ttt_zoo.kernels.key_norm import identity_taps, qk_norm_fold_op
 from ttt_zoo.kernels.utils import cached_constant, compute_dtype
 from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
@@ -25,7 +26,14 @@ from .mixer import TTTMixer, register_mixer
 from .variants import VariantOptions, init_plain_step_variant
 
 __all__ = ["T5TTT", "PlainStepTTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form",
-           "eager_fold", "fold_identity", "residual_dwconv"]
+           "eager_fold", "fold_identity", "residual_dwconv", "fused_qk_convs", "NA_WEIGHT", "blend_na"]
+
+NA_WEIGHT = 0.5  # T5+ / DiT5: out = (1 - NA_WEIGHT) TTT + NA_WEIGHT NA (paper Eq. 15)
+
+
+def blend_na(ttt: torch.Tensor, na: Optional[torch.Tensor], na_weight: float) -> torch.Tensor:
+    """(1 - na_weight) ttt + na_weight na in one launch, for the inner steps that do not blend inside their op."""
+    return ttt if na is None else torch.lerp(na, ttt, 1.0 - na_weight)
 
 def silu_gate_features(x: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor]) -> torch.Tensor:
     """The frozen hidden features of the V1 variants: T5 ``silu(x W1) * (x W2)``, DiT5 ``silu(x W1)``."""
@@ -78,18 +86,11 @@ def _dwconv_res(z: torch.Tensor, conv: nn.Module, fs: Tuple[int, int]) -> torch.
     return z + map_to_tokens(conv(tokens_to_map(z, fs)))
 
 
-def _identity_taps(w: torch.Tensor) -> torch.Tensor:
-    """The depthwise kernel shaped like ``w`` (C, 1, kh, kw, odd) that copies its input: 1 at the centre tap (built
-    by padding, no item assignment, so FX, TorchScript and both ONNX exporters trace it)."""
-    ph, pw = w.shape[2] // 2, w.shape[3] // 2
-    return F.pad(torch.ones_like(w[:, :, :1, :1]), (pw, pw, ph, ph))
-
-
 _IDENTITY_TAPS: Dict[Tuple[Tuple[int, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _cached_identity_taps(w: torch.Tensor) -> torch.Tensor:
-    return cached_constant(_IDENTITY_TAPS, (tuple(w.shape), w.device, w.dtype), lambda: _identity_taps(w))
+    return cached_constant(_IDENTITY_TAPS, (tuple(w.shape), w.device, w.dtype), lambda: identity_taps(w))
 
 
 def eager_fold() -> bool:
@@ -109,7 +110,7 @@ def fold_identity(ws: List[torch.Tensor]) -> List[torch.Tensor]:
     (multi-tensor) launch for all of them, none in the backward, instead of a residual add each way per conv.
     Eager mode and FX (:func:`eager_fold`)."""
     if is_fx_symbolic_tracing():  # the same adds, recorded per weight (bitwise the eager result)
-        eye = _identity_taps(ws[0])
+        eye = identity_taps(ws[0])
         return [w + eye for w in ws]
     return list(torch._foreach_add(ws, [_cached_identity_taps(ws[0])] * len(ws)))
 
@@ -118,6 +119,22 @@ def residual_dwconv(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     fs: Tuple[int, int]) -> torch.Tensor:
     """``z + dwconv(z)`` ('same' padding) on (B, N, C) tokens, ``weight`` with the identity folded in."""
     return map_to_tokens(F.conv2d(tokens_as_map(z, fs), weight, bias, 1, weight.shape[-1] // 2, 1, z.shape[-1]))
+
+
+@torch.jit.unused  # TorchScript never folds (eager_fold)
+def fused_qk_convs(q: torch.Tensor, k: torch.Tensor, eps: float, wq: torch.Tensor, bq: Optional[torch.Tensor],
+                   wk: torch.Tensor, bk: Optional[torch.Tensor], fs: Tuple[int, int],
+                   backend: Optional[str]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``q + conv_q(q)`` and ``kn + conv_k(kn)``, kn = key_instance_norm(k), as (B, N, C) views of one depthwise conv
+    over 2C channels, where the key norm runs its Triton kernel (eager, not FX): that launch writes [q | kn] and the
+    stacked taps (identity folded in) and biases of both convs (``key_norm.qk_norm_fold_op``): one conv and one
+    conv backward instead of two each, no fold launch.  None elsewhere (the caller runs the two convs)."""
+    if is_fx_symbolic_tracing() or bq is None or bk is None or \
+            resolve_backend(backend, k.device, k.dtype, None, "key_instance_norm") != TRITON_BACKEND:
+        return None
+    y, w, b = qk_norm_fold_op(q, k, eps, wq, bq, wk, bk, triton=True)
+    q2, k2 = torch.split(residual_dwconv(y, w, b, fs), q.shape[-1], -1)  # backward: one cat
+    return q2, k2
 
 
 def dit5_form(m: nn.Module, t: Dict[str, torch.Tensor], fs: Tuple[int, int]) -> laf.T5Form:
@@ -145,6 +162,7 @@ class PlainStepTTT(VariantOptions, TTTMixer):
     only the live branches are compiled), the heads and scale, and the qkv projection with the q/k convs
     (``share_qk``: the projection makes [k, v] only and there is no q conv)."""
     share_qk: Final[bool]
+    na_weight: Final[float] = NA_WEIGHT  # T5+ / DiT5's blend (a TorchScript constant)
     inner_update: Final[str]
     linear: Final[bool]
     gradient_ascent: Final[bool]
@@ -242,15 +260,19 @@ class T5TTT(PlainStepTTT):
     def _inner_weights(self) -> Tuple[torch.Tensor, ...]:
         return (self.w3,) if self.inner_model == "linear" else (self.w1, self.w2, self.w3)
 
-    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each."""
+    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               na: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each; T5+ blends in ``na`` (:func:`blend_na`),
+        inside the inner-step op where it has one."""
         scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
         if self.linear or self.inner_update == "last":
             if not self.linear:
                 q, k = silu_gate_features(q, self.w1, self.w2), silu_gate_features(k, self.w1, self.w2)
             if torch.jit.is_scripting():
-                return last_layer_ttt_torch(q, k, v, self.w3, scale, "dot", self.inner_steps)
-            return last_layer_ttt(q, k, v, self.w3, scale, "dot", self.inner_steps, backend=self.backend)
+                return blend_na(last_layer_ttt_torch(q, k, v, self.w3, scale, "dot", self.inner_steps), na,
+                                self.na_weight)
+            return blend_na(last_layer_ttt(q, k, v, self.w3, scale, "dot", self.inner_steps, backend=self.backend),
+                            na, self.na_weight)
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.inner_steps > 1:  # the first k - 1 steps (tiny d x d updates), then the last step + read by the op
             dt = compute_dtype(q.dtype)
@@ -259,7 +281,9 @@ class T5TTT(PlainStepTTT):
             for _ in range(self.inner_steps - 1):
                 w1, w2, w3 = t5_inner_update_reference(kc, vc, w1, w2, w3, scale)
             w1, w2, w3 = w1.to(q.dtype), w2.to(q.dtype), w3.to(q.dtype)
-        return t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=self.backend)
+        if na is None:
+            return t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=self.backend)
+        return t5_swiglu_ttt_mix(q, k, v, w1, w2, w3, scale, na, self.na_weight, backend=self.backend)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         b, n, _ = t.shape
@@ -273,25 +297,31 @@ class T5TTT(PlainStepTTT):
             q = k
         else:
             q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
-        kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-        if not eager_fold():
+        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        if eager_fold() and not self.share_qk:  # [q | kn] and one conv where the key norm runs Triton
+            fused = fused_qk_convs(q, k, self.key_norm_eps, self.q_conv2d.weight, self.q_conv2d.bias,
+                                   self.k_conv2d.weight, self.k_conv2d.bias, feat_size, self.backend)
+        if fused is not None:
+            q2h, k2h = self._heads(fused[0]), self._heads(fused[1])
+        elif not eager_fold():
+            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
             k2h = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
             q2h = k2h if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
         elif self.share_qk:
+            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
             wk = fold_identity([self.k_conv2d.weight])[0]
             q2h = k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
         else:
+            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
             wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
             k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
             q2h = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
-        out = self._inner(q2h, k2h, self._heads(v))
-        if self.na_kernel > 0:
+        na: Optional[torch.Tensor] = None
+        if self.na_kernel > 0:  # T5+: blended into the inner step's output (its (B, N, heads, d) layout is kept)
             grid = (b, self.num_heads, feat_size[0], feat_size[1], c // self.num_heads)
             na = neighborhood_attention_2d(self._heads(q).reshape(grid), self._heads(k).reshape(grid),
-                                           self._heads(v).reshape(grid), self.na_kernel, 1, self.scale)
-            # 0.5 (TTT + NA) in one launch; NA first: its (B, N, heads, d) layout makes merging the heads free
-            out = torch.lerp(na.flatten(2, 3), out, 0.5)
-        return out
+                                           self._heads(v).reshape(grid), self.na_kernel, 1, self.scale).flatten(2, 3)
+        return self._inner(q2h, k2h, self._heads(v), na)
 
     @torch.jit.unused
     def _recomputes(self, x: torch.Tensor) -> bool:
