@@ -231,11 +231,11 @@ def _fwd_finalize(P, WA, WB, WO, NA, NB, NO,
 @triton.jit(do_not_specialize=_SIZES)
 def _fwd_apply(Q, NA, NB, NO, O, MIX,
                sqb, sqh, sqn, sqd, sob, soh, son, sod, smb, smh, smn, smd,
-               H, N, D, n_bh, n_tiles, mix_w,
+               H, N, D, n_bh, n_tiles, alpha,
                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
                HAS_MIX: tl.constexpr):
     """One token tile of one (batch, head): out = silu(q A') [* q B'] O'; ``HAS_MIX``: out = (1 - a) out + a mix
-    (a = ``mix_w``, in fp32, one rounding)."""
+    (a = ``alpha``, in fp32, one rounding)."""
     b, h, bh, tile = _program(H, n_tiles)
     dt: tl.constexpr = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -246,7 +246,7 @@ def _fwd_apply(Q, NA, NB, NO, O, MIX,
     out = _dot(hid.to(dt), wo, PREC)
     if HAS_MIX:
         mix = _ld(MIX, b * smb + h * smh, offs_n, offs_d, smn, smd, N, D).to(tl.float32)
-        out = out * (1.0 - mix_w) + mix * mix_w
+        out = out * (1.0 - alpha) + mix * alpha
     _st(O, b * sob + h * soh, out, offs_n, offs_d, son, sod, N, D)
 
 
@@ -254,7 +254,7 @@ def _fwd_apply(Q, NA, NB, NO, O, MIX,
 @triton.jit(do_not_specialize=_SIZES)
 def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
                sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd, smb, smh, smn, smd,
-               H, N, D, n_bh, n_chunks, n_wb, c, mix_w,
+               H, N, D, n_bh, n_chunks, n_wb, c, alpha,
                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                PREC: tl.constexpr, SINGLE: tl.constexpr, HAS_MIX: tl.constexpr):
     """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
@@ -276,8 +276,8 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
         y = _ld(DO, b * sdb + h * sdh, offs_n, offs_d, sdn, sdd, N, D)
         if HAS_MIX:
             yf = y.to(tl.float32)
-            _st(DMIX, b * smb + h * smh, yf * mix_w, offs_n, offs_d, smn, smd, N, D)
-            y = yf * (1.0 - mix_w)
+            _st(DMIX, b * smb + h * smh, yf * alpha, offs_n, offs_d, smn, smd, N, D)
+            y = yf * (1.0 - alpha)
         y = y.to(dt)
         z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
         dh = _dot(y, tl.trans(wo), PREC)

@@ -33,19 +33,19 @@ def _load_cols(ptr, base, offs_n, offs_c, sn, sc, N, C):
 
 
 @triton.jit
-def _fold_taps(W, B, WF, BF, row0, offs_c, offs_t, C, T):
-    """Rows ``row0 + offs_c`` of the stacked (2C, T) taps = W + identity (1 at the centre tap), and of the biases."""
+def _fold_taps(W, B, WF, BF, row0, offs_c, offs_t, C, n_taps):
+    """Rows ``row0 + offs_c`` of the stacked (2C, n_taps) taps = W + identity (1 at the centre tap), and of the biases."""
     cm = offs_c < C
-    m = cm[:, None] & (offs_t[None, :] < T)
-    eye = (offs_t[None, :] == T // 2).to(tl.float32)
-    w = tl.load(W + offs_c[:, None] * T + offs_t[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(WF + (row0 + offs_c[:, None]) * T + offs_t[None, :], (w + eye).to(WF.dtype.element_ty), mask=m)
+    m = cm[:, None] & (offs_t[None, :] < n_taps)
+    eye = (offs_t[None, :] == n_taps // 2).to(tl.float32)
+    w = tl.load(W + offs_c[:, None] * n_taps + offs_t[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(WF + (row0 + offs_c[:, None]) * n_taps + offs_t[None, :], (w + eye).to(WF.dtype.element_ty), mask=m)
     tl.store(BF + row0 + offs_c, tl.load(B + offs_c, mask=cm, other=0.0), mask=cm)
 
 
 @jit_sizes(also=("sxb", "syb", "sqb"))
 def _knorm_fwd(X, Y, MEAN, RSTD, Q, YQ, WQ, BQ, WK, BK, WF, BF, sxb, sxn, sxc, syb, syn, syc, sqb, sqn, sqc,
-               N, C, T, eps, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+               N, C, n_taps, eps, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
                CAT: tl.constexpr):
     b, cb = pid64(0), pid64(1)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -71,8 +71,8 @@ def _knorm_fwd(X, Y, MEAN, RSTD, Q, YQ, WQ, BQ, WK, BK, WF, BF, sxb, sxn, sxc, s
     if CAT:
         if b == 0:  # the folded taps and biases, once
             offs_t = tl.arange(0, BLOCK_T)
-            _fold_taps(WQ, BQ, WF, BF, 0, offs_c, offs_t, C, T)
-            _fold_taps(WK, BK, WF, BF, C, offs_c, offs_t, C, T)
+            _fold_taps(WQ, BQ, WF, BF, 0, offs_c, offs_t, C, n_taps)
+            _fold_taps(WK, BK, WF, BF, C, offs_c, offs_t, C, n_taps)
     cm = offs_c < C
     tl.store(MEAN + b * C + offs_c, mean, mask=cm)
     tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
