@@ -1,7 +1,11 @@
 """H-ViT3's 2-D RoPE tables are cached in eager (issue 48): the cache gives the tables the build gives, follows the
-map size, survives inference_mode, adds no state-dict key, and is bypassed under tracing."""
+map size, survives inference_mode, adds no state-dict key, and is bypassed under tracing; on the Triton path the
+rotation runs inside the fused kernels."""
+import pytest
 import timm
 import torch
+
+from _ops import triton_test
 
 from ttt_zoo.kernels import rope
 from ttt_zoo.kernels.backend import use_backend
@@ -73,3 +77,16 @@ def test_torch_path_block_builds_no_tables():
     for op in ("arange", "pow", "cos", "sin", "reciprocal"):
         assert op not in infer.aten and op not in train.aten, (op, infer.aten, train.aten)
     assert "complex" not in infer.aten, infer.aten
+
+
+@triton_test
+@pytest.mark.parametrize("name", ["hvit3_tiny", "hvit3_tiny_v3"])
+def test_triton_path_block_turns_rope_inside_the_kernels(name):
+    """On the Triton path the fused kernels turn q, k (and dq, dk back): no aten RoPE op (the complex multiply, the
+    -sin, the clone / copy of the inverse) in a block's inference or training step."""
+    with use_backend("triton"):
+        infer, train = block_launches(timm.create_model(name, img_size=64))
+    for op in ("mul", "complex", "neg", "clone", "copy_"):
+        assert op not in infer.aten and op not in train.aten, (op, dict(infer.aten), dict(train.aten))
+    fused = ("_fwd_update", "_fwd_finalize", "_fwd_apply", "_bwd_apply", "_bwd_finalize", "_bwd_update")
+    assert all(train.triton[k] == 1 for k in fused) and infer.triton["_fwd_apply"] == 1, (infer.triton, train.triton)

@@ -348,7 +348,7 @@ def test_fused_qkv_op_matches_float64(case, monkeypatch):
     qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV).to(dtype).requires_grad_()
     ws = [(torch.randn(wb, heads, d, d, device=DEV) * 0.05).requires_grad_() for _ in range(2)]
     ws.append((torch.randn(d, 1, 3, 3, device=DEV) * 0.05).requires_grad_())
-    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, 1 / 3, normalize, True)
+    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, 1 / 3, normalize, None, None, True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, [qkv] + ws, dout)
 
@@ -366,6 +366,66 @@ def test_fused_qkv_op_matches_float64(case, monkeypatch):
         assert err <= tol, (name, err, tol)
 
 
+ROPE_CASES = [  # (B, heads, d, H, W, dtype): H-ViT3-T's first stage at 224 px (56 x 56 = 3136 tokens, d = 32)
+    (1, 2, 32, 56, 56, torch.float32),
+    (1, 2, 32, 56, 56, torch.float16),
+    (1, 1, 64, 48, 40, torch.float16),  # d = 64 (16-token tiles), H != W
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "B{}h{}d{}_{}x{}_{}".format(*c[:5], str(c[5])[6:]))
+@triton_test
+def test_fused_qkv_op_with_rope_matches_float64(case, monkeypatch):
+    """H-ViT3's mixer core with the 2-D RoPE turned inside the fused kernels (q, k as loaded; dq, dk back as stored):
+    out and the gradients of x, the qkv weight and bias, w1, w2, w3 against the float64 reference (``qkv_ttt_naive``:
+    the projection, RoPE on q and k in float64, both inner steps) on the same rounded inputs, at N in the thousands;
+    no aten RoPE op runs on this path (the launch counts of the block: test_hvit3_launches.py)."""
+    if DEV == "cpu":
+        monkeypatch.setattr(FUSED, "BLOCK_P", 1024)
+        monkeypatch.setattr(FUSED, "TILES", 2)
+    b, heads, d, h, w, dtype = case
+    torch.manual_seed(0)
+    c, n = heads * d, h * w
+    cos, sin = (t.to(DEV) for t in rope_2d_tables((h, w), c))
+    x = torch.randn(b, n, c, device=DEV).to(dtype)
+    weight, bias = (torch.randn(3 * c + 3 * d, c, device=DEV) / math.sqrt(c)).to(dtype), \
+        (torch.randn(3 * c + 3 * d, device=DEV) * 0.1).to(dtype)
+    ws = [torch.randn(1, heads, d, d, device=DEV) * 0.05 for _ in range(2)] + [torch.randn(d, 1, 3, 3, device=DEV) * 0.05]
+    leaves = [t.requires_grad_() for t in [x, weight, bias] + ws]
+    out = qkv_ttt_op(*leaves, (h, w), heads, 1 / 3, True, cos, sin, triton=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = qkv_ttt_naive(*ref_leaves, (h, w), heads, 1 / 3, True, cos.double(), sin.double())
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    tol = 2 * _fused_tol(dtype, n)  # one more rounding to ``dtype``: the projection's output
+    for name, got, want in [("out", out, ref)] + list(zip(["dx", "dweight", "dbias", "dw1", "dw2", "dw3"], grads,
+                                                         ref_grads)):
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        print(f"{name}: max error / max |ref| = {err:.2e} (tolerance {tol:.2e})")
+        assert err <= tol, (name, err, tol)
+
+
+def test_qkv_op_torch_path_turns_rope_tables():
+    """``vit3_qkv_fwd`` given the RoPE tables on its PyTorch path (the kernels' stand-in off the GPU) equals the op on
+    views turned beforehand, and its gradients are the float64 gradcheck's (the cotangents of the unturned views)."""
+    b, heads, d, h, w = 2, 2, 4, 3, 4
+    c = heads * d
+    cos, sin = (t.double() for t in rope_2d_tables((h, w), c))
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, dtype=torch.float64, requires_grad=True)
+    ws = _leaves((1, heads, d, d), (1, heads, d, d), (d, 1, 3, 3), scale=0.3)
+
+    def turned_inside(qkv, *ws):
+        return ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, 0.7, True, cos, sin, False)[0]
+
+    def turned_before(qkv, *ws):
+        q1, k1, *rest = _six_views(qkv, heads, d, h, w)
+        q1, k1 = (ops._rope_heads(t, cos, sin, (h, w)) for t in (q1, k1))
+        return ops.qkv_fwd_op(q1, k1, *rest, *ws, 0.7, True, None, None, False)[0]
+    assert torch.autograd.gradcheck(turned_inside, (qkv, *ws), fast_mode=True)
+    _grads_close(turned_inside, turned_before, (qkv, *ws))
+
+
 def _fused_grads(b, heads, d, h, w, dtype, scale, v_scale=1.0):
     """(inputs, dout, grads of qkv and the weights) of the fused op; the v columns of the SwiGLU branch scaled."""
     torch.manual_seed(0)
@@ -375,7 +435,7 @@ def _fused_grads(b, heads, d, h, w, dtype, scale, v_scale=1.0):
     qkv = qkv.to(dtype).requires_grad_()
     ws = [(torch.randn(1, heads, d, d, device=DEV) * 0.05).requires_grad_() for _ in range(2)]
     ws.append((torch.randn(d, 1, 3, 3, device=DEV) * 0.05).requires_grad_())
-    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, scale, True, True)
+    out, *_ = ops.qkv_fwd_op(*_six_views(qkv, heads, d, h, w), *ws, scale, True, None, None, True)
     dout = torch.randn_like(out)
     return [qkv] + ws, dout, torch.autograd.grad(out, [qkv] + ws, dout)
 
@@ -448,7 +508,8 @@ def test_fused_qkv_ops_fakes_match(triton):
     c = heads * d
     qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV)
     ws = [torch.randn(b, heads, d, d, device=DEV) * 0.05 for _ in range(2)] + [torch.randn(d, 1, 3, 3, device=DEV)]
-    args = [*_six_views(qkv, heads, d, h, w), *ws, 0.5, True, triton]
+    cos, sin = (t.to(DEV) for t in rope_2d_tables((h, w), c))
+    args = [*_six_views(qkv, heads, d, h, w), *ws, 0.5, True, cos, sin, triton]
     torch.library.opcheck(torch.ops.ttt_zoo.vit3_qkv_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
     out, *small = torch.ops.ttt_zoo.vit3_qkv_fwd(*args)
     torch.library.opcheck(torch.ops.ttt_zoo.vit3_qkv_bwd.default, [torch.randn_like(out)] + args[:9] + small + args[9:],
@@ -491,22 +552,24 @@ class _AtenLaunches(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @triton_test
-def test_fused_qkv_op_launches_three_kernels_each_way(monkeypatch):
+@pytest.mark.parametrize("rope", [False, True])
+def test_fused_qkv_op_launches_three_kernels_each_way(monkeypatch, rope):
     """The fused op's forward and backward launch at most 3 Triton kernels each and no aten kernel (only
-    torch.empty buffers and views of them)."""
+    torch.empty buffers and views of them), H-ViT3's RoPE (and its inverse on dq, dk) included."""
     b, heads, d, h, w = 2, 2, 32, 5, 7
     c = heads * d
     qkv = torch.randn(b, h * w, 3 * c + 3 * d, device=DEV)
     ws = [torch.randn(1, heads, d, d, device=DEV) * 0.05 for _ in range(2)] + [torch.randn(d, 1, 3, 3, device=DEV)]
     views = _six_views(qkv, heads, d, h, w)
+    tables = [t.to(DEV) for t in rope_2d_tables((h, w), c)] if rope else [None, None]
     launches = _count_triton_launches(monkeypatch)
     with _AtenLaunches() as aten:
-        out, *small = FUSED.qkv_fused_fwd(*views, *ws, 1 / 3, True)
+        out, *small = FUSED.qkv_fused_fwd(*views, *ws, 1 / 3, True, *tables)
     assert launches == ["_fwd_update", "_fwd_finalize", "_fwd_apply"] and aten.ops == [], (launches, aten.ops)
     launches.clear()
     dout = torch.randn_like(out)
     with _AtenLaunches() as aten:
-        FUSED.qkv_fused_bwd(dout, *views, *ws, *small, 1 / 3, True)
+        FUSED.qkv_fused_bwd(dout, *views, *ws, *small, 1 / 3, True, *tables)
     assert launches == ["_bwd_apply", "_bwd_finalize", "_bwd_update"] and aten.ops == [], (launches, aten.ops)
 
 

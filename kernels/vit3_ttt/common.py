@@ -6,10 +6,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..backend import tracing
 from ..rope import rope_2d
 from ..utils import no_autocast
 
-__all__ = ["qkv_split", "backward_inputs"]
+__all__ = ["qkv_split", "backward_inputs", "rope_in_kernels"]
+
+
+def rope_in_kernels(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], head_dim: int) -> bool:
+    """H-ViT3's RoPE runs inside the fused mixer-core kernels (q, k turned as loaded, dq, dk turned back as stored)
+    rather than as aten glue around them: in eager, with whole channel pairs per head; tracers
+    (``backend.tracing``) keep the aten form."""
+    return cos is not None and sin is not None and head_dim % 2 == 0 and not tracing()
 
 
 def qkv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], feat_size: Tuple[int, int],

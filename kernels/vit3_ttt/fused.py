@@ -26,6 +26,10 @@ Backward (dO = the output's cotangent, dqkv the (B, N, 3C + 3d) buffer of the pr
      ``_bwd_reduce``, sums them in a fixed order (bitwise reproducible).
   fp16: dG is scaled to max |dG| = 1 before it meets the fp16 tiles, c max|dG| applied in fp32 (c dG itself can be
   subnormal in fp16).
+H-ViT3's 2-D RoPE (``ROPE``, given the (H, W, C / 2) cos / sin tables of ``rope.rope_2d_tables``): q1 and k1 are
+turned where they are loaded (``_rope``: channel pairs (2p, 2p + 1) as complex numbers, in fp32, then cast to the
+input dtype as the aten form does), and dq, dk turned back (angle -theta) before they are stored into dqkv, so the
+op takes and returns the projection's unrotated views.
 Extra memory: fp32 partials (d x 2d per chunk of TILES * BLOCK_N tokens, 16 x d per batch and pixel chunk), G, W', dG
 (d x 2d per (batch, head)) and 32 floats per (batch, channel); nothing of size N x d beyond the outputs themselves.
 Every program holds whole d x d tiles: ``backend.MAX_HEAD_DIM["vit3_qkv_fused"]`` (64) is the largest head dim the op
@@ -128,14 +132,28 @@ def _taps_ptr(bc, chunk, n_pchunks, DC, offs_t, offs_c):
     return ((bc * n_pchunks + chunk) * 16 + offs_t[:, None]) * DC + offs_c[None, :]
 
 
+@triton.jit
+def _rope(x, CS, SN, h, offs_n, stn, N, D, SIGN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """H-ViT3's 2-D RoPE on head ``h``'s (tokens x head dim) fp32 tile: channel pairs (2p, 2p + 1) turn as complex
+    numbers by the angles of the (N, C / 2) cos / sin tables (row stride ``stn``); ``SIGN`` -1: the inverse turn
+    (the transpose, for dq and dk)."""
+    offs_p = tl.arange(0, BLOCK_D // 2)
+    m = (offs_n[:, None] < N) & (offs_p[None, :] < D // 2)
+    at = h * (D // 2) + offs_n[:, None] * stn + offs_p[None, :]
+    cs = tl.load(CS + at, mask=m, other=1.0).to(tl.float32)
+    sn = tl.load(SN + at, mask=m, other=0.0).to(tl.float32) * SIGN
+    re, im = tl.split(tl.reshape(x, (x.shape[0], BLOCK_D // 2, 2)))
+    return tl.reshape(tl.join(re * cs - im * sn, im * cs + re * sn), (x.shape[0], BLOCK_D))
+
+
 # ------------------------------------------------------------------------------------------------ forward
 @jit_sizes
-def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
+def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC, CS, SN,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
-                sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w,
+                sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w, stn,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw, n_cb,
                 TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                BLOCK_CH: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_CH: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # SwiGLU: partial of k^T [v silu(z2), v z1 silu'(z2)], z = k W, over TILES token tiles
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
@@ -148,6 +166,8 @@ def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             k = _ld(K1, b * sk1b + h * sk1h, offs_n, offs_d, sk1n, sk1d, N, D)
+            if ROPE:
+                k = _rope(k.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(act)
             v = _ld(V1, b * sv1b + h * sv1h, offs_n, offs_d, sv1n, sv1d, N, D).to(tl.float32)
             z1 = _dot(k, w1, PREC)
             silu, dsilu, _ = _silu_parts(_dot(k, w2, PREC))
@@ -211,18 +231,20 @@ def _fwd_finalize(P, PC, W1, W2, W3, G, WN, G3, WN3,
 
 
 @jit_sizes
-def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
+def _fwd_apply(Q1, WN, O1, Q2, WN3, O2, CS, SN,
                sq1b, sq1h, sq1n, sq1d, so1b, so1h, so1n, so1d,
-               sq2b, sq2c, sq2h, sq2w, so2b, so2c, so2h, so2w,
+               sq2b, sq2c, sq2h, sq2w, so2b, so2c, so2h, so2w, stn,
                HEADS, N, D, DC, Hh, Ww, n_tiles, n_ptiles, n_sw, n_cb,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CH: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # one token tile of one (batch, head): out = (q W1') silu(q W2')
         b, h, bh, tile = _split(pid, HEADS, n_tiles)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         q = _ld(Q1, b * sq1b + h * sq1h, offs_n, offs_d, sq1n, sq1d, N, D)
+        if ROPE:
+            q = _rope(q.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(Q1.dtype.element_ty)
         wn1 = _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
         wn2 = _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D).to(Q1.dtype.element_ty)
         y1 = _dot(q, wn1, PREC)
@@ -238,12 +260,12 @@ def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
 
 # ----------------------------------------------------------------------------------------------- backward
 @jit_sizes
-def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC,
+def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, CS, SN,
                sq1b, sq1h, sq1n, sq1d, sd1b, sd1h, sd1n, sd1d, sx1b, sx1h, sx1n, sx1d,
-               sq2b, sq2c, sq2h, sq2w, sd2b, sd2c, sd2h, sd2w, sx2b, sx2c, sx2h, sx2w,
+               sq2b, sq2c, sq2h, sq2w, sd2b, sd2c, sd2h, sd2w, sx2b, sx2c, sx2h, sx2w, stn,
                HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw, n_cb,
                TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-               BLOCK_CH: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_CH: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # dy = [dO silu(y2), dO y1 silu'(y2)], y = q W'; dq = dy W'^T; partial of dW' = q^T dy
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
@@ -255,12 +277,16 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC,
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             q = _ld(Q1, b * sq1b + h * sq1h, offs_n, offs_d, sq1n, sq1d, N, D)
+            if ROPE:
+                q = _rope(q.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(Q1.dtype.element_ty)
             do = _ld(DO1, b * sd1b + h * sd1h, offs_n, offs_d, sd1n, sd1d, N, D).to(tl.float32)
             y1 = _dot(q, wn1, PREC)
             silu, dsilu, _ = _silu_parts(_dot(q, wn2, PREC))
             dy1 = (do * silu).to(q.dtype)
             dy2 = (do * y1 * dsilu).to(q.dtype)
             dq = _dot(dy1, tl.trans(wn1), PREC) + _dot(dy2, tl.trans(wn2), PREC)
+            if ROPE:  # the cotangent of the unrotated q
+                dq = _rope(dq, CS, SN, h, offs_n, stn, N, D, -1.0, BLOCK_D)
             _st(DQ1, b * sx1b + h * sx1h, dq, offs_n, offs_d, sx1n, sx1d, N, D)
             qt = tl.trans(q)
             p1 += _dot(qt, dy1, PREC)
@@ -343,14 +369,14 @@ def _bwd_finalize(P, PC, G, DG, DW1, DW2, G3, DG3, D3P, DW3,
 
 
 @jit_sizes
-def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2, D3P, DW3,
+def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2, D3P, DW3, CS, SN,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
                 sxkb, sxkh, sxkn, sxkd, sxvb, sxvh, sxvn, sxvd,
                 sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w,
-                syk2b, syk2c, syk2h, syk2w, syv2b, syv2c, syv2h, syv2w,
+                syk2b, syk2c, syk2h, syk2w, syv2b, syv2c, syv2h, syv2w, stn,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_ptiles, n_sw, n_wb, n_cb, c,
                 TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                BLOCK_CH: tl.constexpr, PREC: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                BLOCK_CH: tl.constexpr, PREC: tl.constexpr, DETERMINISTIC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # recompute z = k W, A; dk, dv; dW = (dW' + k^T dz) over TILES token tiles
         b, h, bh, chunk = _split(pid, HEADS, n_chunks)
@@ -371,6 +397,8 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             k = _ld(K1, b * sk1b + h * sk1h, offs_n, offs_d, sk1n, sk1d, N, D)
+            if ROPE:
+                k = _rope(k.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(act)
             v = _ld(V1, b * sv1b + h * sv1h, offs_n, offs_d, sv1n, sv1d, N, D).to(tl.float32)
             z1 = _dot(k, w1, PREC)
             z2 = _dot(k, w2, PREC)
@@ -385,6 +413,8 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, P, DW1, DW2, K2, V2, DG3, DK2, DV2
             dk += _dot((z1 * vd).to(k.dtype), tl.trans(dg2), PREC)
             dk += _dot(dz1, tl.trans(w1), PREC)
             dk += _dot(dz2, tl.trans(w2), PREC)
+            if ROPE:  # the cotangent of the unrotated k
+                dk = _rope(dk, CS, SN, h, offs_n, stn, N, D, -1.0, BLOCK_D)
             _st(DK1, b * sxkb + h * sxkh, dk * f, offs_n, offs_d, sxkn, sxkd, N, D)
             _st(DV1, b * sxvb + h * sxvh, (da1 * silu + da2 * z1 * dsilu) * f, offs_n, offs_d, sxvn, sxvd, N, D)
             kt = tl.trans(k)
@@ -463,6 +493,19 @@ def _check(q1, k1, v1, q2, k2, v2, w1, w2, w3):
         raise ValueError(f"w3 must be (d, 1, 3, 3) = ({d}, 1, 3, 3), got {tuple(w3.shape)}")
 
 
+def _rope_args(cos, sin, q1):
+    """(cos, sin, row stride, ROPE) for the kernels: H-ViT3's (H, W, C / 2) RoPE tables as (N, C / 2) rows, or
+    ``q1`` as an unread placeholder without RoPE."""
+    if cos is None or sin is None:
+        return q1, q1, 0, False
+    b, heads, n, d = q1.shape
+    if d % 2 or cos.numel() != n * heads * d // 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be (H, W, C / 2) tables with H W = {n}, C / 2 = {heads * d // 2} and an "
+                         f"even head dim, got {tuple(cos.shape)}, {tuple(sin.shape)}, d = {d}")
+    cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+    return cos, sin, cos.stride(0), True
+
+
 def _sizes(q1, q2):
     b, heads, n, d = q1.shape
     hh, ww = q2.shape[2], q2.shape[3]
@@ -471,10 +514,13 @@ def _sizes(q1, q2):
     return b, heads, n, d, hh, ww, bd, bn, warps
 
 
-def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_grad: bool = True):
+def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_grad: bool = True, cos=None,
+                  sin=None):
     """(out (B, N, heads d + d) in q1's dtype, G (B, heads, d, 2d) fp32, W' (B, heads, d, 2d) fp32,
-    G3 (B, d, 3, 3) fp32, W3' (B, d, 16) fp32 (taps 0..8)) in 3 launches."""
+    G3 (B, d, 3, 3) fp32, W3' (B, d, 16) fp32 (taps 0..8)) in 3 launches.  With H-ViT3's RoPE tables ``cos``,
+    ``sin`` (``rope.rope_2d_tables``), q1 and k1 are turned as the kernels load them."""
     _check(q1, k1, v1, q2, k2, v2, w1, w2, w3)
+    cs, sn, stn, rope = _rope_args(cos, sin, q1)
     b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
     c, prec, dev, f32 = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32
     bch = conv_block(bd)
@@ -485,9 +531,9 @@ def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_gr
     n_sw = b * heads * chunks
     blocks = dict(BLOCK_D=bd, BLOCK_CH=bch)
     _fwd_update[(n_sw + b * n_cb * pchunks,)](
-        k1, v1, w1, w2, k2, v2, part, part3, *k1.stride(), *v1.stride(), *_wstrides(w1), *k2.stride(),
-        *v2.stride(), heads, n, d, d, hh, ww, chunks, pchunks, n_sw, n_cb,
-        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, num_warps=warps, **blocks)
+        k1, v1, w1, w2, k2, v2, part, part3, cs, sn, *k1.stride(), *v1.stride(), *_wstrides(w1), *k2.stride(),
+        *v2.stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks, n_sw, n_cb,
+        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope, num_warps=warps, **blocks)
     g = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     wn = torch.empty_like(g)
     g3 = torch.empty(b, d, 3, 3, device=dev, dtype=f32)
@@ -501,18 +547,20 @@ def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_gr
     tiles, ptiles = triton.cdiv(n, bn), triton.cdiv(n, BLOCK_P)
     n_sw = b * heads * tiles
     _fwd_apply[(n_sw + b * n_cb * ptiles,)](
-        q1, wn, o1, q2, wn3, o2, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(),
-        heads, n, d, d, hh, ww, tiles, ptiles, n_sw, n_cb, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec,
+        q1, wn, o1, q2, wn3, o2, cs, sn, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(), stn,
+        heads, n, d, d, hh, ww, tiles, ptiles, n_sw, n_cb, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
         num_warps=warps, **blocks)
     return out, g, wn, g3, wn3
 
 
 def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale: float,
-                  normalize_grad: bool = True):
+                  normalize_grad: bool = True, cos=None, sin=None):
     """(dqkv (B, N, 3 heads d + 3 d) in q1's dtype, dw1, dw2 (w1's shape, fp32), dw3 (d, 1, 3, 3) fp32) in 3
     launches (4 under ``torch.use_deterministic_algorithms``: dW summed in a fixed order instead of by relaxed
-    atomic adds); ``dout`` (B, N, heads d + d), any strides."""
+    atomic adds); ``dout`` (B, N, heads d + d), any strides.  With the forward's RoPE tables, q1 and k1 are turned
+    as loaded and the q1 / k1 columns of dqkv turned back (the cotangents of the unrotated views)."""
     b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
+    cs, sn, stn, rope = _rope_args(cos, sin, q1)
     cc = heads * d
     c, prec, dev, f32 = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32
     bch = conv_block(bd)
@@ -529,10 +577,10 @@ def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scal
     n_sw = b * heads * chunks
     blocks = dict(BLOCK_D=bd, BLOCK_CH=bch)
     _bwd_apply[(n_sw + b * n_cb * pchunks,)](
-        q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, *q1.stride(), *do1.stride(), *dx1[0].stride(),
-        *q2.stride(), *do2.stride(), *dx2[0].stride(), heads, n, d, d, hh, ww, chunks, pchunks, n_sw, n_cb,
-        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, num_warps=launch_cfg(bd, q1.dtype, "_bwd_apply")[1],
-        **blocks)
+        q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, cs, sn, *q1.stride(), *do1.stride(),
+        *dx1[0].stride(), *q2.stride(), *do2.stride(), *dx2[0].stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks,
+        n_sw, n_cb, TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
+        num_warps=launch_cfg(bd, q1.dtype, "_bwd_apply")[1], **blocks)
     n_wb = w1.shape[0]
     dg = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     dw1 = torch.empty(n_wb, heads, d, d, device=dev, dtype=f32)
@@ -545,11 +593,11 @@ def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scal
         NORM=bool(normalize_grad), num_warps=warps, **blocks)
     n_sw = b * heads * chunks
     _bwd_update[(n_sw + b * n_cb * ptiles,)](
-        k1, v1, w1, w2, dg, dx1[1], dx1[2], part, dw1, dw2, k2, v2, dg3, dx2[1], dx2[2], d3p, dw3,
+        k1, v1, w1, w2, dg, dx1[1], dx1[2], part, dw1, dw2, k2, v2, dg3, dx2[1], dx2[2], d3p, dw3, cs, sn,
         *k1.stride(), *v1.stride(), *_wstrides(w1), *dx1[1].stride(), *dx1[2].stride(), *k2.stride(), *v2.stride(),
-        *dx2[1].stride(), *dx2[2].stride(), heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, n_cb, c,
-        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, DETERMINISTIC=deterministic, num_warps=warps,
-        **blocks)
+        *dx2[1].stride(), *dx2[2].stride(), stn, heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, n_cb, c,
+        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, DETERMINISTIC=deterministic, ROPE=rope,
+        num_warps=warps, **blocks)
     if deterministic:
         _bwd_reduce[(n_wb * heads * 2 + n_cb,)](part, dw1, dw2, d3p, dw3, b, heads, d, d, chunks, n_wb * heads * 2, n_wb,
                                                 num_warps=warps, **blocks)

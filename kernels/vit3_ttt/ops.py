@@ -15,9 +15,12 @@ The mixer core's two inner steps together (``fused.py``: 3 Triton launches forwa
 six views q1, k1, v1 (B, heads, N, d) and q2, k2, v2 (B, d, H, W):
 
     out, g, wn, g3, wn3 = torch.ops.ttt_zoo.vit3_qkv_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale,
-                                                        normalize_grad, triton)
+                                                        normalize_grad, cos, sin, triton)
     dqkv, dw1, dw2, dw3 = torch.ops.ttt_zoo.vit3_qkv_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3,
-                                                        scale, normalize_grad, triton)
+                                                        scale, normalize_grad, cos, sin, triton)
+
+cos, sin: H-ViT3's 2-D RoPE tables (``rope.rope_2d_tables``) or None; given, q1 and k1 are the unrotated views, the
+op turns them (the kernels as they load them) and dqkv holds the cotangents of the unrotated views.
 
 out is (B, N, heads d + d) (heads merged, conv channels last), dqkv (B, N, 3 heads d + 3 d) (the projection's
 cotangent); G, W' are (B, heads, d, 2d), G3 (B, d, 3, 3), W3' (B, d, 16) (taps 0..8), all in the compute dtype.
@@ -25,7 +28,7 @@ cotangent); G, W' are (B, heads, d, 2d), G3 (B, d, 3, 3), W3' (B, d, 16) (taps 0
 from __future__ import annotations
 
 import importlib
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +39,7 @@ from ..utils import autocast_state, compute_dtype, count_flops_as, launches_kern
     triton_module
 from . import torch as R
 from ..rope import rope_2d
-from .common import backward_inputs, qkv_split
+from .common import backward_inputs, qkv_split, rope_in_kernels
 from .torch import make_qkv_function
 
 __all__ = ["swiglu_ttt_op", "dwconv_ttt_op", "qkv_torch_ops", "qkv_triton_ops", "qkv_fused"]
@@ -165,9 +168,18 @@ def dwconv_ttt_op(q, k, v, w3, scale: float, normalize_grad: bool = True, triton
 
 
 # ------------------------------------------------------------------------- the mixer core's inner steps, fused
-def _qkv_fwd_torch(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad):
+def _rope_heads(t, cos, sin, feat_size):
+    """H-ViT3's 2-D RoPE on a (B, heads, N, d) view of the (B, N, C) projection (the op's q1 / k1)."""
+    b, heads, n, d = t.shape
+    turned = rope_2d(t.transpose(1, 2).reshape(b, feat_size[0], feat_size[1], heads * d), cos, sin)
+    return turned.reshape(b, n, heads, d).transpose(1, 2)
+
+
+def _qkv_fwd_torch(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, cos=None, sin=None):
     """The PyTorch path of ``vit3_qkv_fwd`` (same outputs as ``fused.qkv_fused_fwd``)."""
     b, heads, n, d = q1.shape
+    if cos is not None and sin is not None:
+        q1, k1 = (_rope_heads(t, cos, sin, q2.shape[2:]) for t in (q1, k1))
     dt = compute_dtype(q1.dtype)
     x1, g = R.swiglu_fwd(q1, k1, v1, w1, w2, scale, normalize_grad)
     x2, g3 = R.dwconv_fwd(q2, k2, v2, w3, scale, normalize_grad)
@@ -178,13 +190,19 @@ def _qkv_fwd_torch(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad):
     return out, g, wn.expand(b, -1, -1, -1).contiguous(), g3, F.pad(wn3.flatten(2), (0, 7))
 
 
-def _qkv_bwd_torch(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad):
+def _qkv_bwd_torch(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad, cos=None,
+                   sin=None):
     """The PyTorch path of ``vit3_qkv_bwd`` (same outputs as ``fused.qkv_fused_bwd``)."""
     b, heads, n, d = q1.shape
     c, hh, ww = heads * d, q2.shape[2], q2.shape[3]
+    rope = cos is not None and sin is not None
+    if rope:
+        q1, k1 = (_rope_heads(t, cos, sin, (hh, ww)) for t in (q1, k1))
     do1 = dout[..., :c].unflatten(-1, (heads, d)).transpose(1, 2)
     do2 = dout[..., c:].transpose(1, 2).unflatten(-1, (hh, ww))
     dq1, dk1, dv1, dw1, dw2 = R.swiglu_bwd(do1, q1, k1, v1, w1, w2, g, scale, normalize_grad)
+    if rope:  # a rotation's transpose turns by -angle
+        dq1, dk1 = (_rope_heads(t, cos, -sin, (hh, ww)) for t in (dq1, dk1))
     dq2, dk2, dv2, dw3 = R.dwconv_bwd(do2, q2, k2, v2, w3, g3, scale, normalize_grad)
     dqkv = torch.cat([t.transpose(1, 2).flatten(2) for t in (dq1, dk1, dv1)]
                      + [t.flatten(2).transpose(1, 2) for t in (dq2, dk2, dv2)], -1).to(q1.dtype)
@@ -194,14 +212,14 @@ def _qkv_bwd_torch(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, sca
 
 @torch.library.custom_op("ttt_zoo::vit3_qkv_fwd", mutates_args=())
 def qkv_fwd_op(q1: Tensor, k1: Tensor, v1: Tensor, q2: Tensor, k2: Tensor, v2: Tensor, w1: Tensor, w2: Tensor,
-               w3: Tensor, scale: float, normalize_grad: bool, triton: bool
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               w3: Tensor, scale: float, normalize_grad: bool, cos: Optional[Tensor], sin: Optional[Tensor],
+               triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     impl = _f().qkv_fused_fwd if launches_kernel(triton, q1) else _qkv_fwd_torch
-    return impl(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad)
+    return impl(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, cos, sin)
 
 
 @qkv_fwd_op.register_fake
-def _(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton):
+def _(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, cos, sin, triton):
     b, heads, n, d = q1.shape
     dt = compute_dtype(q1.dtype)
     return (q1.new_empty(b, n, heads * d + d), q1.new_empty(b, heads, d, 2 * d, dtype=dt),
@@ -212,13 +230,14 @@ def _(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton):
 @torch.library.custom_op("ttt_zoo::vit3_qkv_bwd", mutates_args=())
 def qkv_bwd_op(dout: Tensor, q1: Tensor, k1: Tensor, v1: Tensor, q2: Tensor, k2: Tensor, v2: Tensor, w1: Tensor,
                w2: Tensor, w3: Tensor, g: Tensor, wn: Tensor, g3: Tensor, wn3: Tensor, scale: float,
-               normalize_grad: bool, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+               normalize_grad: bool, cos: Optional[Tensor], sin: Optional[Tensor], triton: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = _f().qkv_fused_bwd if launches_kernel(triton, q1) else _qkv_bwd_torch
-    return impl(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad)
+    return impl(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad, cos, sin)
 
 
 @qkv_bwd_op.register_fake
-def _(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad, triton):
+def _(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize_grad, cos, sin, triton):
     b, heads, n, d = q1.shape
     dt = compute_dtype(w1.dtype)
     return (q1.new_empty(b, n, 3 * heads * d + 3 * d), w1.new_empty(w1.shape, dtype=dt),
@@ -226,9 +245,9 @@ def _(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale, normalize
 
 
 def _qkv_setup(ctx, inputs, output):
-    *qkv, w1, w2, w3, scale, normalize_grad, triton = inputs
-    ctx.save_for_backward(*qkv, w1, w2, w3, *output[1:])
-    ctx.consts = scale, normalize_grad, triton
+    *qkv, w1, w2, w3, scale, normalize_grad, cos, sin, triton = inputs
+    ctx.save_for_backward(*qkv, w1, w2, w3, *output[1:], cos, sin)
+    ctx.consts, ctx.triton = (scale, normalize_grad), triton
 
 
 def _qkv_views(dqkv, heads, d, hh, ww):
@@ -239,11 +258,11 @@ def _qkv_views(dqkv, heads, d, hh, ww):
 
 
 def _qkv_backward(ctx, dout, *_):
-    *qkv, w1, w2, w3, g, wn, g3, wn3 = ctx.saved_tensors
-    dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, *qkv, w1, w2, w3, g, wn, g3, wn3, *ctx.consts)
+    *qkv, w1, w2, w3, g, wn, g3, wn3, cos, sin = ctx.saved_tensors
+    dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, *qkv, w1, w2, w3, g, wn, g3, wn3, *ctx.consts, cos, sin, ctx.triton)
     b, heads, n, d = qkv[0].shape
     return (*_qkv_views(dqkv, heads, d, *qkv[3].shape[2:]), dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype),
-            None, None, None)
+            None, None, None, None, None)
 
 
 qkv_fwd_op.register_autograd(_qkv_backward, setup_context=_qkv_setup)
@@ -253,15 +272,18 @@ count_flops_as(qkv_bwd_op, _qkv_bwd_torch)
 
 class QKVFused(torch.autograd.Function):
     """The mixer core (projection + both inner steps) over ``vit3_qkv_fwd`` / ``vit3_qkv_bwd``: stores x and the small
-    per-(batch, head) tensors; the backward recomputes the projection (one GEMM) and, for H-ViT3, turns the q1 / k1
-    cotangents back through the RoPE (torch glue on the (B, N, 2C) slice; ViT3 has none)."""
+    per-(batch, head) tensors; the backward recomputes the projection (one GEMM).  H-ViT3's RoPE runs inside the ops
+    (``common.rope_in_kernels``), else as torch glue: on q1, k1 in the split, and back on the (B, N, 2C) slice of their
+    cotangents (ViT3 has none)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, triton,
                 recompute=True):
-        (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)  # the caller's autocast
+        ctx.rope_in_op = rope_in_kernels(cos, sin, x.shape[-1] // heads)
+        glue, tables = ((None, None), (cos, sin)) if ctx.rope_in_op else ((cos, sin), (None, None))
+        (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, *glue)  # the caller's autocast
         with no_autocast(x.device):
-            out, *small = qkv_fwd_op(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, triton)
+            out, *small = qkv_fwd_op(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize_grad, *tables, triton)
         kept = () if recompute else (q1, k1, v1, q2, k2, v2)  # recompute=False: no projection GEMM in the backward
         ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small, *kept)
         ctx.args = feat_size, heads, scale, normalize_grad, triton
@@ -274,13 +296,14 @@ class QKVFused(torch.autograd.Function):
         small, kept = small[:4], small[4:]
         feat_size, heads, scale, normalize_grad, triton = ctx.args
         b, n, c = x.shape
-        q1, k1, v1, q2, k2, v2 = backward_inputs(kept, x, weight, bias, feat_size, heads, cos, sin, ctx.amp)
+        glue, tables = ((None, None), (cos, sin)) if ctx.rope_in_op else ((cos, sin), (None, None))
+        q1, k1, v1, q2, k2, v2 = backward_inputs(kept, x, weight, bias, feat_size, heads, *glue, ctx.amp)
         del kept
         with torch.no_grad(), no_autocast(x.device):
             dqkv, dw1, dw2, dw3 = qkv_bwd_op(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
-                                             normalize_grad, triton)
+                                             normalize_grad, *tables, triton)
             del q1, k1, v1, q2, k2, v2
-            if cos is not None and sin is not None:  # RoPE is a rotation: its transpose turns by -angle
+            if glue[0] is not None and glue[1] is not None:  # RoPE is a rotation: its transpose turns by -angle
                 qk = dqkv[..., :2 * c].unflatten(-1, (2, c)).transpose(1, 2).reshape(b * 2, *feat_size, c)
                 dqkv[..., :2 * c] = rope_2d(qk, cos, -sin).reshape(b, 2, n, c).transpose(1, 2).flatten(2)
         with torch.no_grad(), no_autocast(x.device, *ctx.amp):  # projection backward in the forward's precision

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..triton_utils import load_tile_raw as _ld, store_tile as _st, atomic_add_mat as _add, dot_acc as _dot
 from ..triton_utils import block_d, dot_prec, jit_sizes, pid64, wstrides
-from ..vit3_ttt.fused import launch_cfg
+from ..vit3_ttt.fused import launch_cfg, _rope, _rope_args
 
 __all__ = ["KINDS", "variant_fused_fwd", "variant_fused_bwd"]
 
@@ -106,12 +106,12 @@ def _conv_tile(X, O, xbase, obase, w, sxh, sxw, soh, sow, Hh, Ww, offs_p, alpha,
 
 # ------------------------------------------------------------------------------------------------ forward
 @jit_sizes
-def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
+def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC, CS, SN,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
-                sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w,
+                sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w, stn,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw,
                 KIND: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_P: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_P: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # SwiGLU branch: partial of k^T A over TILES token tiles
         bh, chunk = pid // n_chunks, pid % n_chunks
@@ -122,6 +122,8 @@ def _fwd_update(K1, V1, W1, W2, K2, V2, P, PC,
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             k = _ld(K1, b * sk1b + h * sk1h, offs_n, offs_d, sk1n, sk1d, N, D)
+            if ROPE:
+                k = _rope(k.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(K1.dtype.element_ty)
             v = _ld(V1, b * sv1b + h * sv1h, offs_n, offs_d, sv1n, sv1d, N, D).to(tl.float32)
             kt = tl.trans(k)
             if KIND == LINEAR:
@@ -197,12 +199,12 @@ def _fwd_finalize(P, PC, W1, W2, W3, G, WN, G3, WN3,
 
 
 @jit_sizes
-def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
+def _fwd_apply(Q1, WN, O1, Q2, WN3, O2, CS, SN,
                sq1b, sq1h, sq1n, sq1d, so1b, so1h, so1n, so1d,
-               sq2b, sq2c, sq2h, sq2w, so2b, so2c, so2h, so2w,
+               sq2b, sq2c, sq2h, sq2w, so2b, so2c, so2h, so2w, stn,
                HEADS, N, D, DC, Hh, Ww, n_tiles, n_ptiles, n_sw,
                KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # one token tile of one (batch, head): out = f(q; W')
         bh, tile = pid // n_tiles, pid % n_tiles
@@ -210,6 +212,8 @@ def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         q = _ld(Q1, b * sq1b + h * sq1h, offs_n, offs_d, sq1n, sq1d, N, D)
+        if ROPE:
+            q = _rope(q.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(Q1.dtype.element_ty)
         out = _dot(q, _ld(WN, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D), PREC)
         if KIND != LINEAR:
             silu, _, _ = _silu_parts(_dot(q, _ld(WN, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D), PREC))
@@ -228,12 +232,12 @@ def _fwd_apply(Q1, WN, O1, Q2, WN3, O2,
 
 # ----------------------------------------------------------------------------------------------- backward
 @jit_sizes
-def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3,
+def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3, CS, SN,
                sq1b, sq1h, sq1n, sq1d, sd1b, sd1h, sd1n, sd1d, sx1b, sx1h, sx1n, sx1d,
-               sq2b, sq2c, sq2h, sq2w, sd2b, sd2c, sd2h, sd2w, sx2b, sx2c, sx2h, sx2w,
+               sq2b, sq2c, sq2h, sq2w, sd2b, sd2c, sd2h, sd2w, sx2b, sx2c, sx2h, sx2w, stn,
                HEADS, N, D, DC, Hh, Ww, n_chunks, n_pchunks, n_sw, n_wb,
                KIND: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_P: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_P: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # dy = df/dy (dO); dq = dy W'^T; partial of dW' = q^T dy; the first chunk zeroes its dW
         bh, chunk = pid // n_chunks, pid % n_chunks
@@ -251,6 +255,8 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3,
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             q = _ld(Q1, b * sq1b + h * sq1h, offs_n, offs_d, sq1n, sq1d, N, D)
+            if ROPE:
+                q = _rope(q.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(Q1.dtype.element_ty)
             do = _ld(DO1, b * sd1b + h * sd1h, offs_n, offs_d, sd1n, sd1d, N, D).to(tl.float32)
             qt = tl.trans(q)
             if KIND == LINEAR:
@@ -265,6 +271,8 @@ def _bwd_apply(Q1, DO1, WN, DQ1, Q2, DO2, WN3, DQ2, P, PC, DW, DW3,
                 dq = _dot(dy1, tl.trans(wn1), PREC) + _dot(dy2, tl.trans(wn2), PREC)
                 p1 += _dot(qt, dy1, PREC)
                 p2 += _dot(qt, dy2, PREC)
+            if ROPE:  # the cotangent of the unrotated q
+                dq = _rope(dq, CS, SN, h, offs_n, stn, N, D, -1.0, BLOCK_D)
             _st(DQ1, b * sx1b + h * sx1h, dq, offs_n, offs_d, sx1n, sx1d, N, D)
         base = (bh * n_chunks + chunk) * D * 2 * D
         _st(P, base, p1, offs_d, offs_d, 2 * D, 1, D, D)
@@ -339,14 +347,14 @@ def _bwd_finalize(P, PC, G, DG, DW, G3, DG3, DW3,
 
 
 @jit_sizes
-def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2,
+def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
                 sk1b, sk1h, sk1n, sk1d, sv1b, sv1h, sv1n, sv1d, swb, swh, swr, swc,
                 sxkb, sxkh, sxkn, sxkd, sxvb, sxvh, sxvn, sxvd,
                 sk2b, sk2c, sk2h, sk2w, sv2b, sv2c, sv2h, sv2w,
-                syk2b, syk2c, syk2h, syk2w, syv2b, syv2c, syv2h, syv2w,
+                syk2b, syk2c, syk2h, syk2w, syv2b, syv2c, syv2h, syv2w, stn,
                 HEADS, N, D, DC, Hh, Ww, n_chunks, n_ptiles, n_sw, n_wb, c,
                 KIND: tl.constexpr, SHARE: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr):
     pid = pid64(0)
     if pid < n_sw:  # dk, dv from dG (G = c k^T A); dW += k^T dz over TILES token tiles
         bh, chunk = pid // n_chunks, pid % n_chunks
@@ -363,6 +371,8 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2,
         for t in range(TILES):
             offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             k = _ld(K1, b * sk1b + h * sk1h, offs_n, offs_d, sk1n, sk1d, N, D)
+            if ROPE:
+                k = _rope(k.to(tl.float32), CS, SN, h, offs_n, stn, N, D, 1.0, BLOCK_D).to(K1.dtype.element_ty)
             v = _ld(V1, b * sv1b + h * sv1h, offs_n, offs_d, sv1n, sv1d, N, D).to(tl.float32)
             kt = tl.trans(k)
             da1 = _dot(k, dg1, PREC) * c1                     # dA (first block) = c k dG
@@ -391,7 +401,9 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2,
                 dz2 = dz2.to(k.dtype)
                 dk += _dot(dz2, tl.trans(w2), PREC)
                 dw2 += _dot(kt, dz2, PREC)
-            if SHARE:  # q is k: the dq the first launch wrote into these rows
+            if ROPE:  # the cotangent of the unrotated k
+                dk = _rope(dk, CS, SN, h, offs_n, stn, N, D, -1.0, BLOCK_D)
+            if SHARE:  # q is k: the dq the first launch wrote into these rows (already turned back)
                 dk += _ld(DK1, b * sxkb + h * sxkh, offs_n, offs_d, sxkn, sxkd, N, D).to(tl.float32)
             _st(DK1, b * sxkb + h * sxkh, dk, offs_n, offs_d, sxkn, sxkd, N, D)
             _st(DV1, b * sxvb + h * sxvh, dv, offs_n, offs_d, sxvn, sxvd, N, D)
@@ -423,10 +435,13 @@ def _sizes(q1, q2):
     return b, heads, n, d, q2.shape[2], q2.shape[3], bd, bn, warps
 
 
-def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize: bool, kind: str, lr: float):
+def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize: bool, kind: str, lr: float,
+                      cos=None, sin=None):
     """(out (B, N, heads d + d) in q1's dtype, G, W' (B, heads, d, 2d) fp32, G3, W3' (B, d, 16) fp32) in 3 launches.
-    ``w2`` is None for the linear inner model; q1 may be k1 (share_qk)."""
+    ``w2`` is None for the linear inner model; q1 may be k1 (share_qk).  With H-ViT3's RoPE tables ``cos``, ``sin``,
+    q1 and k1 are turned as the kernels load them."""
     b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
+    cs, sn, stn, rope = _rope_args(cos, sin, q1)
     c, prec, dev, f32, kid = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32, KINDS[kind]
     w2 = w1 if w2 is None else w2  # never loaded by the linear kernels
     chunks, pchunks = triton.cdiv(n, TILES * bn), triton.cdiv(n, TILES * BLOCK_P)
@@ -434,9 +449,9 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     part3 = torch.empty(b * d, pchunks, 16, device=dev, dtype=f32)
     n_sw = b * heads * chunks
     _fwd_update[(n_sw + b * d * pchunks,)](
-        k1, v1, w1, w2, k2, v2, part, part3, *k1.stride(), *v1.stride(), *wstrides(w1), *k2.stride(),
-        *v2.stride(), heads, n, d, d, hh, ww, chunks, pchunks, n_sw,
-        KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, num_warps=warps)
+        k1, v1, w1, w2, k2, v2, part, part3, cs, sn, *k1.stride(), *v1.stride(), *wstrides(w1), *k2.stride(),
+        *v2.stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks, n_sw,
+        KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope, num_warps=warps)
     g = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     wn = torch.empty_like(g)
     g3 = torch.empty(b, d, 16, device=dev, dtype=f32)
@@ -451,17 +466,19 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     tiles, ptiles = triton.cdiv(n, bn), triton.cdiv(n, BLOCK_P)
     n_sw = b * heads * tiles
     _fwd_apply[(n_sw + b * d * ptiles,)](
-        q1, wn, o1, q2, wn3, o2, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(),
+        q1, wn, o1, q2, wn3, o2, cs, sn, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(), stn,
         heads, n, d, d, hh, ww, tiles, ptiles, n_sw, KIND=kid, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec,
-        num_warps=warps)
+        ROPE=rope, num_warps=warps)
     return out, g, wn, g3, wn3
 
 
 def variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scale: float, normalize: bool,
-                      kind: str, lr: float, share_qk: bool):
+                      kind: str, lr: float, share_qk: bool, cos=None, sin=None):
     """(dqkv (B, N, 3 heads d + 3 d), or 2 heads d + 2 d with ``share_qk``, in q1's dtype; dw1, dw2 (w1's shape,
-    fp32; dw2 None for the linear inner model), dw3 (d, 1, 3, 3) fp32) in 3 launches; ``dout`` any strides."""
+    fp32; dw2 None for the linear inner model), dw3 (d, 1, 3, 3) fp32) in 3 launches; ``dout`` any strides.  With the
+    forward's RoPE tables, q1 and k1 are turned as loaded and their cotangents turned back."""
     b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
+    cs, sn, stn, rope = _rope_args(cos, sin, q1)
     cc = heads * d
     c, prec, dev, f32, kid = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32, KINDS[kind]
     w2_ = w1 if w2 is None else w2
@@ -482,18 +499,19 @@ def variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, 
     part3 = torch.empty(b * d, pchunks, 16, device=dev, dtype=f32)
     n_sw = b * heads * chunks
     _bwd_apply[(n_sw + b * d * pchunks,)](
-        q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, dw, dw3, *q1.stride(), *do1.stride(),
-        *dx1[0].stride(), *q2.stride(), *do2.stride(), *dx2[0].stride(), heads, n, d, d, hh, ww, chunks, pchunks,
-        n_sw, n_wb, KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, num_warps=warps)
+        q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, dw, dw3, cs, sn, *q1.stride(), *do1.stride(),
+        *dx1[0].stride(), *q2.stride(), *do2.stride(), *dx2[0].stride(), stn, heads, n, d, d, hh, ww, chunks,
+        pchunks, n_sw, n_wb, KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
+        num_warps=warps)
     dg = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     dg3 = torch.empty(b, d, 16, device=dev, dtype=f32)
     _bwd_finalize[(b * heads + b * d,)](
         part, part3, g, dg, dw, g3, dg3, dw3, heads, d, d, chunks, pchunks, b * heads, n_wb, float(lr),
         KIND=kid, NORM=bool(normalize), BLOCK_D=bd, num_warps=warps)
     _bwd_update[(n_sw + b * d * ptiles,)](
-        k1, v1, w1, w2_, dg, dx1[1], dx1[2], dw, k2, v2, dg3, dx2[1], dx2[2],
+        k1, v1, w1, w2_, dg, dx1[1], dx1[2], dw, k2, v2, dg3, dx2[1], dx2[2], cs, sn,
         *k1.stride(), *v1.stride(), *wstrides(w1), *dx1[1].stride(), *dx1[2].stride(), *k2.stride(), *v2.stride(),
-        *dx2[1].stride(), *dx2[2].stride(), heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, c,
-        KIND=kid, SHARE=bool(share_qk), TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec,
+        *dx2[1].stride(), *dx2[2].stride(), stn, heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, c,
+        KIND=kid, SHARE=bool(share_qk), TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
         num_warps=warps)
     return dqkv, dw[0], None if w2 is None else dw[1], dw3

@@ -23,6 +23,7 @@ from ..triton_utils import block_d, jit_sizes, load_mat, load_tile, pid64, prec,
     wstrides
 from ..utils import autocast_state, no_autocast, reduce_to
 from ..vit3_ttt import triton as T3
+from ..vit3_ttt.common import rope_in_kernels
 from ..vit3_ttt.torch import normalize_columns, normalize_columns_bwd
 from . import fused as F
 from . import torch as R
@@ -148,17 +149,24 @@ VariantQKVTriton = R.make_variant_function("VariantQKVTriton", BRANCHES, CONV)
 
 
 # ------------------------------------------------------- the fused core: projection views in, 3 + 3 launches
+def _rope_parts(cos, sin, in_kernels: bool):
+    """((cos, sin) of the split's aten RoPE, (cos, sin) of the kernels): H-ViT3's tables go to one of them
+    (``in_kernels``: ``vit3_ttt.common.rope_in_kernels``), (None, None) to the other."""
+    return ((None, None), (cos, sin)) if in_kernels else ((cos, sin), (None, None))
+
+
 def _fused_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind, lr, share_qk):
     """(out, G, W', G3, W3'): the projection under the caller's autocast, the kernels on its views."""
-    (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+    glue, tables = _rope_parts(cos, sin, rope_in_kernels(cos, sin, x.shape[-1] // heads))
+    (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, *glue, share_qk)
     with no_autocast(x.device):
-        return F.variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize, kind, lr)
+        return F.variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale, normalize, kind, lr, *tables)
 
 
 class VariantQKVFused(torch.autograd.Function):
     """The variant mixer core over ``fused.py`` (3 launches each way): stores x, the weights and the small
-    per-(batch, head) tensors; the backward recomputes the projection and turns the query / key cotangents back
-    through H-ViT3's RoPE (torch glue, as ``vit3_ttt.ops.QKVFused``)."""
+    per-(batch, head) tensors; the backward recomputes the projection; H-ViT3's RoPE runs in the kernels (query / key
+    cotangents turned back there) or, where they cannot take it, as torch glue (as ``vit3_ttt.ops.QKVFused``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize, kind, lr, share_qk):
@@ -166,6 +174,7 @@ class VariantQKVFused(torch.autograd.Function):
                                      lr, share_qk)
         ctx.save_for_backward(x, weight, bias, w1, w2, w3, cos, sin, *small)
         ctx.args = (feat_size, heads, scale, normalize, kind, lr, share_qk)
+        ctx.rope_in_kernels = rope_in_kernels(cos, sin, x.shape[-1] // heads)  # the backward turns where it did
         ctx.amp = autocast_state(x.device)
         return out
 
@@ -174,13 +183,14 @@ class VariantQKVFused(torch.autograd.Function):
         x, weight, bias, w1, w2, w3, cos, sin, *small = ctx.saved_tensors
         feat_size, heads, scale, normalize, kind, lr, share_qk = ctx.args
         b, n, c = x.shape
+        (gcos, gsin), (tcos, tsin) = _rope_parts(cos, sin, ctx.rope_in_kernels)
         with torch.no_grad(), no_autocast(x.device, *ctx.amp):
-            (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, cos, sin, share_qk)
+            (q1, k1, v1), (q2, k2, v2) = variant_qkv_split(x, weight, bias, feat_size, heads, gcos, gsin, share_qk)
         with torch.no_grad(), no_autocast(x.device):
             dqkv, dw1, dw2, dw3 = F.variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, *small, scale,
-                                                      normalize, kind, lr, share_qk)
+                                                      normalize, kind, lr, share_qk, tcos, tsin)
             del q1, k1, v1, q2, k2, v2
-            if cos is not None and sin is not None:  # RoPE is a rotation: its transpose turns by -angle
+            if gcos is not None and gsin is not None:  # RoPE is a rotation: its transpose turns by -angle
                 nr = 1 if share_qk else 2  # the rotated rows: (q,) k
                 qk = dqkv[..., :nr * c].unflatten(-1, (nr, c)).transpose(1, 2).reshape(b * nr, *feat_size, c)
                 dqkv[..., :nr * c] = rope_2d(qk, cos, -sin).reshape(b, nr, n, c).transpose(1, 2).flatten(2)
