@@ -6,7 +6,8 @@ from timm.layers import register_notrace_function
 
 from .backend import (BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend, set_backend,
                       use_backend)
-from . import inner_mlp, key_norm, linear_attention, ttt_linear as _ttt_linear, vit3_ttt, vit3_variant
+from . import dwconv, inner_mlp, key_norm, linear_attention, ttt_linear as _ttt_linear, vit3_ttt, vit3_variant
+from .dwconv import residual_dwconv_op, residual_dwconv_reference, residual_dwconv_torch
 from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
 from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
@@ -28,6 +29,8 @@ register_op("vit3_variant_qkv_ttt", variant_qkv_torch, variant_qkv_op, variant_q
 register_op("dit5_mlp_ttt", mlp_ttt_torch, mlp_ttt_op, mlp_ttt_reference)
 register_op("t5_swiglu_ttt", t5_swiglu_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference)
 register_op("key_instance_norm", key_norm_torch, key_norm_op, key_norm_reference)
+# the blocks' CPE and H-ViT3's MLP conv: act(x + dwconv3x3(x)) on (B, N, C) tokens
+register_op("residual_dwconv3x3", residual_dwconv_torch, residual_dwconv_op, residual_dwconv_reference)
 register_op("ttt_linear", ttt_linear_torch, ttt_linear_op, ttt_linear_naive)
 register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op, ttt_linear_bidir_naive)
 # the variants' fast paths ("TTT with KV Binding Is Secretly Linear Attention", Table 2): the T5/DiT5 V1/V3
@@ -76,6 +79,18 @@ def key_instance_norm(k: torch.Tensor, eps: float = 1.0, backend: Optional[str] 
     if torch.jit.is_scripting():
         return key_norm_reference(k, eps)
     return key_norm.choose("key_instance_norm", backend, k)(k, eps)
+
+
+@register_notrace_function  # a leaf for torch.fx: dispatch inspects the device
+def residual_dwconv3x3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       feat_size: Tuple[int, int], act: Optional[str] = None,
+                       backend: Optional[str] = None) -> torch.Tensor:
+    """``act(x + dwconv3x3(x))`` on (B, N = H W, C) channels-last tokens: depthwise weight (C, 1, 3, 3), bias (C,),
+    zero padding, ``act`` None or "gelu" (exact); see ``dwconv.naive``.  torch: the aten conv, add and GELU;
+    triton: one kernel forward, two backward (dx; dW / db partials reduced in fixed order)."""
+    if torch.jit.is_scripting():
+        return residual_dwconv_reference(x, weight, bias, feat_size, act)
+    return dwconv.choose("residual_dwconv3x3", backend, x)(x, weight, bias, feat_size, act)
 
 
 def vit3_qkv_ttt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w1: torch.Tensor,
@@ -160,5 +175,6 @@ __all__ = ["last_layer_ttt", "linear_attention_bidir", "mlp_inner_update_referen
            "swiglu_ttt", "dwconv_ttt", "vit3_qkv_ttt", "swiglu_ttt_reference", "dwconv_ttt_reference",
            "swiglu_ttt_torch", "dwconv_ttt_torch", "mlp_ttt", "mlp_ttt_reference", "mlp_ttt_torch", "t5_swiglu_ttt",
            "t5_swiglu_ttt_reference", "t5_swiglu_ttt_torch", "key_instance_norm", "key_norm_reference",
-           "key_norm_torch", "ttt_linear", "ttt_linear_bidir", "ttt_linear_naive", "ttt_linear_bidir_naive",
+           "key_norm_torch", "residual_dwconv3x3", "ttt_linear", "ttt_linear_bidir", "ttt_linear_naive",
+           "ttt_linear_bidir_naive",
            "inner_rope", "token_tau"]

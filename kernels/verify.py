@@ -175,6 +175,11 @@ def _key_norm(shape, rnd):
     return [rnd(b, n, c), 1.0]
 
 
+def _residual_dwconv(shape, rnd):
+    b, w, n, c = shape  # N = H W tokens of a map W wide
+    return [rnd(b, n, c), rnd(c, 1, 3, 3, scale=0.3, weight=True), rnd(c, scale=0.1, weight=True), (n // w, w), "gelu"]
+
+
 def _scan_state(shape, rnd):
     b, h, n, d, mb = shape
     return [rnd(b, h, n, d) for _ in range(3)] + [rnd(b, h, n, scale=1.0 / d, uniform=True),
@@ -195,9 +200,10 @@ def _linear_attention(shape, rnd):
 
 
 # shapes: heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d); key norm (B, N, C);
-# scans (B, heads, N, d, mini_batch).  GPU: a long sequence (N in the thousands), odd sizes, and last the timing
-# shape (a training batch of the models' size); the interpreter (CPU): one small odd shape.  Every head dim is within
-# the op's kernel limit (backend.MAX_HEAD_DIM; tests/test_kernel_verify.py checks).
+# scans (B, heads, N, d, mini_batch); residual dwconv (B, W, N = H W, C).  GPU: a long sequence (N in the
+# thousands), odd sizes, and last the timing shape (a training batch of the models' size); the interpreter (CPU): one
+# small odd shape.  Every head dim is within the op's kernel limit (backend.MAX_HEAD_DIM; tests/test_kernel_verify.py
+# checks).
 _HEADS = [(1, 2, 8192, 64), (1, 2, 8192, 32), (2, 3, 999, 24), (8, 6, 1024, 32)]
 _QKV = [(1, 3, 64, 128, 64), (2, 2, 15, 13, 24), (8, 3, 28, 28, 64)]
 _SCAN = [(1, 2, 8192, 64, 16), (2, 2, 999, 32, 16), (8, 3, 1024, 64, 16)]
@@ -209,6 +215,8 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "t5_swiglu_ttt": (_heads(3, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
     "dit5_mlp_ttt": (_heads(2, lambda d: (d ** -0.5,)), _HEADS, [(1, 2, 21, 16)]),
     "key_instance_norm": (_key_norm, [(1, 8192, 192), (2, 999, 72), (8, 1024, 192)], [(2, 9, 12)]),
+    "residual_dwconv3x3": (_residual_dwconv, [(1, 64, 4096, 64), (2, 37, 999, 24), (8, 28, 784, 192)],
+                           [(1, 5, 35, 12)]),
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),
     "ttt_linear_bidir": (_ttt_linear(True), _SCAN, [(1, 1, 21, 16, 8)]),
     "linear_attention": (_linear_attention, _SCAN, [(1, 1, 21, 16, 8)]),

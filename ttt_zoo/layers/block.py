@@ -7,11 +7,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from timm.layers import DropPath
+from torch.nn.modules import module as _module
+
+from ttt_zoo.kernels.dwconv import residual_dwconv_vjp, triton_path as dwconv_triton_path
 
 from .mixer import create_mixer
 from .recompute import can_recompute, linear_of_recomputed
 
 __all__ = ["TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens", "tokens_as_map"]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Hooks would miss a call that bypasses ``module`` (the fused conv reads its parameters directly)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
 
 
 def tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
@@ -44,14 +53,16 @@ class TokenMlp(nn.Module):
     """fc1 -> act -> [u + dwconv3x3(u) -> act] -> fc2.  ``dwconv=False`` is timm's ``Mlp`` (same keys).
 
     In training the activations between fc1 and fc2 are recomputed in the backward, not kept
-    (:mod:`ttt_zoo.layers.recompute`; ``recompute_act = False`` keeps them).
+    (:mod:`ttt_zoo.layers.recompute`; ``recompute_act = False`` keeps them).  Where ``backend`` resolves to Triton
+    (eager), ``act(u + dwconv3x3(u))`` with an exact GELU is one ``residual_dwconv3x3`` kernel.
     """
 
     recompute_act: bool = True
 
     def __init__(self, dim: int, hidden_dim: int, act_layer: Type[nn.Module] = nn.GELU,
-                 dwconv: bool = False, drop: float = 0.0):
+                 dwconv: bool = False, drop: float = 0.0, backend: Optional[str] = None):
         super().__init__()
+        self.backend = backend
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = act_layer()
         self.drop1 = nn.Dropout(drop)
@@ -74,18 +85,45 @@ class TokenMlp(nn.Module):
         u = self.act(h)
         if self.dwc is None:
             return u
+        fused = self._fused_dwc(u)
+        if fused is not None:
+            return fused(u, *dwc_params, feat_size, "gelu")
         conv = F.conv2d(tokens_as_map(u, feat_size), *dwc_params, padding=1, groups=self.dwc.groups)
         return self.act(u + map_to_tokens(conv))
+
+    def _mid_vjp(self, feat_size: Tuple[int, int], h: torch.Tensor, dg: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor):
+        """:meth:`_mid`'s output and gradients on the Triton path: the conv kernel's backward writes its output too,
+        so the recomputing backward runs no separate conv forward."""
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_()
+            u = self.act(h_)
+        g, du, dw, db = residual_dwconv_vjp(dg, u.detach(), weight, bias, feat_size, "gelu")
+        return g, torch.autograd.grad(u, h_, du)[0], [dw, db]
+
+    def _fused_dwc(self, u: torch.Tensor):
+        """The Triton ``residual_dwconv3x3`` for ``act(u + dwc(u))`` (exact GELU), or None: the aten ops."""
+        if type(self.act) is nn.GELU and self.act.approximate == "none" and not _hooked(self.dwc):
+            return dwconv_triton_path(u, self.backend)
+        return None
+
+    def _dwc_act(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            fused = self._fused_dwc(x)
+            if fused is not None:
+                return fused(x, self.dwc.weight, self.dwc.bias, feat_size, "gelu")
+        return self._act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         h = self.fc1(x)
         if not torch.jit.is_scripting():
             if can_recompute(self, h):  # training: keep fc1's output only (ttt_zoo.layers.recompute)
                 params = () if self.dwc is None else (self.dwc.weight, self.dwc.bias)
-                return linear_of_recomputed(partial(self._mid, feat_size), h, self.fc2, *params)
+                vjp = None if self.dwc is None or self._fused_dwc(h) is None else partial(self._mid_vjp, feat_size)
+                return linear_of_recomputed(partial(self._mid, feat_size), h, self.fc2, *params, mid_vjp=vjp)
         x = self.drop1(self._act(h))
         if self.dwc is not None:
-            x = self._act(x + map_to_tokens(self.dwc(tokens_as_map(x, feat_size))))
+            x = self._dwc_act(x, feat_size)
         return self.drop2(self.fc2(x))
 
 
@@ -93,6 +131,8 @@ class TTTBlock(nn.Module):
     """x += cpe(x); x += drop_path(mixer(norm1(x))); x += drop_path(mlp(norm2(x))).
 
     Keys: ``cpe.{weight,bias}`` (official layout, a bare Conv2d), ``norm1``, ``attn`` (the mixer), ``norm2``, ``mlp``.
+    The CPE (and H-ViT3's MLP conv) run the Triton ``residual_dwconv3x3`` where the mixer's ``backend`` (from
+    ``mixer_kwargs``, else the process default) resolves to Triton, in eager; else the aten conv and add.
     """
 
     def __init__(self, dim: int, num_heads: int, mixer: str = "vit3", mlp_ratio: float = 4.0,
@@ -101,6 +141,7 @@ class TTTBlock(nn.Module):
                  norm_layer: Callable[[int], nn.Module] = nn.LayerNorm, act_layer: Type[nn.Module] = nn.GELU,
                  mlp_layer: Optional[Callable[..., nn.Module]] = None, mixer_kwargs: Optional[dict] = None):
         super().__init__()
+        self.backend: Optional[str] = (mixer_kwargs or {}).get("backend")
         self.cpe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if cpe else None
         self.norm1 = norm_layer(dim)
         self.attn = create_mixer(mixer, dim, num_heads=num_heads, qkv_bias=qkv_bias, proj_drop=proj_drop,
@@ -109,14 +150,22 @@ class TTTBlock(nn.Module):
         self.norm2 = norm_layer(dim)
         hidden = int(dim * mlp_ratio)
         if mlp_layer is None:
-            self.mlp = TokenMlp(dim, hidden, act_layer=act_layer, dwconv=mlp_dwconv, drop=proj_drop)
+            self.mlp = TokenMlp(dim, hidden, act_layer=act_layer, dwconv=mlp_dwconv, drop=proj_drop,
+                                backend=self.backend)
         else:
             self.mlp = mlp_layer(dim, hidden)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
+    def _cpe(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            fused = None if _hooked(self.cpe) else dwconv_triton_path(x, self.backend)
+            if fused is not None:
+                return fused(x, self.cpe.weight, self.cpe.bias, feat_size)
+        return x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
+            x = self._cpe(x, feat_size)
         x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
         x = x + self.drop_path2(self.mlp(self.norm2(x), feat_size))
         return x
