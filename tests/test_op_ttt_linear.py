@@ -399,6 +399,23 @@ def test_gradcheck_tiny(ln_res):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("shared_qk", [True, False], ids=["shared_qk", "separate_qk"])
+def test_op_rope_inside_matches_naive_and_gradchecks(shared_qk):
+    # the ops take q, k unrotated and turn them themselves (rope_theta); their PyTorch path in float64 against the
+    # float64 reference (which rotates before the scan), N % b != 0, and gradcheck of the turn and its inverse
+    inputs = [t.requires_grad_() for t in make_inputs(2, 1, 7, 4, 3, 2)]
+    if shared_qk:
+        inputs[1] = inputs[0]
+    out = ops.ttt_linear_bidir_op(*inputs, 3, True, 10000.0)[0]
+    torch.testing.assert_close(out, ttt_linear_bidir_naive(*inputs, mini_batch=3)[0], rtol=1e-10, atol=1e-10)
+    leaves = [inputs[0]] + inputs[2:] if shared_qk else inputs
+    fn = (lambda q, *r: ops.ttt_linear_bidir_op(q, q, *r, 3, True, 10000.0)[0]) if shared_qk else \
+        (lambda *a: ops.ttt_linear_bidir_op(*a, 3, True, 10000.0)[0])
+    assert torch.autograd.gradcheck(fn, leaves, fast_mode=True)
+    with pytest.raises(ValueError, match="rope_theta"):
+        ops.ttt_linear_bidir_op(*inputs, 3, True, 0.0)
+
+
 def test_opcheck_fake_kernels():
     x = make_inputs(2, 1, 23, 4, 4, 1, torch.float32)
     q2, k2, w2, b2 = R.bidir_inputs(x[0], x[1], x[5], x[6], 4, 10000.0)
@@ -540,6 +557,23 @@ def test_bidir_kernels(case, dtype, count_launches):
              count_launches)
 
 
+@pytest.mark.parametrize("lr_scale", [0.25, -0.25], ids=["descent", "ascent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_bidir_kernels_rates_from_logits_and_offsets(lr_scale, dtype, count_launches):
+    # lr_scale / tau_offset: the kernels form lr = lr_scale * sigmoid(logit) and tau = max(0, 1 / i + offset) (one
+    # position clamped at 0) and return d logit, d offset; against the reference given the formed rates
+    inputs = make_kernel_inputs(1, 2, 37, 16, 8, 2)
+    inputs[3] = torch.randn(1, 2, 37) * 2
+    inputs[4] = torch.randn(8) * 0.1
+    inputs[4][5] = -0.5
+
+    def ref(q, k, v, logit, off, *rest):
+        return reference_bidir(q, k, v, lr_scale * torch.sigmoid(logit), token_tau(off), *rest, 8)[0]
+    _compare(lambda *a: ops.ttt_linear_bidir_op(*a, mini_batch=8, triton=True, lr_scale=lr_scale,
+                                                tau_offset=True)[0], ref, inputs, dtype, count_launches)
+
+
 @pytest.mark.parametrize("n_w0", [1, 3], ids=["shared_w0", "per_sample_w0"])
 @triton_test
 def test_causal_kernel(n_w0, count_launches):
@@ -548,12 +582,14 @@ def test_causal_kernel(n_w0, count_launches):
              count_launches)
 
 
-@pytest.mark.parametrize("w0_mode", ["shared", "separate"])
+@pytest.mark.parametrize("w0_mode,ascent", [("shared", False), ("separate", False), ("shared", True)],
+                         ids=["shared", "separate", "shared_ascent"])
 @triton_test
-def test_mixer_triton_vs_naive_non_square(w0_mode, count_launches):
-    # Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), q = k shared
+def test_mixer_triton_vs_naive_non_square(w0_mode, ascent, count_launches):
+    # Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), q = k shared; on the
+    # Triton path the kernels form the rate from the logits (negative scale for gradient ascent) and turn q, k
     torch.manual_seed(0)
-    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0).to(DEV)
+    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0, gradient_ascent=ascent).to(DEV)
     with torch.no_grad():
         m.tau_offset.normal_(std=0.1)
         m.ttt_norm_weight.normal_(1.0, 0.2)
@@ -660,36 +696,41 @@ def test_layernorm_backward_helper_takes_strided_statistics():
 
 # ------------------------------------------------------------ the chunk-parallel forward at the sizes TTT is sold for
 LONG_N, LONG_D, LONG_MB = 3136, 64, 16  # 56 x 56 tokens: 196 mini-batches, 28 chunks of 7 per direction
+LONG_LR_SCALE = 8.0 / LONG_D
 
 
 @pytest.fixture(scope="module")
 def long_case():
     """Bidirectional scan, batch 1, one head, N = 3136, d = 64, per-direction w0; inputs rounded to float16 (so
     the fp32 and fp16 runs share them) and the float64 reference (``naive.py``, autograd) of output and gradients.
-    The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range."""
+    The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range.  The rates are
+    ``LONG_LR_SCALE * sigmoid(logit)`` and tau ``token_tau(offset)`` (some positions clamped at 0): the kernels take
+    the logits and offsets (``lr_scale``, ``tau_offset``) and the reference's gradients are d/d logit, d/d offset."""
     g = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     n, d, mb = LONG_N, LONG_D, LONG_MB
-    x = [r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n, d), torch.sigmoid(r(1, 1, n)) * 8.0 / d,
-         torch.clamp(1.0 / torch.arange(1, mb + 1, dtype=torch.float64) + 0.05 * r(mb), min=0),
+    x = [r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n),
+         0.05 * r(mb),
          0.05 * r(2, 1, d, d), 0.05 * r(2, 1, 1, d), 1 + 0.2 * r(1, d), 0.1 * r(1, d)]
     x = [t.half().double() for t in x]
     do = (r(1, 1, n, d) / 64).half().double()
     leaves = [t.clone().requires_grad_() for t in x]
-    ref = ttt_linear_bidir_naive(*leaves, mini_batch=mb)[0]
+    rated = leaves[:3] + [LONG_LR_SCALE * torch.sigmoid(leaves[3]), token_tau(leaves[4])] + leaves[5:]
+    ref = ttt_linear_bidir_naive(*rated, mini_batch=mb)[0]
     return x, do, ref.detach(), torch.autograd.grad(ref, leaves, do)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
 @triton_test
 def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launches):
-    """Forward passes 1 (states, G) and 2 (28 chunk programs per direction) and the three backward passes against
-    the float64 reference:
+    """Forward passes 1 (states, G) and 2 (28 chunk programs per direction) and the three backward passes, with the
+    in-chunk RoPE, the rates' sigmoid and tau inside the kernels, against the float64 reference:
     output and every gradient, errors relative to each tensor's largest reference entry (measured: fp32 <= 6e-7,
     fp16 <= 1e-3)."""
     x, do, ref, ref_grads = long_case
     leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
-    out = ttt_linear_bidir(*leaves, mini_batch=LONG_MB, backend="triton")[0]
+    out = ops.ttt_linear_bidir_op(*leaves, mini_batch=LONG_MB, triton=True, lr_scale=LONG_LR_SCALE,
+                                  tau_offset=True)[0]
     grads = torch.autograd.grad(out, leaves, do.to(DEV, dtype))
     assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
     for name, got, want in zip(("out",) + NAMES, (out,) + grads, (ref,) + ref_grads):
@@ -711,3 +752,30 @@ def test_pass2_grid_grows_with_the_sequence():
         assert g["_fwd_outputs"] == g["_bwd_outputs"] == g["_bwd_keys"]
     assert math.prod(grids[2048]["_fwd_outputs"]) >= 100
     assert math.prod(grids[224]["_fwd_outputs"]) < math.prod(grids[1024]["_fwd_outputs"])
+
+
+# ------------------------------------------------------------ the Triton output gate of the Vision-TTT mixer
+@pytest.mark.parametrize("c", [96, 192])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+@triton_test
+def test_gelu_gate_kernel_vs_float64(c, dtype, tol):
+    """``gelu_gate`` (one launch forward, one + a reduction backward) against float64 PyTorch: output and the
+    gradients of u (a strided split view, as the mixer's projection gives it), z, the LayerNorm weight and bias;
+    errors relative to each tensor's largest reference entry."""
+    from ttt_zoo.kernels.ttt_linear.gate import gelu_gate
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    proj = (r(2, 37, 3 * c) * 2).to(dtype).double()
+    z, w, b = (r(2, 37, c) * 3 + 1).to(dtype).double(), (1 + 0.3 * r(c)).to(dtype).double(), (0.2 * r(c)).to(dtype).double()
+    dy = r(2, 37, c).to(dtype).double()
+    leaves = [proj, z, w, b]
+    ref_in = [t.clone().requires_grad_() for t in leaves]
+    ref = F.gelu(ref_in[0][..., c:2 * c], approximate="tanh") * F.layer_norm(ref_in[1], (c,), ref_in[2], ref_in[3], 1e-6)
+    ref_grads = torch.autograd.grad(ref, ref_in, dy)
+    got_in = [t.to(DEV, dtype).requires_grad_() for t in leaves]
+    out = gelu_gate(got_in[0][..., c:2 * c], got_in[1], got_in[2], got_in[3], 1e-6)
+    grads = torch.autograd.grad(out, got_in, dy.to(DEV, dtype))
+    for name, got, want in zip(("out", "u", "z", "w", "b"), (out,) + grads, (ref,) + ref_grads):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err < tol, f"{name}: max error {err:.2e}"

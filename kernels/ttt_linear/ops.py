@@ -6,9 +6,20 @@ under its own op name: ``backend.resolve_backend``), the recomputing PyTorch pat
 so ``torch.compile`` treats them as opaque nodes and meta-device models build and run.  The forward op is differentiable through ``register_autograd``.
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
-                                                         ln_residual, eps, save_states, triton)
+                                                         ln_residual, eps, save_states, triton, rope_theta,
+                                                         lr_scale, tau_offset)
     dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b = torch.ops.ttt_zoo.ttt_linear_scan_bwd(
-        do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton)
+        do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta,
+        lr_scale, tau_offset)
+
+``rope_theta`` > 0: the in-mini-batch RoPE (position ``p mod b`` of scan position p, in each direction) turns q and k
+inside the op (the Triton kernels on load, with the inverse turn of dq, dk in their backward; the PyTorch path
+before and after ``torch.py``), so q, k come unrotated, (1 | ndir, B, H, N, d); 0: q, k are used as given.
+``lr_scale`` != 0: ``lr`` holds the rates' logits and the rate is ``lr_scale * sigmoid(lr)`` (the kernels form it on
+load and return d/d logit); 0: ``lr`` is the rate.  ``tau_offset``: ``tau`` holds the offsets of
+``common.token_tau`` and the factor is ``max(0, 1 / i + offset_i)`` (the kernels form it and return d/d offset).
+``out`` is (B, H, N, d) with token-major strides (memory (B, N, H, d): ``out.transpose(1, 2)`` is the (B, N, C) map
+without a copy); the kernels read ``do`` with its strides.
 
 ``ttt_linear_op`` / ``ttt_linear_bidir_op`` have the signatures of the references.  ``return_grad_norm=True`` (the
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
@@ -18,12 +29,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import tracing, triton_choice
+from ..backend import triton_choice
 from ..rope import rope_1d, rope_1d_tables
 from ..utils import needs_grad as _needs_grad
 from ..utils import cached_constant, count_flops_as, launches_kernel, triton_module
 from . import torch as R
-from .common import check_scan_args
+from .common import check_scan_args, token_tau
 
 __all__ = ["scan_fwd_op", "scan_bwd_op", "ttt_linear_op", "ttt_linear_bidir_op"]
 
@@ -33,48 +44,118 @@ def _t():
 
 
 
+# eager cache of the in-mini-batch RoPE table of the kernels, (2 [cos, sin], b, d / 2) fp32 (utils.cached_constant)
+_ROPE_TABLES: Dict[Tuple[int, int, float, str], Tensor] = {}
+
+
+def _kernel_rope_table(mini_batch: int, d: int, theta: float, device: torch.device) -> Optional[Tensor]:
+    if theta <= 0:
+        return None
+
+    def build():
+        pos = torch.arange(mini_batch, device=device, dtype=torch.float64)
+        return torch.stack(rope_1d_tables(pos, d, theta, torch.float32))
+    return cached_constant(_ROPE_TABLES, (mini_batch, d, float(theta), str(device)), build)
+
+
+def _direction_tables(x: Tensor, ndir: int, mini_batch: int, theta: float) -> List[Tuple[Tensor, Tensor]]:
+    """cos, sin in ``x``'s dtype at every token's in-mini-batch position, per direction (``torch._bidir_positions``)."""
+    pos = R._bidir_positions(x.shape[-2], mini_batch, x.device)[:ndir]
+    return [rope_1d_tables(p, x.shape[-1], theta, x.dtype) for p in pos]
+
+
+def _turned(x: Tensor, tables: List[Tuple[Tensor, Tensor]]) -> Tensor:
+    """(1 | ndir, B, H, N, d) -> (ndir, B, H, N, d), direction r turned by its tables (the PyTorch path)."""
+    return torch.stack([rope_1d(x[min(r, x.shape[0] - 1)], c, s) for r, (c, s) in enumerate(tables)])
+
+
+def _unturned(dx: Tensor, like: Tensor, tables: List[Tuple[Tensor, Tensor]]) -> Tensor:
+    """The backward of :func:`_turned`: each direction turned back (-sin), summed to ``like``'s leading dim."""
+    dx = torch.stack([rope_1d(dx[r], c, -s) for r, (c, s) in enumerate(tables)])
+    return dx.sum(0, keepdim=True) if like.shape[0] == 1 else dx
+
+
+def _rates(lr: Tensor, tau: Tensor, lr_scale: float, tau_offset: bool) -> Tuple[Tensor, Tensor]:
+    """The rates and position factors from logits and offsets (the PyTorch path of ``lr_scale``, ``tau_offset``)."""
+    if lr_scale != 0:
+        lr = lr_scale * torch.sigmoid(lr)
+    return lr, (token_tau(tau) if tau_offset else tau)
+
+
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_fwd", mutates_args=())
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
-                save_states: bool, triton: bool) -> Tuple[Tensor, Tensor]:
-    impl = _t().scan_fwd_triton if launches_kernel(triton, q) else R.scan_fwd
-    out, st = impl(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
-    return out.contiguous(), st.contiguous()
+                save_states: bool, triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0,
+                tau_offset: bool = False) -> Tuple[Tensor, Tensor]:
+    if not launches_kernel(triton, q):
+        lr, tau = _rates(lr, tau, lr_scale, tau_offset)
+    args = (v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
+    if launches_kernel(triton, q):
+        table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
+        out, st = _t().scan_fwd_triton(q, k, *args, table, lr_scale, tau_offset)
+    else:
+        if rope_theta > 0:
+            tables = _direction_tables(q, ndir, mini_batch, rope_theta)
+            q2 = _turned(q, tables)
+            q, k = q2, (q2 if k is q else _turned(k, tables))
+        out, st = R.scan_fwd(q, k, *args)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernels' layout
+    return out, st.contiguous()
 
 
 @scan_fwd_op.register_fake
-def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton):
+def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton, rope_theta=0.0,
+      lr_scale=0.0, tau_offset=False):
     _, bsz, h, n, d = q.shape
     cd = q.dtype if q.dtype == torch.float64 else torch.float32
     n_mb = -(-n // mini_batch)
     n_ck = -(-n_mb // R.ckpt_every(n_mb))
     st = q.new_empty(ndir * bsz, h, n_ck, d + 1, d, dtype=cd) if save_states else q.new_empty(0, dtype=cd)
-    return q.new_empty(bsz, h, n, d), st
+    return q.new_empty(bsz, n, h, d).transpose(1, 2), st  # token-major: (B, N, H * d) for the caller
 
 
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_bwd", mutates_args=())
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
-                eps: float, triton: bool) -> List[Tensor]:
-    impl = _t().scan_bwd_triton if launches_kernel(triton, q) else R.scan_bwd
-    grads = impl(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
+                eps: float, triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0,
+                tau_offset: bool = False) -> List[Tensor]:
+    logits = lr
+    kernels = launches_kernel(triton, q)
+    if not kernels:
+        lr, tau = _rates(logits, tau, lr_scale, tau_offset)
+    args = (v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
+    if kernels:
+        table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
+        return [g.contiguous() for g in _t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset)]
+    if rope_theta > 0:
+        tables = _direction_tables(q, ndir, mini_batch, rope_theta)
+        grads = R.scan_bwd(do.contiguous(), _turned(q, tables), _turned(k, tables), *args)
+        grads[0], grads[1] = _unturned(grads[0], q, tables), _unturned(grads[1], k, tables)
+    else:
+        grads = R.scan_bwd(do.contiguous(), q, k, *args)
+    if lr_scale != 0:  # the rate's sigmoid backward
+        grads[3] = grads[3] * lr * (1 - torch.sigmoid(logits))
+    if tau_offset:  # max(0, .)'s backward
+        grads[4] = grads[4] * (tau > 0)
     return [g.contiguous() for g in grads]
 
 
 @scan_bwd_op.register_fake
-def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton):
+def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta=0.0,
+      lr_scale=0.0, tau_offset=False):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lr, tau, w0, b0, ln_w, ln_b)]
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton = inputs
+    q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton, rope_theta, lr_scale, \
+        tau_offset = inputs
     ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, output[1])
-    ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton)
+    ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton, rope_theta, lr_scale, tau_offset)
 
 
 def _backward(ctx, dout, dstates):
-    grads = scan_bwd_op(dout.contiguous(), *ctx.saved_tensors, *ctx.cfg)
-    return (*grads, None, None, None, None, None, None)
+    grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg)  # the kernels read dout with its strides
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -83,10 +164,10 @@ count_flops_as(scan_bwd_op, R.scan_bwd)
 
 
 def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
-          triton: bool) -> Tensor:
+          triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0, tau_offset: bool = False) -> Tensor:
     save = _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b)
     return scan_fwd_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, int(mini_batch), bool(ln_residual), float(eps),
-                       save, bool(triton))[0]
+                       save, bool(triton), float(rope_theta), float(lr_scale), bool(tau_offset))[0]
 
 
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
@@ -102,52 +183,25 @@ def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln
     return _scan(q1, k1, v, lr, tau, w1, b1, ln_w, ln_b, 1, mini_batch, ln_residual, eps, triton), None
 
 
-# eager-only cache of the bidirectional in-chunk RoPE tables (2, N, d/2) (utils.cached_constant); plain tensors,
-# never modified
-_ROPE_TABLES: Dict[Tuple[int, int, int, float, str, torch.dtype], Tuple[Tensor, Tensor]] = {}
-
-
-def _bidir_rope_tables(n: int, mini_batch: int, d: int, theta: float, device: torch.device, dtype: torch.dtype
-                       ) -> Tuple[Tensor, Tensor]:
-    pf, pb = R._bidir_positions(n, mini_batch, device)
-    cos, sin = rope_1d_tables(torch.cat([pf, pb]), d, theta, dtype)
-    return cos.view(2, 1, 1, n, d // 2), sin.view(2, 1, 1, n, d // 2)
-
-
-def _cached_bidir_rope(n: int, mini_batch: int, d: int, theta: float, device: torch.device, dtype: torch.dtype
-                       ) -> Tuple[Tensor, Tensor]:
-    return cached_constant(_ROPE_TABLES, (n, mini_batch, d, float(theta), str(device), dtype),
-                           lambda: _bidir_rope_tables(n, mini_batch, d, theta, device, dtype))
-
-
-def _bidir_inputs(q: Tensor, k: Tensor, w0: Tensor, b0: Tensor, mini_batch: int, rope_theta: Optional[float]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``torch.bidir_inputs`` with the tables cached and both directions rotated in one broadcast ``rope_1d`` (on the
-    stacked q, k when they differ); tracing (TorchScript, FX, torch.compile, export) takes the reference form."""
-    if (rope_theta is None or torch.jit.is_scripting() or tracing()
-            or isinstance(q, torch.fx.Proxy)):
-        return R.bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
-    R.check_bidir_state(w0, b0)
-    cos, sin = _cached_bidir_rope(q.shape[2], mini_batch, q.shape[-1], rope_theta, q.device, q.dtype)
-    if k is q:
-        q2 = rope_1d(q, cos, sin)  # (2, B, H, N, d)
-        return q2, q2.view_as(q2), w0[:, None], b0[:, None]
-    qk = rope_1d(torch.stack([q, k]).unsqueeze(1), cos.unsqueeze(0), sin.unsqueeze(0))  # (2 [q, k], 2, B, H, N, d)
-    return qk[0], qk[1], w0[:, None], b0[:, None]
-
-
 def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                         rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False,
-                        triton=None) -> Tuple[Tensor, Optional[Tensor]]:
+                        triton=None, lr_scale: float = 0.0, tau_offset: bool = False
+                        ) -> Tuple[Tensor, Optional[Tensor]]:
     """Bidirectional scan, both directions in one kernel launch; signature of ``ttt_linear_bidir``.
 
-    In-chunk RoPE runs in PyTorch before the op (one rotated q, k per direction, in original token order; in eager
-    from cached tables).
+    ``lr_scale`` != 0: ``lr`` holds logits, the rate is ``lr_scale * sigmoid(lr)``, formed inside the op (the ops'
+    ``lr_scale``); ``tau_offset``: ``tau`` holds ``token_tau``'s offsets (the ops' ``tau_offset``).  The in-chunk RoPE runs inside the op (``rope_theta`` of the ops): q, k go in unrotated, with a broadcast leading
+    axis of 1 for both directions.
     """
     if return_grad_norm:  # as above
+        lr, tau = _rates(lr, tau, lr_scale, tau_offset)
         return R.ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
                                         eps, True)
     check_scan_args(q, k, v, lr, tau, w0, b0, mini_batch)
-    q2, k2, w2, b2 = _bidir_inputs(q, k, w0, b0, mini_batch, rope_theta)
+    R.check_bidir_state(w0, b0)
     triton = triton_choice(q, "ttt_linear_bidir", q.shape[-1]) if triton is None else bool(triton)
-    return _scan(q2, k2, v, lr, tau, w2, b2, ln_w, ln_b, 2, mini_batch, ln_residual, eps, triton), None
+    theta = 0.0 if rope_theta is None else float(rope_theta)
+    if theta <= 0 and rope_theta is not None:
+        raise ValueError(f"rope_theta must be > 0 (or None: no RoPE), got {rope_theta}")
+    return _scan(q[None], k[None], v, lr, tau, w0[:, None], b0[:, None], ln_w, ln_b, 2, mini_batch, ln_residual, eps,
+                 triton, theta, lr_scale, tau_offset), None

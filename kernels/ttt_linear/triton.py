@@ -4,7 +4,8 @@ Same math and the same general contract as ``torch.py`` (which documents the for
 reads and writes token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped
 copies.  The d x d state W and the bias b live in registers (fp32).  Loads are upcast to float32 and every product
 and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for fp16/bf16 inputs); results
-are stored in float32 buffers (summed over the directions in PyTorch) and cast to the input dtype.  Offsets are
+are stored in float32 buffers and cast to the input dtype; the output is (B, N, H, d) memory, zeroed by pass 1 and
+summed over the two directions by pass 2's relaxed atomic adds (two addends onto 0: the same in either order).  Offsets are
 int64; the sizes that change per input (batch, heads, N, the mini-batch and chunk counts, broadcast strides) are
 ``do_not_specialize``.
 
@@ -40,10 +41,12 @@ Memory per (batch, head) and direction (d = head dim, b = mini_batch, n_mb = cei
     saved for the backward besides the inputs;
     backward: dq, dk, dv, z, dzb, dG_a, dz as fp32 N x d, (ceil(n_mb / ck) + 1) x (b + 2 d) fp32 partials.
     E.g. d = 64, b = 16, N = 16384: 32 saved states = 0.53 MB (every mini-batch: 17 MB; per-token weights: 268 MB).
-In-chunk RoPE is applied in PyTorch before the kernels (``recompute.bidir_inputs``: one rotated copy of q, k per
-direction, in original token order).
+In-chunk RoPE (``ROPE``, the (2, b, d / 2) cos / sin table of the in-mini-batch positions): q, k are turned on
+load (the partner columns loaded too), dq and dk turned back before their last store.  The rates ``lr_scale *
+sigmoid(logit)`` (``LR_SIG``) and tau ``max(0, 1 / i + offset)`` (``TAU_OFF``) are formed on load; dlr and the dtau
+partials leave as d logit, d offset.  The callers then launch nothing around the scan for them.
 """
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -78,6 +81,70 @@ def _load_rows(ptr, t, offs_d, m2, D):
 
 
 @triton.jit
+def _partner(offs_d, D):
+    """The rotate-half partner column of every column: p <-> p + D / 2."""
+    half = D // 2
+    return tl.where(offs_d < half, offs_d + half, offs_d - half)
+
+
+@triton.jit
+def _load_qk(ptr, t, offs_c, offs_d, m2, D, CS, MB, ROPE: tl.constexpr):
+    """Rows ``t`` of q or k (fp32), turned by the in-mini-batch RoPE when ``ROPE``: x cos + partner(x) (+-sin)."""
+    x = _load_rows(ptr, t, offs_d, m2, D)
+    if ROPE:
+        half = D // 2
+        o = offs_c[:, None] * half + (offs_d % half)[None, :]
+        cs = tl.load(CS + o, mask=m2, other=0.0)
+        sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
+        sn = tl.where(offs_d[None, :] < half, -sn, sn)
+        xp = tl.load(ptr + t[:, None] * D + _partner(offs_d, D)[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = x * cs + xp * sn
+    return x
+
+
+@triton.jit
+def _load_tau(TAU, i, mask, TAU_OFF: tl.constexpr):
+    """tau at in-mini-batch positions ``i`` (fp32): as given, or ``max(0, 1 / (i + 1) + offset_i)`` from the offsets
+    (``common.token_tau``) when ``TAU_OFF``."""
+    x = tl.load(TAU + i, mask=mask, other=0.0).to(tl.float32)
+    if TAU_OFF:
+        x = tl.maximum(1.0 / (i + 1).to(tl.float32) + x, 0.0)
+    return x
+
+
+@triton.jit
+def _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF: tl.constexpr):
+    """A partial sum of dtau, as d offset (the max(0, .)'s backward) when ``TAU_OFF``."""
+    if TAU_OFF:
+        dtau = tl.where(_load_tau(TAU, offs_c, offs_c < MB, TAU_OFF) > 0, dtau, 0.0)
+    return dtau
+
+
+@triton.jit
+def _load_lr(ptr, rmask, lr_scale, LR_SIG: tl.constexpr):
+    """The per-token rates (fp32): as given, or ``lr_scale * sigmoid(logit)`` from the logits when ``LR_SIG``."""
+    x = tl.load(ptr, mask=rmask, other=0.0).to(tl.float32)
+    if LR_SIG:
+        x = lr_scale / (1.0 + tl.exp(-x))
+    return x
+
+
+@triton.jit
+def _unturn(dx, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE: tl.constexpr):
+    """The RoPE backward of a gradient tile held in registers: dx cos - partner(dx) (+-sin) (the inverse turn); the
+    partner columns through an exact 0/1 permutation product."""
+    if ROPE:
+        half = D // 2
+        o = offs_c[:, None] * half + (offs_d % half)[None, :]
+        cs = tl.load(CS + o, mask=m2, other=0.0)
+        sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
+        sn = tl.where(offs_d[None, :] < half, -sn, sn)
+        perm = ((offs_d[:, None] == _partner(offs_d, D)[None, :]) & dmask[:, None] & dmask[None, :]).to(tl.float32)
+        dx = dx * cs - tl.dot(dx, perm, input_precision="ieee") * sn
+    return dx
+
+
+@triton.jit
 def _rows(r, s, N, MB, offs_c, dmask):
     """Scan positions s.. of one mini-batch -> token indices (reversed for direction 1) and masks."""
     c = tl.minimum(MB, N - s)
@@ -89,14 +156,16 @@ def _rows(r, s, N, MB, offs_c, dmask):
 
 
 @triton.jit
-def _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D):
-    """q, k, v, lr of the mini-batch's tokens ``t``, tau of its positions and tau of its last position (fp32)."""
-    q = _load_rows(qb, t, offs_d, m2, D)
-    k = _load_rows(kb, t, offs_d, m2, D)
+def _load_mb(qb, kb, vb, LR, TAU, CS, row, t, c, rmask, m2, offs_c, offs_d, D, MB, lr_scale, ROPE: tl.constexpr,
+             LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr):
+    """q, k (turned by the in-mini-batch RoPE when ``ROPE``), v, lr of the mini-batch's tokens ``t``, tau of its
+    positions and tau of its last position (fp32)."""
+    q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
+    k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
     v = _load_rows(vb, t, offs_d, m2, D)
-    lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-    tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
-    return q, k, v, lr, tau, tl.load(TAU + c - 1).to(tl.float32)
+    lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+    tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
+    return q, k, v, lr, tau, _load_tau(TAU, c - 1, True, TAU_OFF)
 
 
 @triton.jit
@@ -140,11 +209,11 @@ def _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask):
 
 
 @triton.jit(do_not_specialize=["sqr", "skr", "swr", "swb", "sbr", "sbb", "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _fwd_states(K, V, LR, TAU, W0, B0, LNW, LNB, G, ST,
+def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
                 skr, swr, swb, sbr, sbb,
-                B, H, N, D, n_mb, CK, n_ck, eps,
+                B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                LN_RES: tl.constexpr, PREC: tl.constexpr):
+                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
     """Pass 1, one program per (direction x batch, head), sequential over the mini-batches: only the recurrence
     (z = k W + b, the inner gradient G, the state update).  Writes G (fp32, token order) and the incoming (W; b) of
     every CK-th mini-batch (the chunk starts)."""
@@ -155,27 +224,29 @@ def _fwd_states(K, V, LR, TAU, W0, B0, LNW, LNB, G, ST,
     bias = tl.load(B0 + r * sbr + b * sbb + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
     lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
     gb = G + (seq * N) * D
+    ob = O + (b * N * H + h) * D  # the (B, N, H, d) output, zeroed here for pass 2's sums (direction 0)
     for m in range(n_mb):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
         if m % CK == 0:
             _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
-        k = _load_rows(kb, t, offs_d, m2, D)
+        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
         v = _load_rows(vb, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
         tl.store(gb + t[:, None] * D + offs_d[None, :], g, mask=m2)
+        tl.store(ob + t[:, None] * (H * D) + offs_d[None, :], tl.zeros_like(g), mask=m2 & (r == 0))
         step = (tau_last * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
         bias -= tl.sum(step, 0)
 
 
 @triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
+def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
                  sqr, skr,
-                 B, H, N, D, n_mb, CK, n_ck, eps,
+                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 LN_RES: tl.constexpr, PREC: tl.constexpr):
+                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
     """Pass 2, one program per (chunk, direction x batch, head): given G the outputs are a linear recurrence, so
     each chunk starts from its stored (W; b) and walks its CK mini-batches: zb = q W + b - (eta (q k^T + 1)) G, the
     output LayerNorm + residual, W -= k^T (e G), b -= sum e G (the same arithmetic as pass 1)."""
@@ -187,17 +258,17 @@ def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
     bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
     lnw, lnb, row, qb, kb, _ = _seq_inputs(Q, K, K, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     gb = G + (seq * N) * D
-    ob = O + (seq * N) * D
+    ob = O + (b * N * H + h) * D  # (B, N, H, d), zeroed by pass 1
     lo = ck * CK
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q = _load_rows(qb, t, offs_d, m2, D)
-        k = _load_rows(kb, t, offs_d, m2, D)
+        q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
         g = _load_rows(gb, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau = tl.load(TAU + offs_c, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
+        tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
         a = eta * (tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0)
@@ -207,7 +278,8 @@ def _fwd_outputs(Q, K, LR, TAU, LNW, LNB, G, ST, O,
             out = q + xh2 * lnw[None, :] + lnb[None, :]
         else:
             out = zb
-        tl.store(ob + t[:, None] * D + offs_d[None, :], out, mask=m2)
+        # both directions add onto 0: two addends, so the sum is the same in either order (deterministic)
+        tl.atomic_add(ob + t[:, None] * (H * D) + offs_d[None, :], out, mask=m2, sem="relaxed")
         step = (tau_last * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
         bias -= tl.sum(step, 0)
@@ -221,12 +293,12 @@ def _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask):
             tl.load(sb + D * D + offs_d, mask=dmask, other=0.0))
 
 
-@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, PTAU, PLNW, PLNB,
-                 sqr, skr,
-                 B, H, N, D, n_mb, CK, n_ck, eps,
+@triton.jit(do_not_specialize=["sqr", "skr", "sdb", "sdh", "sdn", "B", "H", "N", "n_mb", "CK", "n_ck"])
+def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, PTAU, PLNW, PLNB,
+                 sqr, skr, sdb, sdh, sdn,
+                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 LN_RES: tl.constexpr, PREC: tl.constexpr):
+                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 1, one program per (chunk, sequence), in parallel: from the chunk's stored state it walks the
     chunk forward (recomputing z, G and every incoming state) and forms the output-side gradients, which do not
     depend on the later mini-batches: dq (complete), dk's dS^T q term, dlr's eta term, dtau / dln partial sums,
@@ -236,7 +308,7 @@ def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, P
                                                           BLOCK_D)
     lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
     w, bias = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
-    dob = DO + row * D
+    dob = DO + b * sdb + h * sdh  # dout read with its strides (token stride sdn, unit channel stride)
     gb = seq * N  # rows of the per-direction (ndir B, H, N) buffers
     dlnw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dlnb = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -245,8 +317,9 @@ def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, P
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, row, t, c, rmask, m2, offs_c, offs_d, D)
-        do = _load_rows(dob, t, offs_d, m2, D)
+        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, CS, row, t, c, rmask, m2, offs_c, offs_d, D, MB,
+                                                   lr_scale, ROPE, LR_SIG, TAU_OFF)
+        do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
         if LN_RES:
             xh, rstd = _ln_stats(z, dmask, D, eps)
@@ -281,7 +354,7 @@ def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, P
         tl.store(Z + o2, z, mask=m2)
         tl.store(DZB + o2, dzb, mask=m2)
         tl.store(DGA + o2, dga, mask=m2)
-        tl.store(DQ + o2, dq, mask=m2)
+        tl.store(DQ + o2, _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
         tl.store(DK + o2, dk, mask=m2)
         tl.store(DLR + gb + t, tl.sum(deta * tau[:, None], 0), mask=rmask)
         step = (tau_last * lr)[:, None] * g
@@ -290,15 +363,15 @@ def _bwd_outputs(Q, K, V, LR, TAU, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, P
     part = ck * (tl.num_programs(1) * tl.num_programs(2)) + seq  # partial sums: (n_ck + 1, sequences)
     tl.store(PLNW + part * D + offs_d, dlnw, mask=dmask)
     tl.store(PLNB + part * D + offs_d, dlnb, mask=dmask)
-    tl.store(PTAU + part * MB + offs_c, dtau, mask=offs_c < MB)
+    tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
 @triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "n_ck"])
-def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, DB0, PTAU, PLNW, PLNB,
+def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, DB0, PTAU, PLNW, PLNB,
                 sqr, skr,
-                B, H, N, D, n_mb, n_ck, eps,
+                B, H, N, D, n_mb, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                LN_RES: tl.constexpr, PREC: tl.constexpr):
+                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 2, one program per sequence, sequential over the mini-batches in reverse: the (dW, db)
     recursion through the state updates and the inner LayerNorm gradient (not linear: it reads z), from the stored
     z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
@@ -314,10 +387,10 @@ def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, D
     for mm in range(n_mb):
         m = n_mb - 1 - mm
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q = _load_rows(qb, t, offs_d, m2, D)
-        k = _load_rows(kb, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
         z = tl.load(Z + o2, mask=m2, other=0.0)
         dzb = tl.load(DZB + o2, mask=m2, other=0.0)
@@ -353,7 +426,10 @@ def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, D
         tl.store(DZ + o2, dz, mask=m2)
         tl.store(DV + o2, dv, mask=m2)
         tl.store(DK + o2, tl.load(DK + o2, mask=m2, other=0.0) + dk, mask=m2)
-        tl.store(DLR + gb + t, tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last, mask=rmask)
+        dlr = tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last
+        if LR_SIG:  # d lr / d logit = lr (1 - sigmoid)
+            dlr *= lr * (1.0 - lr / lr_scale)
+        tl.store(DLR + gb + t, dlr, mask=rmask)
         dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
         db += tl.sum(dzb, 0) + tl.sum(dz, 0)
     tl.store(DW0 + seq * D * D + offs_d[:, None] * D + offs_d[None, :], dw, mask=wmask)
@@ -361,15 +437,15 @@ def _bwd_states(Q, K, V, LR, TAU, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, D
     part = n_ck * (tl.num_programs(0) * tl.num_programs(1)) + seq
     tl.store(PLNW + part * D + offs_d, dlnw, mask=dmask)
     tl.store(PLNB + part * D + offs_d, dlnb, mask=dmask)
-    tl.store(PTAU + part * MB + offs_c, dtau, mask=offs_c < MB)
+    tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
 @triton.jit(do_not_specialize=["skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _bwd_keys(K, V, LR, TAU, LNW, LNB, ST, Z, DZ, DK,
+def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
               skr,
-              B, H, N, D, n_mb, CK, n_ck, eps,
+              B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-              LN_RES: tl.constexpr, PREC: tl.constexpr):
+              LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
     """Backward pass 3, one program per (chunk, sequence), in parallel: dk += dz W_i^T, walking the chunk's states
     forward from its stored state with G recomputed from the stored z (no LayerNorm statistics of the state
     itself: z is given)."""
@@ -383,10 +459,10 @@ def _bwd_keys(K, V, LR, TAU, LNW, LNB, ST, Z, DZ, DK,
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        k = _load_rows(kb, t, offs_d, m2, D)
+        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
         v = _load_rows(vb, t, offs_d, m2, D)
-        lr = tl.load(LR + row + t, mask=rmask, other=0.0).to(tl.float32)
-        tau_last = tl.load(TAU + c - 1).to(tl.float32)
+        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
         z = tl.load(Z + o2, mask=m2, other=0.0)
         if LN_RES:
@@ -397,7 +473,7 @@ def _bwd_keys(K, V, LR, TAU, LNW, LNB, ST, Z, DZ, DK,
         g = tl.where(m2, g, 0.0)
         dz = tl.load(DZ + o2, mask=m2, other=0.0)
         dk = tl.load(DK + o2, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
-        tl.store(DK + o2, dk, mask=m2)
+        tl.store(DK + o2, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
         w -= tl.dot(tl.trans(k), (tau_last * lr)[:, None] * g, input_precision=PREC)
 
 
@@ -434,7 +510,8 @@ def scan_grids(ndir: int, bsz: int, heads: int, n: int, mini_batch: int) -> Dict
 
 
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
-                    eps: float, save_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, save_states: bool, rope_table: Optional[torch.Tensor] = None, lr_scale: float = 0.0,
+                    tau_offset: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton forward of the general contract (see ``torch.py``): pass 1 (states, G), pass 2 (outputs)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
@@ -443,22 +520,23 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     ln_w, ln_b = ln_w.contiguous(), ln_b.contiguous()
     n_mb, ck, n_ck = _chunks(n, mini_batch)
     f32 = dict(device=q.device, dtype=torch.float32)
-    out = torch.empty(ndir, bsz, h, n, d, **f32)
+    out = torch.empty(bsz, n, h, d, **f32)  # both directions summed, token-major: (B, N, C) for the caller
     grad = torch.empty(ndir, bsz, h, n, d, **f32)  # the inner gradients G (pass 1 -> pass 2)
     st = torch.empty(ndir * bsz, h, n_ck, d + 1, d, **f32)  # chunk-start states = the backward's checkpoints
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
-    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
-               num_warps=warps)
+    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), num_warps=warps)
+    cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
-        k, v, lr, tau, w0, b0, ln_w, ln_b, grad, st,
+        k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
         _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     _fwd_outputs[grids["_fwd_outputs"]](
-        q, k, lr, tau, ln_w, ln_b, grad, st, out,
+        q, k, lr, tau, cs, ln_w, ln_b, grad, st, out,
         _bstride(q, 0), _bstride(k, 0),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
-    return out.sum(0).to(q.dtype), (st if save_states else torch.empty(0, **f32))
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+    return out.to(q.dtype).transpose(1, 2), (st if save_states else torch.empty(0, **f32))
 
 
 def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
@@ -471,14 +549,17 @@ def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
 
 
 def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int, mini_batch: int,
-                    ln_residual: bool, eps: float) -> List[torch.Tensor]:
+                    ln_residual: bool, eps: float, rope_table: Optional[torch.Tensor] = None, lr_scale: float = 0.0,
+                    tau_offset: bool = False) -> List[torch.Tensor]:
     """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b], in three launches
     (per chunk, per sequence, per chunk; module docstring)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
     if states.numel() == 0:
         raise RuntimeError("ttt_linear backward needs the forward's per-mini-batch states (save_states=True)")
-    q, k, v, lr, do = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous(), do.contiguous()
+    q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()
+    if do.stride(-1) != 1:
+        do = do.contiguous()
     tau, ln_w, ln_b, states = tau.contiguous(), ln_w.contiguous(), ln_b.contiguous(), states.contiguous()
     n_mb, ck, n_ck = _chunks(n, mini_batch)
     if states.shape[2] != n_ck:
@@ -494,18 +575,19 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     db0 = torch.empty(seqs, d, **f32)
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
-    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, PREC=_prec(q.dtype),
-               num_warps=warps)
+    cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), num_warps=warps)
+    cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     sqr, skr = _bstride(q, 0), _bstride(k, 0)
     _bwd_outputs[grids["_bwd_outputs"]](
-        q, k, v, lr, tau, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb,
-        sqr, skr, bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+        q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb,
+        sqr, skr, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     _bwd_states[grids["_bwd_states"]](
-        q, k, v, lr, tau, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
-        sqr, skr, bsz, h, n, d, n_mb, n_ck, eps, **cfg)
+        q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
+        sqr, skr, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, **cfg)
     _bwd_keys[grids["_bwd_keys"]](
-        k, v, lr, tau, ln_w, ln_b, states, z, dz, dk,
-        skr, bsz, h, n, d, n_mb, ck, n_ck, eps, **cfg)
+        k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dk,
+        skr, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
     dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
     return [dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dlr.sum(0).to(lr.dtype),

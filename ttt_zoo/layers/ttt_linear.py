@@ -16,8 +16,9 @@ from torch.nn.modules import module as _module
 from timm.layers import register_notrace_function
 
 from ttt_zoo.kernels import linear_attention_bidir, token_tau, ttt_linear_bidir
-from ttt_zoo.kernels.backend import tracing
-from ttt_zoo.kernels.utils import cached_constant
+from ttt_zoo.kernels.backend import resolve_backend, tracing
+from ttt_zoo.kernels.ttt_linear.ops import ttt_linear_bidir_op
+from ttt_zoo.kernels.utils import cached_constant, launches_kernel
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from . import la_forms as laf
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
@@ -208,6 +209,12 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     def inner_inputs(self, x: torch.Tensor, feat_size: Tuple[int, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (B, heads, N, d), per-token lr (B, heads, N) and the gate input u_g (B, N, D)."""
+        q, k, v, logits, u_g = self._inputs_and_logits(x, feat_size)
+        return q, k, v, (self.base_lr / self.head_dim) * torch.sigmoid(logits), u_g
+
+    def _inputs_and_logits(self, x: torch.Tensor, feat_size: Tuple[int, int]
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`inner_inputs` with the lr's logits (B, heads, N) in place of the lr."""
         c = x.shape[2]
         _check_tokens(x, feat_size, "TTTLinearMixer")
         src = self._conv(x, feat_size) if self.qk_mode == "shared" else x
@@ -226,8 +233,7 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         if self.proj_per_direction and q is k:
             q = k.clone()  # a distinct q: the scan then forms q S apart from k S, as the paper's FLOP count does
         v = self._heads(u_v)
-        lr = (self.base_lr / self.head_dim) * torch.sigmoid(logits).transpose(1, 2)
-        return q, k, v, lr, u_g
+        return q, k, v, logits.transpose(1, 2), u_g
 
     def _project(self, src: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[u_qk, u_g, u_v] = proj(src)`` and the lr logits ``lr_proj(src)``.  In training one GEMM over both
@@ -283,6 +289,40 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
             self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual, rope, 1e-6, return_grad_norm,
             self.backend)
 
+    @torch.jit.unused
+    def _rate_in_kernels(self, q: torch.Tensor) -> bool:
+        """Eager TTT-Linear on the Triton kernels: they form the rate ``base_lr / d * sigmoid(logit)`` and tau
+        themselves (no launches of their own, forward or backward)."""
+        if self.dot_loss or self.base_lr == 0 or isinstance(q, torch.fx.Proxy) or tracing():
+            return False
+        return resolve_backend(self.backend, q.device, q.dtype, self.head_dim, "ttt_linear_bidir") == "triton"
+
+    @torch.jit.unused
+    def _kernel_scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`_scan` of the MSE loss with the lr's logits and tau's offsets: the Triton op forms the rate (scale
+        ``base_lr / d``, its sign the ascent's) and ``token_tau`` itself."""
+        dt = q.dtype
+        scale = (-1.0 if self.gradient_ascent else 1.0) * self.base_lr / self.head_dim
+        rope = self.rope_theta if self.inner_rope else None
+        return ttt_linear_bidir_op(
+            q, k, v, logits, self.tau_offset.to(dt), self.w0.to(dt), self.b0.to(dt),
+            self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual, rope,
+            1e-6, triton=True, lr_scale=scale, tau_offset=True)[0]
+
+    @torch.jit.unused
+    def _gate_in_kernel(self) -> bool:
+        """The gate in one Triton launch (on the Triton path, real tensors with tokens) unless a hook must see
+        ``post_norm`` called."""
+        pn = self.post_norm
+        return not (pn._forward_hooks or pn._forward_pre_hooks or _module._global_forward_hooks
+                    or _module._global_forward_pre_hooks)
+
+    @torch.jit.unused
+    def _kernel_gate(self, u_g: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
+                     norm_b: torch.Tensor) -> torch.Tensor:
+        from ttt_zoo.kernels.ttt_linear.gate import gelu_gate  # Triton: imported where it runs
+        return gelu_gate(u_g, z, norm_w, norm_b, self.post_norm.eps)
+
     def _scaled_tau(self, scale: float) -> torch.Tensor:
         """``scale * token_tau(tau_offset)`` for ``scale >= 0``, as ``relu(scale / i + scale * offset_i)``: the
         ``scale / i`` table is a per-process constant, so this is two launches (token_tau: five)."""
@@ -305,17 +345,30 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
-        q, k, v, lr, u_g = self.inner_inputs(x, feat_size)
-        z, _ = self._scan(q, k, v, lr)
+        q, k, v, logits, u_g = self._inputs_and_logits(x, feat_size)
+        z = q
+        rate_in_kernels = False
+        if not torch.jit.is_scripting():
+            rate_in_kernels = self._rate_in_kernels(q)
+            if rate_in_kernels:
+                z = self._kernel_scan(q, k, v, logits)
+        if not rate_in_kernels:
+            z, _ = self._scan(q, k, v, (self.base_lr / self.head_dim) * torch.sigmoid(logits))
         z = z.transpose(1, 2).reshape(b, n, c)
         if not torch.jit.is_scripting():
             if can_recompute(self, z):  # training: keep u_g and z only (ttt_zoo.layers.recompute)
                 return linear_of_recomputed(self._gate, u_g, self.o_proj, z, self.post_norm.weight,
                                             self.post_norm.bias)
+            if rate_in_kernels and self._gate_in_kernel() and launches_kernel(True, z):
+                return self.proj_drop(self.o_proj(self._kernel_gate(u_g, z, self.post_norm.weight,
+                                                                    self.post_norm.bias)))
         return self.proj_drop(self.o_proj(F.gelu(u_g, approximate="tanh") * self.post_norm(z)))
 
     def _gate(self, u_g: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor) -> torch.Tensor:
         """``GELU_tanh(u_g) * post_norm(z)``, the input of ``o_proj``."""
+        if not torch.jit.is_scripting():
+            if self._gate_in_kernel() and self._rate_in_kernels(z) and launches_kernel(True, z):
+                return self._kernel_gate(u_g, z, norm_w, norm_b)
         z = F.layer_norm(z, z.shape[-1:], norm_w, norm_b, self.post_norm.eps)
         return F.gelu(u_g, approximate="tanh") * z
 
