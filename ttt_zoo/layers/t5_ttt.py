@@ -303,19 +303,19 @@ class T5TTT(PlainStepTTT):
                                    self.k_conv2d.weight, self.k_conv2d.bias, feat_size, self.backend)
         if fused is not None:
             q2h, k2h = self._heads(fused[0]), self._heads(fused[1])
-        elif not eager_fold():
-            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-            k2h = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
-            q2h = k2h if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
-        elif self.share_qk:
-            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-            wk = fold_identity([self.k_conv2d.weight])[0]
-            q2h = k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
         else:
             kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-            wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
-            k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
-            q2h = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
+            if not eager_fold():
+                k2h = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
+                q2h = k2h if self.share_qk else \
+                    self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+            elif self.share_qk:
+                wk = fold_identity([self.k_conv2d.weight])[0]
+                q2h = k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
+            else:
+                wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
+                k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
+                q2h = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
         na: Optional[torch.Tensor] = None
         if self.na_kernel > 0:  # T5+: blended into the inner step's output (its (B, N, heads, d) layout is kept)
             grid = (b, self.num_heads, feat_size[0], feat_size[1], c // self.num_heads)
