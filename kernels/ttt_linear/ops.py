@@ -151,9 +151,12 @@ def _setup(ctx, inputs, output):
         tau_offset = inputs
     ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, output[1])
     ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton, rope_theta, lr_scale, tau_offset)
+    ctx.set_materialize_grads(False)  # the states are never differentiated: no zero cotangent is made for them
 
 
 def _backward(ctx, dout, dstates):
+    if dout is None:
+        return (None,) * 18
     grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg)  # the kernels read dout with its strides
     return (*grads, None, None, None, None, None, None, None, None, None)
 

@@ -541,10 +541,9 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
 
 def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
     dw = dw.reshape(ndir, -1, *like.shape[2:])
-    if like.shape[0] == 1:
-        dw = dw.sum(0, keepdim=True)
-    if like.shape[1] == 1:
-        dw = dw.sum(1, keepdim=True)
+    shared = [i for i in (0, 1) if like.shape[i] == 1]  # one state for both directions / the whole batch
+    if shared:
+        dw = dw.sum(shared, keepdim=True)  # one launch
     return dw.to(like.dtype)
 
 
