@@ -20,6 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ttt_zoo.kernels.dwconv import triton as DW  # noqa: E402
 from ttt_zoo.kernels.inner_mlp import triton as T  # noqa: E402
 from ttt_zoo.kernels.key_norm import triton as KT  # noqa: E402
 from ttt_zoo.kernels.linear_attention import triton as LA  # noqa: E402
@@ -229,6 +230,25 @@ def inner_mlp_rows(block_ds, arch):
     return lines
 
 
+def dwconv_rows(block_ds, arch):
+    """The residual depthwise 3x3 conv (the blocks' CPE, H-ViT3's MLP conv + GELU): forward, backward (dx and the
+    dW / db partials; for the MLP's recomputing backward also its output and the first GELU's gradient) and the
+    reduction, per activation dtype and act, the shipped tile (a 64-channel block: C >= 64) and warps."""
+    lines = []
+    tile = f"{DW.BLOCK_T} tokens x {DW.MAX_BLOCK_C} ch"
+    for act, (dt, _) in _ACT.items():
+        for act_name, code in DW.ACT_CODES.items():
+            bwd = [dict(WRITE_Y=False, IN_GELU=False)] + ([dict(WRITE_Y=True, IN_GELU=True)] if code else [])
+            for fn, extra in [(DW._fwd, {})] + [(DW._bwd, dict(ROWS=DW.ROWS, **e)) for e in bwd]:
+                consts = dict(ACT=code, HAS_BIAS=True, BLOCK_T=DW.BLOCK_T, BLOCK_C=DW.MAX_BLOCK_C, **extra)
+                variant = f"act={act_name}{', writes y, dh (MLP)' if extra.get('WRITE_Y') else ''}, {act}"
+                lines.append(_row_act(dt, fn, variant, "-", tile, DW.NUM_WARPS, consts, arch,
+                                      io=("X", "Y", "DY", "DX", "HPRE")))
+    lines.append(_row(DW._reduce, "dW / db partials (fp32)", "-", f"{DW.BLOCK_P} rows x {DW.MAX_BLOCK_C} ch", 4,
+                      dict(BLOCK_P=DW.BLOCK_P, BLOCK_C=DW.MAX_BLOCK_C, ROWS=DW.ROWS), arch, io=()))
+    return lines
+
+
 FAMILIES = {
     "vit3": ("ViT3 / H-ViT3 / DiT3", vit3_rows, "fp32 / fp16 / bf16 activations, fp32 weights/partials; shipped tiles and warps.  The "
              "fused kernels (fused.py) run head dims up to ops.FUSED_MAX_HEAD_DIM = 64 (at BLOCK_D 128 they spilled up to "
@@ -236,6 +256,8 @@ FAMILIES = {
     "linear_attention": ("Vision-TTT linear attention", linear_attention_rows,
                          "fp32 / fp16 / bf16 q/k/v (loads upcast to fp32), fp32 state; the launcher's warps."),
     "ttt_linear": ("Vision-TTT TTT-Linear", ttt_linear_rows, "fp32 / fp16 / bf16 q/k/v, fp32 state; shipped launch config."),
+    "dwconv": ("Residual depthwise 3x3 conv (CPE, H-ViT3 MLP)", dwconv_rows,
+               "fp32 / fp16 / bf16 activations (loads upcast to fp32), fp32 weights and partials; launcher's tiles."),
     "t5": ("T5 / DiT5 / key-norm", inner_mlp_rows,
            "fp32 / fp16 / bf16 activations (dots on their dtype, fp32 accumulation), fp32 weights/partials; "
            "tiles and warps as inner_mlp.triton.launch_cfg picks them."),

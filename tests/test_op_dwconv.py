@@ -60,15 +60,18 @@ _ON_TRITON = pytest.param(True, marks=[pytest.mark.triton, pytest.mark.skipif(no
 
 
 @pytest.mark.parametrize("triton", [False, _ON_TRITON], ids=["torch", "triton"])
-@pytest.mark.parametrize("act", [None, "gelu"])
-def test_vjp_gives_the_output_and_the_gradients(act, triton):
+@pytest.mark.parametrize("act, pre", [(None, False), ("gelu", False), ("gelu", True)], ids=["none", "gelu", "gelu_pre"])
+def test_vjp_gives_the_output_and_the_gradients(act, pre, triton):
     """``residual_dwconv_vjp`` (the MLP's recomputing backward): y and (dx, dW, db) of one backward, as the forward
-    and autograd give them (float64 on the PyTorch branch, float32 in the kernels)."""
+    and autograd give them (float64 on the PyTorch branch, float32 in the kernels); with ``pre_x`` (x = gelu(h))
+    the gradient of h."""
     dtype = torch.float32 if triton else torch.float64
-    x, w, b = (t.to(dtype).to(DEV if triton else "cpu").requires_grad_() for t in _inputs(2, 6, 11, 20, seed=5))
-    dy = torch.randn_like(x)
-    want = _fwd_bwd(lambda *t: residual_dwconv_reference(*t, (6, 11), act), [x, w, b], dy)
-    got = residual_dwconv_vjp(dy, x.detach(), w.detach(), b.detach(), (6, 11), act, triton=triton)
+    h, w, b = (t.to(dtype).to(DEV if triton else "cpu").requires_grad_() for t in _inputs(2, 6, 11, 20, seed=5))
+    dy = torch.randn_like(h)
+    first = F.gelu if pre else (lambda t: t)
+    want = _fwd_bwd(lambda h_, *t: residual_dwconv_reference(first(h_), *t, (6, 11), act), [h, w, b], dy)
+    got = residual_dwconv_vjp(dy, first(h.detach()), w.detach(), b.detach(), (6, 11), act,
+                              pre_x=h.detach() if pre else None, triton=triton)
     tol = dict(rtol=1e-5, atol=1e-5) if triton else dict(rtol=1e-10, atol=1e-10)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r.detach(), **tol)
@@ -114,7 +117,7 @@ def _check_kernel(shape, dtype, act, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("shape", [(1, 56, 56, 64), (1, 40, 72, 64)], ids=["56x56", "40x72"])
+@pytest.mark.parametrize("shape", [(1, 48, 48, 64), (1, 40, 72, 64)], ids=["48x48", "40x72"])
 @triton_test
 def test_kernels_gelu_match_the_fp64_reference(shape, dtype):
     _check_kernel(shape, dtype, "gelu")
@@ -144,9 +147,10 @@ def test_kernels_odd_map_channel_tail_and_chunked_backward(monkeypatch):
 @triton_test
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="probes the offsets in the interpreter")
 def test_token_offsets_are_int64_past_2_31():
-    """The kernels' one offset helper, ``(b N + token) C``, at a batch index whose offset passes 2^31 (H-ViT3-T's
-    first stage at 2048 px: N = 512 x 512 tokens of 4 x 64 = 256 MLP channels; 2^31 from sample 32), fed through
-    the same int32 arguments as the kernels without allocating that tensor."""
+    """The kernels' offset helper, ``(b N + token) C`` (every program's sample base), at a batch index whose offset
+    passes 2^31 (H-ViT3-T's first stage at 2048 px: N = 512 x 512 tokens of 4 x 64 = 256 MLP channels; 2^31 from
+    sample 32), fed through the same int32 arguments as the kernels without allocating that tensor.  Offsets inside
+    a sample are int32: a sample of 2^31 elements or more is refused (meta tensors: nothing allocated)."""
     import triton
     import triton.language as tl
 
@@ -161,6 +165,9 @@ def test_token_offsets_are_int64_past_2_31():
     probe[(2,)](out, b0, n, c)
     want = [((b0 + p) * n + t) * c for p in range(2) for t in (n - 2, n - 1)]
     assert max(want) >= 2 ** 31 and out.tolist() == want
+    big = torch.empty(1, 2 ** 23, 256, device="meta")
+    with pytest.raises(ValueError, match="above the kernels' 2\\^31"):
+        DT.residual_dwconv_fwd_triton(big, torch.empty(256, 1, 3, 3, device="meta"), None, (2 ** 13, 2 ** 10), None)
 
 
 # ------------------------------------------------------------------------------------------------- the layers

@@ -48,17 +48,18 @@ def _(x, weight, bias, height, width, act, triton):
 
 
 @torch.library.custom_op("ttt_zoo::residual_dwconv3x3_bwd", mutates_args=())
-def residual_dwconv_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int,
-                           act: str, want_y: bool, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def residual_dwconv_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], pre_x: Optional[Tensor],
+                           height: int, width: int, act: str, want_y: bool,
+                           triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if launches_kernel(triton, x):
-        return _t().residual_dwconv_bwd_triton(dy, x, weight, bias, (height, width), _act(act), want_y)
-    dx, dw, db = residual_dwconv_bwd_torch(dy, x, weight, bias, (height, width), _act(act))
+        return _t().residual_dwconv_bwd_triton(dy, x, weight, bias, (height, width), _act(act), want_y, pre_x)
+    dx, dw, db = residual_dwconv_bwd_torch(dy, x, weight, bias, (height, width), _act(act), pre_x)
     y = residual_dwconv_torch(x, weight, bias, (height, width), _act(act)).contiguous() if want_y else x.new_empty(0)
     return dx.contiguous(), dw.contiguous(), db.contiguous(), y
 
 
 @residual_dwconv_bwd_op.register_fake
-def _(dy, x, weight, bias, height, width, act, want_y, triton):
+def _(dy, x, weight, bias, pre_x, height, width, act, want_y, triton):
     return (x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0]),
             x.new_empty(x.shape if want_y else (0,)))
 
@@ -72,7 +73,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     x, weight, bias = ctx.saved_tensors
     height, width, act, triton = ctx.consts
-    dx, dw, db, _ = residual_dwconv_bwd_op(dy, x, weight, bias, height, width, act, False, triton)
+    dx, dw, db, _ = residual_dwconv_bwd_op(dy, x, weight, bias, None, height, width, act, False, triton)
     need = ctx.needs_input_grad
     return (dx if need[0] else None, dw if need[1] else None, db if bias is not None and need[2] else None,
             None, None, None, None)
@@ -98,10 +99,12 @@ def residual_dwconv_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], feat_s
 
 
 def residual_dwconv_vjp(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], feat_size: Tuple[int, int],
-                        act: Optional[str] = None, triton: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                        act: Optional[str] = None, pre_x: Optional[Tensor] = None,
+                        triton: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, dx, dweight, dbias) of ``y = act(x + dwconv3x3(x))`` in one backward (no autograd): for a caller that
-    recomputes y in its backward anyway (``layers.recompute``); the kernels write y as they go."""
+    recomputes y in its backward anyway (``layers.recompute``); the kernels write y as they go.  ``pre_x``: x is
+    gelu(pre_x), and dx is the gradient of pre_x (the kernels multiply by gelu'(pre_x) as they store it)."""
     check_residual_dwconv(x, weight, bias, feat_size, act)
-    dx, dw, db, y = residual_dwconv_bwd_op(dy.contiguous(), x, weight, bias, int(feat_size[0]), int(feat_size[1]),
-                                           act or "none", True, bool(triton))
+    dx, dw, db, y = residual_dwconv_bwd_op(dy.contiguous(), x, weight, bias, pre_x, int(feat_size[0]),
+                                           int(feat_size[1]), act or "none", True, bool(triton))
     return y, dx, dw, db

@@ -38,20 +38,25 @@ def residual_dwconv_torch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return F.gelu(y) if act == "gelu" else y
 
 
+def _gelu_grad(t: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf(t * 0.7071067811865476)) + t * torch.exp(-0.5 * t * t) * 0.3989422804014327
+
+
 def residual_dwconv_bwd_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                              feat_size: Tuple[int, int], act: Optional[str]):
+                              feat_size: Tuple[int, int], act: Optional[str], pre_x: Optional[torch.Tensor] = None):
     """(dx, dweight, dbias) of :func:`residual_dwconv_torch` without autograd (the custom op's PyTorch branch runs
-    below autograd): g' = dy act'(pre); dx = g' + conv(g', taps flipped); dW_ij = sum g' x(shift ij); db = sum g'."""
+    below autograd): g' = dy act'(pre); dx = g' + conv(g', taps flipped); dW_ij = sum g' x(shift ij); db = sum g'.
+    ``pre_x``: x = gelu(pre_x), and dx is the gradient of pre_x."""
     b, n, c = x.shape
     h, w = feat_size
     if act == "gelu":
-        pre = residual_dwconv_torch(x, weight, bias, feat_size, None)
-        cdf = 0.5 * (1.0 + torch.erf(pre * 0.7071067811865476))
-        dy = dy * (cdf + pre * torch.exp(-0.5 * pre * pre) * 0.3989422804014327)
+        dy = dy * _gelu_grad(residual_dwconv_torch(x, weight, bias, feat_size, None))
     flipped = weight.flip(2, 3).to(dy.dtype)
     gmap = dy.unflatten(1, (h, w)).permute(0, 3, 1, 2)
     dx = dy + F.conv2d(gmap, flipped, padding=1, groups=c).reshape(b, c, n).transpose(1, 2)
     xpad = F.pad(x.unflatten(1, (h, w)), (0, 0, 1, 1, 1, 1))
     g = dy.unflatten(1, (h, w))
     dw = torch.stack([(g * xpad[:, i:i + h, j:j + w]).sum((0, 1, 2)) for i in range(3) for j in range(3)], 1)
+    if pre_x is not None:  # x = gelu(pre_x): the gradient of pre_x
+        dx = dx * _gelu_grad(pre_x)
     return dx.to(x.dtype), dw.reshape(c, 1, 3, 3).to(weight.dtype), dy.sum((0, 1)).to(weight.dtype)

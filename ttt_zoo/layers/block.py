@@ -93,13 +93,10 @@ class TokenMlp(nn.Module):
 
     def _mid_vjp(self, feat_size: Tuple[int, int], h: torch.Tensor, dg: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor):
-        """:meth:`_mid`'s output and gradients on the Triton path: the conv kernel's backward writes its output too,
-        so the recomputing backward runs no separate conv forward."""
-        with torch.enable_grad():
-            h_ = h.detach().requires_grad_()
-            u = self.act(h_)
-        g, du, dw, db = residual_dwconv_vjp(dg, u.detach(), weight, bias, feat_size, "gelu")
-        return g, torch.autograd.grad(u, h_, du)[0], [dw, db]
+        """:meth:`_mid`'s output and gradients on the Triton path (an exact GELU): the conv kernel's backward writes
+        its output too and takes the first GELU's gradient as it stores dh (no conv forward, no gelu_backward)."""
+        g, dh, dw, db = residual_dwconv_vjp(dg, self.act(h), weight, bias, feat_size, "gelu", pre_x=h)
+        return g, dh, [dw, db]
 
     def _fused_dwc(self, u: torch.Tensor):
         """The Triton ``residual_dwconv3x3`` for ``act(u + dwc(u))`` (exact GELU), or None: the aten ops."""
