@@ -24,7 +24,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
-import timm  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401  (registers the models)
 from ttt_zoo.bench import compiled_variants as cv  # noqa: E402
@@ -34,10 +33,7 @@ from ttt_zoo.registry import list_zoo_models  # noqa: E402
 
 def measure(name: str) -> dict:
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = timm.create_model(name)
-    dims = cv.head_dims(model)
-    calls = cv.compile_keys(model)
+    calls, dims = cv.compile_keys(name)
     keys = defaultdict(set)
     for kernel, dtype, key in calls:
         keys[f"{kernel}|{dtype}"].add(key)

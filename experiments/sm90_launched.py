@@ -26,8 +26,6 @@ os.environ.pop("TRITON_INTERPRET", None)  # the JIT and its compiler, not the in
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import torch  # noqa: E402
-import timm  # noqa: E402
 import triton  # noqa: E402
 
 import ttt_zoo  # noqa: E402,F401  (registers the models)
@@ -46,14 +44,15 @@ def _ptxas_stats():
 
 
 def collect(names):
-    """(kernel, key) -> (Launch, dtypes of the models that launch it, sorted model names) over ``names``."""
-    launches, users = {}, defaultdict(set)
+    """(kernel, key) -> (Launch, dtypes of the models that launch it, sorted model names) over ``names``, and each
+    model's head dims."""
+    launches, users, dims = {}, defaultdict(set), {}
     for name in names:
-        with torch.device("meta"):
-            model = timm.create_model(name)
-        for kernel, dtype, key in cv.compile_keys(model, sizes=(224, 256), batches=(1, 2), launches=launches):
+        calls, dims[name] = cv.compile_keys(name, sizes=(224, 256), batches=(1, 2), launches=launches)
+        for kernel, dtype, key in calls:
             users[(kernel, key)].add((name, dtype))
-    return {k: (launches[k], "/".join(sorted({d for _, d in u})), sorted({m for m, _ in u})) for k, u in users.items()}
+    found = {k: (launches[k], "/".join(sorted({d for _, d in u})), sorted({m for m, _ in u})) for k, u in users.items()}
+    return found, dims
 
 
 def markdown(rows):
@@ -85,11 +84,7 @@ def main():
     if reason:
         sys.exit(f"error: {reason}; run without it")
     names = args.models or list_zoo_models(include_diffusion=True)
-    dims = {}
-    for name in names:
-        with torch.device("meta"):
-            dims[name] = cv.head_dims(timm.create_model(name))
-    found = collect(names)
+    found, dims = collect(names)
     print(f"{len(found)} distinct launches over {len(names)} models", flush=True)
     ptxas_stats = _ptxas_stats()
     out_json = args.out + ".json"

@@ -2,13 +2,14 @@
 
 Triton compiles a kernel once per key of its ``JITFunction`` cache: the specialization its binder builds from the
 arguments (the dtype of each pointer, 16-byte alignment and ``== 1`` of each integer not in ``do_not_specialize``),
-the constexprs and the launch options.  Here a model runs forward and backward on the meta device with the Triton
-backend; the ``ttt_zoo::`` custom ops are opened so that their launchers run on meta tensors
-(``kernels.utils.launch_on_meta``), and each launch records that key instead of compiling (issue 48: "at most one
-compiled variant per dtype and head dim for the standard shapes").
+the constexprs and the launch options.  Here a model runs forward and backward on the meta device (no memory, no
+GPU; a convolution keeps a channels-last layout as on CUDA) on the Triton backend; the ``ttt_zoo::`` custom ops are
+opened so that their launchers run (``kernels.utils.launch_on_meta``), and each launch records that key, with the
+binder of an sm_90 target, instead of compiling (issue 48: "at most one compiled variant per dtype and head
+dim for the standard shapes").
 
-    >>> keys = compile_keys(timm.create_model("vit3_tiny", device="meta"), sizes=(224, 384), batches=(1, 64))
-    >>> variants_per_kernel(keys)   # {(kernel, dtype, head dims): number of distinct keys}
+    >>> calls, dims = compile_keys("vit3_tiny", sizes=(224, 384), batches=(1, 64))
+    >>> variants_per_kernel(calls, dims)   # {(kernel, dtype, head dims): number of distinct keys}
 
 Under ``TRITON_INTERPRET=1`` the kernels are the interpreter's and there is no compile key: :func:`available` says so.
 """
@@ -45,8 +46,15 @@ def available() -> str:
     return ""
 
 
+def _channels_last(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous() and \
+        t.is_contiguous(memory_format=torch.channels_last)
+
+
 class _OpenOps(TorchDispatchMode):
-    """Run the ``ttt_zoo::`` custom ops' implementations (their launchers), not their fakes, on meta tensors."""
+    """On meta tensors: run the ``ttt_zoo::`` custom ops' implementations (their launchers), not their fakes, and
+    give a convolution of a channels-last input a channels-last output, as CUDA's convolutions do (the meta kernel
+    returns a contiguous one; the layout decides the strides, and so the compile keys, of what reads it)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -55,7 +63,13 @@ class _OpenOps(TorchDispatchMode):
             if opdef is not None:
                 with self:
                     return opdef._init_fn(*args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.convolution.default and _channels_last(args[0]):
+            out = out.contiguous(memory_format=torch.channels_last)
+        elif func is torch.ops.aten.convolution_backward.default and _channels_last(args[1]):
+            out = tuple(o.contiguous(memory_format=torch.channels_last) if o is not None and o.dim() == 4 and i == 0
+                        else o for i, o in enumerate(out))
+        return out
 
 
 #: the GPU whose binder keys the launches (its specialization rules; no GPU is needed to build it)
@@ -125,35 +139,38 @@ def _inputs(model: torch.nn.Module, px: int, batch: int, dtype: torch.dtype) -> 
     from .launches import is_conditioned
     if is_conditioned(model):  # a DiT: latents, timesteps, labels
         side = px // 8
-        x = torch.empty(batch, model.in_chans, side, side, device="meta", dtype=dtype, requires_grad=True)
-        return x, torch.empty(batch, device="meta", dtype=dtype), torch.zeros(batch, device="meta", dtype=torch.long)
-    return (torch.empty(batch, 3, px, px, device="meta", dtype=dtype, requires_grad=True),)
+        x = torch.empty(batch, model.in_chans, side, side, dtype=dtype, requires_grad=True)
+        return x, torch.empty(batch, dtype=dtype), torch.zeros(batch, dtype=torch.long)
+    return (torch.empty(batch, 3, px, px, dtype=dtype, requires_grad=True),)
 
 
-def compile_keys(model: torch.nn.Module, sizes: Sequence[int] = STANDARD_SIZES,
-                 batches: Sequence[int] = STANDARD_BATCHES,
+def compile_keys(name: str, sizes: Sequence[int] = STANDARD_SIZES, batches: Sequence[int] = STANDARD_BATCHES,
                  dtypes: Sequence[torch.dtype] = STANDARD_DTYPES,
-                 launches: Optional[Dict[Tuple[str, str], Launch]] = None) -> List[Call]:
-    """(kernel, dtype, key) of every Triton launch of a forward and backward of the meta-device ``model`` at each
-    square size, batch and dtype, on the Triton backend; ``launches`` (a dict) gets one :class:`Launch` per new
-    (kernel, key), for :func:`compile_launch`."""
+                 launches: Optional[Dict[Tuple[str, str], Launch]] = None) -> Tuple[List[Call], str]:
+    """(kernel, dtype, key) of every Triton launch of a forward and backward of timm model ``name`` (on the meta
+    device, the Triton backend) at each square size, batch and dtype, and the model's head dims; ``launches`` (a
+    dict) gets one :class:`Launch` per new (kernel, key), for :func:`compile_launch`."""
     reason = available()
     if reason:
         raise RuntimeError(f"cannot record compile keys: {reason}")
+    import timm
     from ttt_zoo.kernels.backend import use_backend
     from ttt_zoo.kernels.utils import launch_on_meta
 
     out: List[Call] = []
+    dims = "-"
     for dtype in dtypes:
-        model = model.to(dtype)
-        for px in sizes:
-            for batch in batches:
-                calls: List[Tuple[str, str]] = []
-                with use_backend("triton"), launch_on_meta(), _record(calls, launches), _OpenOps():
-                    model(*_inputs(model, px, batch, dtype)).float().sum().backward()
-                model.zero_grad(set_to_none=True)
-                out += [(kernel, str(dtype).replace("torch.", ""), key) for kernel, key in calls]
-    return out
+        with torch.device("meta"):
+            model = timm.create_model(name).to(dtype)
+            dims = head_dims(model)
+            for px in sizes:
+                for batch in batches:
+                    calls: List[Tuple[str, str]] = []
+                    with use_backend("triton"), launch_on_meta(), _record(calls, launches), _OpenOps():
+                        model(*_inputs(model, px, batch, dtype)).float().sum().backward()
+                    model.zero_grad(set_to_none=True)
+                    out += [(kernel, str(dtype).replace("torch.", ""), key) for kernel, key in calls]
+    return out, dims
 
 
 def variants_per_kernel(calls: Sequence[Call], dims: str = "-") -> Dict[Tuple[str, str, str], int]:
