@@ -99,7 +99,7 @@ def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Te
             q2 = _turned(q, tables)
             q, k = q2, (q2 if k is q else _turned(k, tables))
         out, st = R.scan_fwd(q, k, *args)
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernels' layout
+        out = _token_major(out)  # the kernels' layout
     return out, st.contiguous()
 
 
@@ -114,6 +114,16 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
     return q.new_empty(bsz, n, h, d).transpose(1, 2), st  # token-major: (B, N, H * d) for the caller
 
 
+def _token_major(x: Tensor) -> Tensor:
+    """(..., H, N, d) with (..., N, H, d) memory: the layout of the output and of dq, dk, dv (the projection's)."""
+    return x.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+def _grad_layouts(grads: List[Tensor]) -> List[Tensor]:
+    """dq, dk, dv token-major as they come, the rest contiguous."""
+    return list(grads[:3]) + [g.contiguous() for g in grads[3:]]
+
+
 @torch.library.custom_op("ttt_zoo::ttt_linear_scan_bwd", mutates_args=())
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
@@ -126,7 +136,7 @@ def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Te
     args = (v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     if kernels:
         table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
-        return [g.contiguous() for g in _t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset)]
+        return _grad_layouts(_t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset))
     if rope_theta > 0:
         tables = _direction_tables(q, ndir, mini_batch, rope_theta)
         grads = R.scan_bwd(do.contiguous(), _turned(q, tables), _turned(k, tables), *args)
@@ -137,13 +147,14 @@ def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Te
         grads[3] = grads[3] * lr * (1 - torch.sigmoid(logits))
     if tau_offset:  # max(0, .)'s backward
         grads[4] = grads[4] * (tau > 0)
-    return [g.contiguous() for g in grads]
+    return _grad_layouts([_token_major(g) for g in grads[:3]] + list(grads[3:]))
 
 
 @scan_bwd_op.register_fake
 def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta=0.0,
       lr_scale=0.0, tau_offset=False):
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, lr, tau, w0, b0, ln_w, ln_b)]
+    return [_token_major(torch.empty_like(t, memory_format=torch.contiguous_format)) for t in (q, k, v)] + \
+        [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (lr, tau, w0, b0, ln_w, ln_b)]
 
 
 def _setup(ctx, inputs, output):

@@ -286,6 +286,13 @@ def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
 
 
 @triton.jit
+def _tok_major(r, b, h, B, H, N, D, t, offs_d):
+    """Offsets of rows ``t`` in a (ndir, B, N, H, d) buffer: dq, dk, dv token-major, the layout of the projection
+    the inputs are views of (their reshape backward then needs no copy)."""
+    return (((r * B + b) * N + t[:, None]) * H + h) * D + offs_d[None, :]
+
+
+@triton.jit
 def _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask):
     """The stored incoming (W, b) of chunk ``ck`` of sequence ``seq`` (fp32)."""
     sb = ST + (seq * n_ck + ck) * (D + 1) * D
@@ -354,8 +361,9 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
         tl.store(Z + o2, z, mask=m2)
         tl.store(DZB + o2, dzb, mask=m2)
         tl.store(DGA + o2, dga, mask=m2)
-        tl.store(DQ + o2, _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
-        tl.store(DK + o2, dk, mask=m2)
+        o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
+        tl.store(DQ + o3, _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+        tl.store(DK + o3, dk, mask=m2)
         tl.store(DLR + gb + t, tl.sum(deta * tau[:, None], 0), mask=rmask)
         step = (tau_last * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
@@ -424,8 +432,9 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
             dz = dg
             dv = -dg
         tl.store(DZ + o2, dz, mask=m2)
-        tl.store(DV + o2, dv, mask=m2)
-        tl.store(DK + o2, tl.load(DK + o2, mask=m2, other=0.0) + dk, mask=m2)
+        o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
+        tl.store(DV + o3, dv, mask=m2)
+        tl.store(DK + o3, tl.load(DK + o3, mask=m2, other=0.0) + dk, mask=m2)
         dlr = tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last
         if LR_SIG:  # d lr / d logit = lr (1 - sigmoid)
             dlr *= lr * (1.0 - lr / lr_scale)
@@ -472,8 +481,9 @@ def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
             g = z - v
         g = tl.where(m2, g, 0.0)
         dz = tl.load(DZ + o2, mask=m2, other=0.0)
-        dk = tl.load(DK + o2, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
-        tl.store(DK + o2, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+        o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
+        dk = tl.load(DK + o3, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
+        tl.store(DK + o3, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
         w -= tl.dot(tl.trans(k), (tau_last * lr)[:, None] * g, input_precision=PREC)
 
 
@@ -565,7 +575,8 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
         raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
     f32 = dict(device=q.device, dtype=torch.float32)
     # per direction, fp32: the gradients, and z, dzb, dG_a, dz handed from pass to pass
-    dq, dk, dv, z, dzb, dga, dz = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(7)]
+    dq, dk, dv = [torch.empty(ndir, bsz, n, h, d, **f32) for _ in range(3)]  # token-major (_tok_major)
+    z, dzb, dga, dz = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(4)]
     dlr = torch.empty(ndir, bsz, h, n, **f32)
     seqs = ndir * bsz * h
     ptau = torch.empty(n_ck + 1, seqs, mini_batch, **f32)  # partial sums: one row per chunk program, one for pass 2
@@ -589,6 +600,7 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
         skr, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
     dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dlr.sum(0).to(lr.dtype),
+    return [dq.to(q.dtype).transpose(2, 3), dk.to(k.dtype).transpose(2, 3), dv.sum(0).to(v.dtype).transpose(1, 2),
+            dlr.sum(0).to(lr.dtype),
             ptau.sum((0, 1)).to(tau.dtype), _reduce_w(dw0, w0, ndir), _reduce_w(db0.view(seqs, 1, d), b0, ndir),
             plnw.view(-1, h, d).sum(0).to(ln_w.dtype), plnb.view(-1, h, d).sum(0).to(ln_b.dtype)]
