@@ -34,21 +34,22 @@ from ttt_zoo.registry import list_zoo_models  # noqa: E402
 def measure(name: str) -> dict:
     t0 = time.perf_counter()
     calls, dims = cv.compile_keys(name)
-    keys = defaultdict(set)
-    for kernel, dtype, key in calls:
-        keys[f"{kernel}|{dtype}"].add(key)
+    per_site, total = cv.variants_per_kernel(calls, dims), cv.configs(calls, dims)
     return {"model": name, "head_dims": dims, "launches": len(calls), "seconds": round(time.perf_counter() - t0, 1),
-            "variants": {k: len(v) for k, v in sorted(keys.items())}}
+            "variants": {f"{k[0]}|{k[1]}": n for k, n in per_site.items()},
+            "configs": {f"{k[0]}|{k[1]}": n for k, n in total.items()}}
 
 
 def markdown(rows: list) -> str:
-    per = defaultdict(lambda: [0, []])  # (kernel, dtype, head dims) -> [most variants in one model, models]
+    # (kernel, dtype, head dims) -> [most variants of one call site in one model, most configs in one model, models]
+    per = defaultdict(lambda: [0, 0, []])
     for r in rows:
         for k, n in r["variants"].items():
             kernel, dtype = k.split("|")
             entry = per[(kernel, dtype, r["head_dims"])]
             entry[0] = max(entry[0], n)
-            entry[1].append(f"{r['model']} ({n})" if n > 1 else r["model"])
+            entry[1] = max(entry[1], r["configs"][k])
+            entry[2].append(f"{r['model']} ({n})" if n > 1 else r["model"])
     launches = sum(r["launches"] for r in rows)
     over = sorted(k for k, v in per.items() if v[0] > 1)
     lines = [
@@ -59,12 +60,15 @@ def markdown(rows: list) -> str:
         f"{', '.join(map(str, cv.STANDARD_BATCHES))}, in float32, float16 and bfloat16, forward and backward on the "
         f"meta device: {launches} launches recorded.  A variant is one key of Triton's compile cache (the binder's "
         "specialization of the arguments, the constexprs and the launch options), counted within one model; no GPU "
-        "and no compile (`ttt_zoo.bench.compiled_variants`).", "",
-        f"**(kernel, dtype, head dim) with more than one variant in a model: {len(over)}** "
+        "and no compile (`ttt_zoo.bench.compiled_variants`).  *Variants*: the most keys one call site of the kernel "
+        "gets over the sizes and batches (what the input size costs in recompiles); *configs*: the distinct keys over "
+        "all of a model's call sites (call sites that differ in a constexpr, e.g. a block's CPE and its MLP's conv "
+        "through the one depthwise-conv kernel, are compiled once each).", "",
+        f"**(kernel, dtype, head dim) that an input size recompiles: {len(over)}** "
         + ("(" + "; ".join(f"{k[0]} {k[1]} d={k[2]}" for k in over) + ")" if over else "(none)"), "",
-        "| kernel | dtype | head dim | variants (most in one model) | models |", "|---|---|---|---|---|"]
-    for (kernel, dtype, dims), (n, models) in sorted(per.items()):
-        lines.append(f"| {kernel} | {dtype} | {dims} | {n} | {', '.join(models)} |")
+        "| kernel | dtype | head dim | variants per call site | configs | models |", "|---|---|---|---|---|---|"]
+    for (kernel, dtype, dims), (n, m, models) in sorted(per.items()):
+        lines.append(f"| {kernel} | {dtype} | {dims} | {n} | {m} | {', '.join(models)} |")
     return "\n".join(lines) + "\n"
 
 

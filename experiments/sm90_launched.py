@@ -49,7 +49,7 @@ def collect(names):
     launches, users, dims = {}, defaultdict(set), {}
     for name in names:
         calls, dims[name] = cv.compile_keys(name, sizes=(224, 256), batches=(1, 2), launches=launches)
-        for kernel, dtype, key in calls:
+        for kernel, dtype, key, _ in calls:
             users[(kernel, key)].add((name, dtype))
     found = {k: (launches[k], "/".join(sorted({d for _, d in u})), sorted({m for m, _ in u})) for k, u in users.items()}
     return found, dims

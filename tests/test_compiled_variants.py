@@ -3,7 +3,8 @@
 Triton compiles a kernel again for every new key of its cache: an integer argument that is 1, or divisible by 16,
 on one input size and not on another, is specialised unless it is in ``do_not_specialize``.  Each code path runs on
 the meta device at two image sizes whose token counts differ in divisibility (224 px: 14 x 14 patches; 256 px:
-16 x 16) and at batch 1 and 2, and every Triton launch records its compile key (``ttt_zoo.bench.compiled_variants``,
+16 x 16) and at batch 1 and 2, and every Triton launch records its compile key; each call site (the n-th call of a kernel
+in a step) must get one key over the sizes (``ttt_zoo.bench.compiled_variants``,
 no GPU).  experiments/compiled_variants_registry.py runs the same count over the whole registry at the five
 standard sizes and three batches.
 """
@@ -24,7 +25,7 @@ def test_one_compiled_variant_per_kernel_dtype_and_head_dim(name):
     counts = cv.variants_per_kernel(calls, dims)
     assert {k[1] for k in counts} == {"float32", "bfloat16"}
     over = {f"{k[0]} {k[1]}": n for k, n in counts.items() if n != 1}
-    assert not over, f"kernels compiled more than once across input sizes: {over}"
+    assert not over, f"kernels compiled again for another input size (keys per call site): {over}"
 
 
 def test_the_recorder_sees_a_specialised_argument(monkeypatch):

@@ -9,7 +9,7 @@ binder of an sm_90 target, instead of compiling (issue 48: "at most one compiled
 dim for the standard shapes").
 
     >>> calls, dims = compile_keys("vit3_tiny", sizes=(224, 384), batches=(1, 64))
-    >>> variants_per_kernel(calls, dims)   # {(kernel, dtype, head dims): number of distinct keys}
+    >>> variants_per_kernel(calls, dims)   # {(kernel, dtype, head dims): most keys one call site gets over sizes}
 
 Under ``TRITON_INTERPRET=1`` the kernels are the interpreter's and there is no compile key: :func:`available` says so.
 """
@@ -25,13 +25,13 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["STANDARD_SIZES", "STANDARD_BATCHES", "STANDARD_DTYPES", "Launch", "available", "compile_keys",
-           "compile_launch", "head_dims", "variants_per_kernel"]
+           "compile_launch", "configs", "head_dims", "variants_per_kernel"]
 
 STANDARD_SIZES = (224, 256, 384, 512, 1024)  # image px (DiT: latent px = px / 8)
 STANDARD_BATCHES = (1, 32, 64)
 STANDARD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-Call = Tuple[str, str, str]  # (kernel, dtype of the model, compile key)
+Call = Tuple[str, str, str, int]  # (kernel, dtype of the model, compile key, call site: the n-th call of the kernel)
 
 
 def available() -> str:
@@ -169,13 +169,26 @@ def compile_keys(name: str, sizes: Sequence[int] = STANDARD_SIZES, batches: Sequ
                     with use_backend("triton"), launch_on_meta(), _record(calls, launches), _OpenOps():
                         model(*_inputs(model, px, batch, dtype)).float().sum().backward()
                     model.zero_grad(set_to_none=True)
-                    out += [(kernel, str(dtype).replace("torch.", ""), key) for kernel, key in calls]
+                    seen: Dict[str, int] = defaultdict(int)
+                    for kernel, key in calls:  # the n-th call of a kernel in a step is one call site
+                        out.append((kernel, str(dtype).replace("torch.", ""), key, seen[kernel]))
+                        seen[kernel] += 1
     return out, dims
 
 
 def variants_per_kernel(calls: Sequence[Call], dims: str = "-") -> Dict[Tuple[str, str, str], int]:
-    """(kernel, dtype, head dims) -> number of distinct compile keys."""
+    """(kernel, dtype, head dims) -> compiled variants that the input size causes: the most distinct compile keys
+    one call site of the kernel gets over the sizes and batches.  Call sites with different constexprs (a block's
+    CPE and its MLP's conv through one kernel) are different kernels, compiled once each: see :func:`configs`."""
+    keys: Dict[Tuple[str, str, str], Dict[int, Set[str]]] = defaultdict(lambda: defaultdict(set))
+    for kernel, dtype, key, site in calls:
+        keys[(kernel, dtype, dims)][site].add(key)
+    return {k: max(len(v) for v in sites.values()) for k, sites in sorted(keys.items())}
+
+
+def configs(calls: Sequence[Call], dims: str = "-") -> Dict[Tuple[str, str, str], int]:
+    """(kernel, dtype, head dims) -> distinct compile keys over every call site, size and batch."""
     keys: Dict[Tuple[str, str, str], Set[str]] = defaultdict(set)
-    for kernel, dtype, key in calls:
+    for kernel, dtype, key, _ in calls:
         keys[(kernel, dtype, dims)].add(key)
     return {k: len(v) for k, v in sorted(keys.items())}
