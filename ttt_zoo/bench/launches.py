@@ -129,6 +129,11 @@ def skip_triton_kernels() -> Iterator[None]:
             cls.run = original
 
 
+def _is_composite(func) -> bool:
+    return func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd")
+
+
 def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
@@ -140,6 +145,13 @@ class _LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _op_stack and _is_composite(func):
+            # inside an opened op the composite ops (``contiguous``, ``to``, ``reshape``) arrive undecomposed, as
+            # views by their schema: run their decomposition here, so that a copy they make is counted
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func.namespace == OPENED_NAMESPACE:
             opdef = _maybe_get_opdef(func)
             if opdef is not None:  # count what the op's implementation launches

@@ -22,7 +22,7 @@ from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.errors import NoFeaturesError
-from ttt_zoo.layers import TokenMlp, create_mixer, map_to_tokens, tokens_as_map
+from ttt_zoo.layers import TokenMlp, cpe_residual, create_mixer
 from ._common import (build_ttt_model, check_image, check_sizes, run_blocks, unwrap_checkpoint, validate_state_dict,
                       with_hub_ids)
 
@@ -145,6 +145,7 @@ class DiTBlock(nn.Module):
                  mixer_kwargs: Optional[Dict[str, Any]] = None):
         super().__init__()
         self.cpe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim) if cpe else None
+        self.backend: Optional[str] = (mixer_kwargs or {}).get("backend")  # the CPE's kernel follows the mixer's
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = create_mixer(mixer, dim, num_heads=num_heads, qkv_bias=True, **(mixer_kwargs or {}))
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -153,7 +154,7 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
+            x = cpe_residual(x, self.cpe, feat_size, self.backend)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
         x = x + gate1.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift1, scale1), feat_size)
         x = x + gate2.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift2, scale2), feat_size)
