@@ -557,6 +557,23 @@ def test_bidir_kernels(case, dtype, count_launches):
              count_launches)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_bidir_kernels_read_strided_views(dtype, count_launches):
+    """q, k, v as the mixer passes them, views of one token-major (B, N, 3, H, d) projection, and lr of (B, N, H)
+    memory: the kernels read them with their strides (batch 2, so the batch strides count) and match the reference."""
+    b, h, n, d, mb = 2, 2, 37, 16, 8
+
+    def strided(q, k, v, lr, *rest):
+        proj = torch.stack([x.transpose(1, 2) for x in (q, k, v)], 2)
+        qs, ks, vs = (proj[:, :, i].transpose(1, 2) for i in range(3))
+        lrs = lr.transpose(1, 2).contiguous().transpose(1, 2)
+        assert qs.stride() == (n * 3 * h * d, d, 3 * h * d, 1) and lrs.stride() == (n * h, 1, h)
+        return ttt_linear_bidir(qs, ks, vs, lrs, *rest, mini_batch=mb, rope_theta=10000.0, backend="triton")[0]
+    _compare(strided, lambda *a: reference_bidir(*a, mb, True, 10000.0)[0], make_kernel_inputs(b, h, n, d, mb, 1),
+             dtype, count_launches)
+
+
 @pytest.mark.parametrize("lr_scale", [0.25, -0.25], ids=["descent", "ascent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @triton_test

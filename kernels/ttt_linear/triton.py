@@ -58,6 +58,11 @@ from .torch import ckpt_every
 __all__ = ["scan_fwd_triton", "scan_bwd_triton", "scan_grids"]
 
 
+# the strides of q, k (direction, batch, head, token), v and lr (batch, head, token): they change with the input
+# size and layout, so one compiled variant serves all (the head-dim stride of q, k, v is 1)
+_STRIDES_NS = ["sqr", "sqb", "sqh", "sqn", "skr", "skb", "skh", "skn", "svb", "svh", "svn", "slb", "slh", "sln"]
+
+
 @triton.jit
 def _ln_stats(z, dmask, D, eps):
     """(z - mean) / std over the D valid columns (padded columns 0), and 1 / std."""
@@ -76,8 +81,9 @@ def _ln_op(dx, xh, rstd, dmask, D):
 
 
 @triton.jit
-def _load_rows(ptr, t, offs_d, m2, D):
-    return tl.load(ptr + t[:, None] * D + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+def _load_rows(ptr, t, stride_t, offs_d, m2):
+    """Rows ``t`` (token stride ``stride_t``, unit column stride) as fp32."""
+    return tl.load(ptr + t[:, None] * stride_t + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -88,16 +94,16 @@ def _partner(offs_d, D):
 
 
 @triton.jit
-def _load_qk(ptr, t, offs_c, offs_d, m2, D, CS, MB, ROPE: tl.constexpr):
+def _load_qk(ptr, t, stride_t, offs_c, offs_d, m2, D, CS, MB, ROPE: tl.constexpr):
     """Rows ``t`` of q or k (fp32), turned by the in-mini-batch RoPE when ``ROPE``: x cos + partner(x) (+-sin)."""
-    x = _load_rows(ptr, t, offs_d, m2, D)
+    x = _load_rows(ptr, t, stride_t, offs_d, m2)
     if ROPE:
         half = D // 2
         o = offs_c[:, None] * half + (offs_d % half)[None, :]
         cs = tl.load(CS + o, mask=m2, other=0.0)
         sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
         sn = tl.where(offs_d[None, :] < half, -sn, sn)
-        xp = tl.load(ptr + t[:, None] * D + _partner(offs_d, D)[None, :], mask=m2, other=0.0).to(tl.float32)
+        xp = tl.load(ptr + t[:, None] * stride_t + _partner(offs_d, D)[None, :], mask=m2, other=0.0).to(tl.float32)
         x = x * cs + xp * sn
     return x
 
@@ -148,7 +154,7 @@ def _unturn(dx, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE: tl.constexpr):
 def _rows(r, s, N, MB, offs_c, dmask):
     """Scan positions s.. of one mini-batch -> token indices (reversed for direction 1) and masks."""
     c = tl.minimum(MB, N - s)
-    p = s + offs_c
+    p = offs_c.to(tl.int64) + s  # int64 token indices: they multiply the input strides
     rmask = offs_c < c
     t = tl.where(r == 0, p, N - 1 - p)
     t = tl.where(rmask, t, 0)
@@ -156,14 +162,14 @@ def _rows(r, s, N, MB, offs_c, dmask):
 
 
 @triton.jit
-def _load_mb(qb, kb, vb, LR, TAU, CS, row, t, c, rmask, m2, offs_c, offs_d, D, MB, lr_scale, ROPE: tl.constexpr,
-             LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr):
+def _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs_c, offs_d, D, MB, lr_scale,
+             ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr):
     """q, k (turned by the in-mini-batch RoPE when ``ROPE``), v, lr of the mini-batch's tokens ``t``, tau of its
     positions and tau of its last position (fp32)."""
-    q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-    k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-    v = _load_rows(vb, t, offs_d, m2, D)
-    lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+    q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+    k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+    v = _load_rows(vb, t, svn, offs_d, m2)
+    lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
     tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
     return q, k, v, lr, tau, _load_tau(TAU, c - 1, True, TAU_OFF)
 
@@ -199,18 +205,19 @@ def _program(pid, h, B, H, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask):
-    """The head's inner LayerNorm weight and bias (fp32), the first token row of the sequence in (B, H, N) tensors,
-    and the q, k, v pointers of the sequence (q, k per direction)."""
+def _seq_inputs(Q, K, V, LR, LNW, LNB, r, b, h,
+                sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask):
+    """The head's inner LayerNorm weight and bias (fp32), and the first-token pointers of the sequence in lr, q, k,
+    v (q, k per direction), each read with its own strides (r, b, h int64: so are the offsets)."""
     lnw = tl.load(LNW + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
     lnb = tl.load(LNB + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    row = (b * H + h) * N
-    return lnw, lnb, row, Q + r * sqr + row * D, K + r * skr + row * D, V + row * D
+    return (lnw, lnb, LR + b * slb + h * slh, Q + r * sqr + b * sqb + h * sqh, K + r * skr + b * skb + h * skh,
+            V + b * svb + h * svh)
 
 
-@triton.jit(do_not_specialize=["sqr", "skr", "swr", "swb", "sbr", "sbb", "B", "H", "N", "n_mb", "CK", "n_ck"])
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "swr", "swb", "sbr", "sbb", "B", "H", "N", "n_mb", "CK", "n_ck"])
 def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
-                skr, swr, swb, sbr, sbb,
+                sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln, swr, swb, sbr, sbb,
                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
@@ -222,16 +229,17 @@ def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
     w = tl.load(W0 + r * swr + b * swb + h * D * D + offs_d[:, None] * D + offs_d[None, :], mask=wmask,
                 other=0.0).to(tl.float32)
     bias = tl.load(B0 + r * sbr + b * sbb + h * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
+    lnw, lnb, lrb, _, kb, vb = _seq_inputs(K, K, V, LR, LNW, LNB, r, b, h,
+                                           sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask)
     gb = G + (seq * N) * D
     ob = O + (b * N * H + h) * D  # the (B, N, H, d) output, zeroed here for pass 2's sums (direction 0)
     for m in range(n_mb):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
         if m % CK == 0:
             _store_state(ST + (seq * n_ck + m // CK) * (D + 1) * D, w, bias, offs_d, wmask, dmask, D)
-        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        v = _load_rows(vb, t, offs_d, m2, D)
-        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        v = _load_rows(vb, t, svn, offs_d, m2)
+        lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
         tl.store(gb + t[:, None] * D + offs_d[None, :], g, mask=m2)
@@ -241,9 +249,9 @@ def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
         bias -= tl.sum(step, 0)
 
 
-@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "CK", "n_ck"])
 def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
-                 sqr, skr,
+                 sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
                  B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                  LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
@@ -256,17 +264,18 @@ def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
     sb = ST + (seq * n_ck + ck) * (D + 1) * D
     w = tl.load(sb + offs_d[:, None] * D + offs_d[None, :], mask=wmask, other=0.0)
     bias = tl.load(sb + D * D + offs_d, mask=dmask, other=0.0)
-    lnw, lnb, row, qb, kb, _ = _seq_inputs(Q, K, K, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
+    lnw, lnb, lrb, qb, kb, _ = _seq_inputs(Q, K, K, LR, LNW, LNB, r, b, h,
+                                           sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask)
     gb = G + (seq * N) * D
     ob = O + (b * N * H + h) * D  # (B, N, H, d), zeroed by pass 1
     lo = ck * CK
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        g = _load_rows(gb, t, offs_d, m2, D)
-        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        g = _load_rows(gb, t, D, offs_d, m2)
+        lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
@@ -300,9 +309,9 @@ def _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask):
             tl.load(sb + D * D + offs_d, mask=dmask, other=0.0))
 
 
-@triton.jit(do_not_specialize=["sqr", "skr", "sdb", "sdh", "sdn", "B", "H", "N", "n_mb", "CK", "n_ck"])
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "sdb", "sdh", "sdn", "B", "H", "N", "n_mb", "CK", "n_ck"])
 def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, PTAU, PLNW, PLNB,
-                 sqr, skr, sdb, sdh, sdn,
+                 sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln, sdb, sdh, sdn,
                  B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                  LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
@@ -313,7 +322,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
     ck = pid64(0)
     r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(1), pid64(2), B, H, D, BLOCK_C,
                                                           BLOCK_D)
-    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
+    lnw, lnb, lrb, qb, kb, vb = _seq_inputs(Q, K, V, LR, LNW, LNB, r, b, h,
+                                           sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask)
     w, bias = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
     dob = DO + b * sdb + h * sdh  # dout read with its strides (token stride sdn, unit channel stride)
     gb = seq * N  # rows of the per-direction (ndir B, H, N) buffers
@@ -324,8 +334,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, LR, TAU, CS, row, t, c, rmask, m2, offs_c, offs_d, D, MB,
-                                                   lr_scale, ROPE, LR_SIG, TAU_OFF)
+        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs_c,
+                                               offs_d, D, MB, lr_scale, ROPE, LR_SIG, TAU_OFF)
         do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
         if LN_RES:
@@ -374,9 +384,9 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
     tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
-@triton.jit(do_not_specialize=["sqr", "skr", "B", "H", "N", "n_mb", "n_ck"])
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "n_ck"])
 def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, DB0, PTAU, PLNW, PLNB,
-                sqr, skr,
+                sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
                 B, H, N, D, n_mb, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
@@ -385,7 +395,8 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
     z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
     r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(0), pid64(1), B, H, D, BLOCK_C,
                                                           BLOCK_D)
-    lnw, lnb, row, qb, kb, vb = _seq_inputs(Q, K, V, LNW, LNB, r, b, h, sqr, skr, H, N, D, offs_d, dmask)
+    lnw, lnb, lrb, qb, kb, vb = _seq_inputs(Q, K, V, LR, LNW, LNB, r, b, h,
+                                           sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask)
     gb = seq * N
     dw = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -395,21 +406,21 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
     for mm in range(n_mb):
         m = n_mb - 1 - mm
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q = _load_qk(qb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
         z = tl.load(Z + o2, mask=m2, other=0.0)
         dzb = tl.load(DZB + o2, mask=m2, other=0.0)
         if LN_RES:
-            v = _load_rows(vb, t, offs_d, m2, D)
+            v = _load_rows(vb, t, svn, offs_d, m2)
             xh, rstd = _ln_stats(z, dmask, D, eps)
             y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
             gx = y * lnw[None, :]
             g = _ln_op(gx, xh, rstd, dmask, D)
         else:
-            g = z - _load_rows(vb, t, offs_d, m2, D)
+            g = z - _load_rows(vb, t, svn, offs_d, m2)
         g = tl.where(m2, g, 0.0)
         el = tau_last * lr
         pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
@@ -449,9 +460,9 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
     tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
-@triton.jit(do_not_specialize=["skr", "B", "H", "N", "n_mb", "CK", "n_ck"])
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "CK", "n_ck"])
 def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
-              skr,
+              sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
               B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
@@ -461,16 +472,17 @@ def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
     ck = pid64(0)
     r, b, h, seq, offs_c, offs_d, dmask, wmask = _program(pid64(1), pid64(2), B, H, D, BLOCK_C,
                                                           BLOCK_D)
-    lnw, lnb, row, _, kb, vb = _seq_inputs(K, K, V, LNW, LNB, r, b, h, skr, skr, H, N, D, offs_d, dmask)
+    lnw, lnb, lrb, _, kb, vb = _seq_inputs(K, K, V, LR, LNW, LNB, r, b, h,
+                                           sqr, sqb, sqh, skr, skb, skh, svb, svh, slb, slh, D, offs_d, dmask)
     w, _ = _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask)
     gb = seq * N
     lo = ck * CK
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        k = _load_qk(kb, t, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        v = _load_rows(vb, t, offs_d, m2, D)
-        lr = _load_lr(LR + row + t, rmask, lr_scale, LR_SIG)
+        k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        v = _load_rows(vb, t, svn, offs_d, m2)
+        lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
         z = tl.load(Z + o2, mask=m2, other=0.0)
@@ -496,6 +508,18 @@ def _check_dtype(q: torch.Tensor) -> None:
 def _bstride(x: torch.Tensor, dim: int) -> int:
     """Stride of a broadcast axis: 0 when the tensor has size 1 there."""
     return 0 if x.shape[dim] == 1 else x.stride(dim)
+
+
+def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last (head-dim) axis is unit-strided, the kernels read it with its other strides;
+    else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _seq_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Tensor) -> Tuple[int, ...]:
+    """The kernels' stride arguments (``_STRIDES_NS``): q, k (direction, batch, head, token; direction 0 when shared),
+    v (batch, head, token), lr (batch, head, token)."""
+    return (_bstride(q, 0), *q.stride()[1:4], _bstride(k, 0), *k.stride()[1:4], *v.stride()[:3], *lr.stride())
 
 
 def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
@@ -525,7 +549,7 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     """Triton forward of the general contract (see ``torch.py``): pass 1 (states, G), pass 2 (outputs)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
-    q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()
+    q, k, v = _unit_cols(q), _unit_cols(k), _unit_cols(v)  # read with their strides: no copy of the views
     tau, w0, b0 = tau.contiguous(), w0.contiguous(), b0.contiguous()
     ln_w, ln_b = ln_w.contiguous(), ln_b.contiguous()
     n_mb, ck, n_ck = _chunks(n, mini_batch)
@@ -540,11 +564,11 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
-        _bstride(k, 0), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
+        *_seq_strides(q, k, v, lr), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
         bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     _fwd_outputs[grids["_fwd_outputs"]](
         q, k, lr, tau, cs, ln_w, ln_b, grad, st, out,
-        _bstride(q, 0), _bstride(k, 0),
+        *_seq_strides(q, k, v, lr),
         bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     return out.to(q.dtype).transpose(1, 2), (st if save_states else torch.empty(0, **f32))
 
@@ -566,9 +590,7 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     _, bsz, h, n, d = q.shape
     if states.numel() == 0:
         raise RuntimeError("ttt_linear backward needs the forward's per-mini-batch states (save_states=True)")
-    q, k, v, lr = q.contiguous(), k.contiguous(), v.contiguous(), lr.contiguous()
-    if do.stride(-1) != 1:
-        do = do.contiguous()
+    q, k, v, do = _unit_cols(q), _unit_cols(k), _unit_cols(v), _unit_cols(do)
     tau, ln_w, ln_b, states = tau.contiguous(), ln_w.contiguous(), ln_b.contiguous(), states.contiguous()
     n_mb, ck, n_ck = _chunks(n, mini_batch)
     if states.shape[2] != n_ck:
@@ -588,16 +610,16 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
                LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), num_warps=warps)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
-    sqr, skr = _bstride(q, 0), _bstride(k, 0)
+    strides = _seq_strides(q, k, v, lr)
     _bwd_outputs[grids["_bwd_outputs"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb,
-        sqr, skr, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+        *strides, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     _bwd_states[grids["_bwd_states"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
-        sqr, skr, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, **cfg)
+        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, **cfg)
     _bwd_keys[grids["_bwd_keys"]](
         k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dk,
-        skr, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+        *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
     dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
     return [dq.to(q.dtype).transpose(2, 3), dk.to(k.dtype).transpose(2, 3), dv.sum(0).to(v.dtype).transpose(1, 2),
