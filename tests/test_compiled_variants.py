@@ -2,8 +2,8 @@
 
 Triton compiles a kernel again for every new key of its cache: an integer argument that is 1, or divisible by 16,
 on one input size and not on another, is specialised unless it is in ``do_not_specialize``.  Each code path runs on
-the meta device at two image sizes whose token counts differ in divisibility (224 px: 14 x 14 patches; 256 px:
-16 x 16) and at batch 1 and 2, and every Triton launch records its compile key; each call site (the n-th call of a kernel
+the meta device at three image sizes whose token counts differ in divisibility and in the number of chunks (224 px:
+14 x 14 patches; 256 px: 16 x 16; 384 px: 24 x 24) and at batch 1 and 8, and every Triton launch records its compile key; each call site (the n-th call of a kernel
 in a step) must get one key over the sizes (``ttt_zoo.bench.compiled_variants``,
 no GPU).  experiments/compiled_variants_registry.py runs the same count over the whole registry at the five
 standard sizes and three batches.
@@ -17,10 +17,14 @@ from ttt_zoo.bench.launches import code_paths
 
 pytestmark = pytest.mark.skipif(bool(cv.available()), reason=cv.available() or "-")
 
+# token counts 196 / 256 / 576 (divisible by 16 or not; one tile of 256 tokens or more: a kernel's single-chunk
+# path), batch 1 and 8 (batch x heads divisible by 16 or not, and == 1)
+SIZES, BATCHES = (224, 256, 384), (1, 8)
+
 
 @pytest.mark.parametrize("name", code_paths(include_diffusion=True))
 def test_one_compiled_variant_per_kernel_dtype_and_head_dim(name):
-    calls, dims = cv.compile_keys(name, sizes=(224, 256), batches=(1, 2), dtypes=(torch.float32, torch.bfloat16))
+    calls, dims = cv.compile_keys(name, sizes=SIZES, batches=BATCHES, dtypes=(torch.float32, torch.bfloat16))
     assert calls, f"{name} launched no Triton kernel on the Triton backend"
     counts = cv.variants_per_kernel(calls, dims)
     assert {k[1] for k in counts} == {"float32", "bfloat16"}

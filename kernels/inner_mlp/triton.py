@@ -26,9 +26,9 @@ Backward (dO given):
      gradient through S (relaxed atomic add, no fences: sums in fp32, their order may vary from run to run).
      Under ``torch.use_deterministic_algorithms`` 5 and 6 store their parts instead and a fourth launch,
      ``_bwd_reduce``, sums them in a fixed order (bitwise reproducible).
-One chunk per (batch, head) (N <= TILES * BLOCK_N = 256 tokens: every T5 model at 224 px), ``SINGLE`` (constexpr,
-one more compiled variant of the update / apply kernels per dtype and head dim): ``_fwd_update`` writes W' itself
-and ``_bwd_apply`` writes CT and each sample's dW' (``_bwd_update`` adds it to dW): 2 launches forward, 2 backward
+One chunk per (batch, head) (N <= TILES * BLOCK_N = 256 tokens: every T5 model at 224 px; a runtime branch on
+``n_chunks``, not a constexpr: one compiled variant for every size): ``_fwd_update`` writes W' itself and
+``_bwd_apply`` writes CT and each sample's dW' (``_bwd_update`` adds it to dW): 2 launches forward, 2 backward
 (3 deterministic).
 Extra memory: the fp32 partials (n_w d x d per chunk), W' and CT (n_w d x d per (batch, head)); nothing of size
 N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MAX_HEAD_DIM`` caps d at what
@@ -53,7 +53,7 @@ __all__ = ["inner_fwd_triton", "inner_bwd_triton", "t5_fwd_triton", "t5_bwd_trit
 BLOCK_N = 64      # the longest token tile
 TILES = 4         # tiles reduced per program in the reducing launches (chunks of TILES * BLOCK_N tokens)
 BLOCK_C = 32      # columns per finalize program
-_SIZES = ("N", "n_chunks", "n_tiles", "n_wb", "per")  # vary per input: one compiled variant serves every size
+_SIZES = ("N", "n_bh", "n_chunks", "n_tiles", "n_wb", "per")  # vary per input: one compiled variant serves every size
 
 
 def launch_cfg(bd: int, pass_: str, fp32: bool = False):
@@ -152,9 +152,9 @@ def _fwd_update(K, V, WA, WB, WO, P, NA, NB, NO,
                 skb, skh, skn, skd, svb, svh, svn, svd, swab, swbb, swob, swh, swr, swc,
                 H, N, D, n_bh, n_chunks, c,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr, SINGLE: tl.constexpr):
+                PREC: tl.constexpr):
     """Partial sums S (the inner gradients / c) over TILES token tiles: S_A = k^T (dh [z2] silu'(z1)), S_B = k^T
-    (dh silu(z1)), S_O = h^T e~, with dh = e~ O^T.  ``SINGLE`` (one chunk per (batch, head)): the program holds
+    (dh silu(z1)), S_O = h^T e~, with dh = e~ O^T.  With one chunk per (batch, head) the program holds
     the whole sum and writes W' = W - c S into NA, NB, NO itself (no partials, no finalize launch)."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = K.dtype.element_ty
@@ -177,7 +177,7 @@ def _fwd_update(K, V, WA, WB, WO, P, NA, NB, NO,
             dya = dh * da
         ga += _dot(xt, dya.to(dt), PREC)
         go += _dot(tl.trans(hid.to(dt)), e.to(dt), PREC)
-    if SINGLE:
+    if n_chunks == 1:  # one chunk (a runtime branch: one compiled variant for every size)
         nb = bh * D * D
         _new_weight(WA, NA, b * swab + h * swh, nb, swr, swc, ga, c, offs_d, D)
         _new_weight(WO, NO, b * swob + h * swh, nb, swr, swc, go, c, offs_d, D)
@@ -256,10 +256,10 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
                sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd, smb, smh, smn, smd,
                H, N, D, n_bh, n_chunks, n_wb, c, alpha,
                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PREC: tl.constexpr, SINGLE: tl.constexpr, HAS_MIX: tl.constexpr):
+               PREC: tl.constexpr, HAS_MIX: tl.constexpr):
     """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
     the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds.
-    ``SINGLE`` (one chunk): the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'.
+    With one chunk the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'.
     ``HAS_MIX`` (the forward blended out = (1 - a) apply + a mix): dmix = a dO is written here and the apply's
     cotangent is (1 - a) dO (scaled in fp32)."""
     b, h, bh, chunk = _program(H, n_chunks)
@@ -293,7 +293,7 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
         ga += _dot(xt, dya, PREC)
         go += _dot(tl.trans(hid.to(dt)), y, PREC)
         _st(DQ, b * sxb + h * sxh, dx, offs_n, offs_d, sxn, sxd, N, D)
-    if SINGLE:
+    if n_chunks == 1:
         _store3(CT, bh * dd, n_bh * dd, ga * -c, gb * -c, go * -c, offs_d, D, GATED)
         _store3(SP, bh * dd, n_bh * dd, ga, gb, go, offs_d, D, GATED)
     else:
@@ -343,10 +343,10 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                 H, N, D, n_bh, n_chunks, n_wb,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr, SINGLE: tl.constexpr):
+                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O): added to dW, or
     stored into the partials P (free again after ``_bwd_finalize``) for ``_bwd_reduce`` (deterministic).
-    ``SINGLE`` and not deterministic: this sample's dW' (SP, from ``_bwd_apply``) is added with it."""
+    One chunk and not deterministic: this sample's dW' (SP, from ``_bwd_apply``) is added with it."""
     b, h, bh, chunk = _program(H, n_chunks)
     dt: tl.constexpr = K.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_D)
@@ -395,7 +395,7 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
     if DETERMINISTIC:
         _store3(P, (bh * n_chunks + chunk) * dd, n_bh * n_chunks * dd, ga, gb, go, offs_d, D, GATED)
     else:
-        if SINGLE:
+        if n_chunks == 1:
             ga += _ld(SP, bh * dd, offs_d, offs_d, D, 1, D, D)
             go += _ld(SP, (1 + GATED) * nw + bh * dd, offs_d, offs_d, D, 1, D, D)
             if GATED:
@@ -492,7 +492,7 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
     part = wn[0] if single else torch.empty(n_w, bh, chunks, d, d, device=dev, dtype=f32)
     _fwd_update[(bh * chunks,)](k, v, *_slots(ws), part, *_slots(wn), *k.stride(), *v.stride(), *wargs, h, n, d,
                                 bh, chunks, c, GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                                SINGLE=single, num_warps=warps)
+                                num_warps=warps)
     if not single:
         bc = min(BLOCK_C, bd)
         cols = triton.cdiv(d, bc)
@@ -533,7 +533,7 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     dmix = dq if mix_weight is None else _heads_merged(b, h, n, d, q)  # never written without HAS_MIX
     _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), ct, sp, dmix, *q.stride(), *do.stride(),
                                *dq.stride(), *dmix.stride(), h, n, d, bh, chunks, n_wb, c, float(mix_weight or 0.0),
-                               GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, SINGLE=single,
+                               GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                                HAS_MIX=mix_weight is not None, num_warps=warps)
     bc = min(BLOCK_C, bd)
     cols = triton.cdiv(d, bc)
@@ -543,7 +543,7 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
     _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), part, sp, *k.stride(), *v.stride(),
                                 *_wargs(ws), *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated,
-                                TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det, SINGLE=single,
+                                TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det,
                                 num_warps=warps)
     if det:  # a fourth launch sums the partials in a fixed order (bitwise reproducible)
         _bwd_reduce[(n_wb * h * cols,)](part, sp, *_slots(dw), h, d, bh, chunks, cols, b // n_wb, GATED=gated,
