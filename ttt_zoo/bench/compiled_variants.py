@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["STANDARD_SIZES", "STANDARD_BATCHES", "STANDARD_DTYPES", "Launch", "available", "compile_keys",
            "compile_launch", "configs", "head_dims", "variants_per_kernel"]
 
-STANDARD_SIZES = (224, 256, 384, 512, 1024)  # image px (DiT: latent px = px / 8)
+STANDARD_SIZES = (224, 256, 384, 512, 1024)  # image px (DiT: latents of px / 8, up to a multiple of the patch)
 STANDARD_BATCHES = (1, 32, 64)
 STANDARD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -137,8 +137,9 @@ def head_dims(model: torch.nn.Module) -> str:
 
 def _inputs(model: torch.nn.Module, px: int, batch: int, dtype: torch.dtype) -> tuple:
     from .launches import is_conditioned
-    if is_conditioned(model):  # a DiT: latents, timesteps, labels
-        side = px // 8
+    if is_conditioned(model):  # a DiT: latents of px / 8 (up to a multiple of the patch), timesteps, labels
+        patch = max(getattr(model, "patch_size", 1) or 1, 1)
+        side = -(-(px // 8) // patch) * patch
         x = torch.empty(batch, model.in_chans, side, side, dtype=dtype, requires_grad=True)
         return x, torch.empty(batch, dtype=dtype), torch.zeros(batch, dtype=torch.long)
     return (torch.empty(batch, 3, px, px, dtype=dtype, requires_grad=True),)
