@@ -32,7 +32,7 @@ from ttt_zoo.kernels.vit3_variant import fused as VV  # noqa: E402
 
 _INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC", "MB")
 _IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
-_FLOAT = ("c", "eps", "alpha", "lr")
+_FLOAT = ("c", "eps", "alpha", "lr", "lr_scale")
 
 
 def _signature(fn, consts, io=_IO):
@@ -133,7 +133,7 @@ def vit3_fused_rows(block_ds, arch):
                 bn, warps = VF.launch_cfg(bd, torch_dtype, fn.__name__)
                 consts = {a: v for a, v in dict(TILES=VF.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VF.BLOCK_P,
                                                 BLOCK_CH=VF.conv_block(bd), PREC=prec, NORM=True,
-                                                DETERMINISTIC=False).items() if a in fn.arg_names}
+                                                DETERMINISTIC=False, ROPE=False).items() if a in fn.arg_names}
                 tile = f"{bn} tokens / {VF.BLOCK_P} px x {VF.conv_block(bd)} ch"
                 lines.append(_row_act(dt, fn, f"fused (SwiGLU + conv), {act}", bd, tile, warps, consts, arch,
                                       io=_FUSED_IO))
@@ -152,7 +152,8 @@ def vit3_variant_rows(block_ds, arch):
         bn, warps = VV.launch_cfg(bd)
         for act, (name, kind), fn in itertools.product(_ACT, VV.KINDS.items(), kernels):
             consts = {a: v for a, v in dict(KIND=kind, TILES=VV.TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=VV.BLOCK_P,
-                                            PREC=VV.dot_prec(_TORCH[act]), NORM=True, SHARE=False).items()
+                                            PREC=VV.dot_prec(_TORCH[act]), NORM=True, SHARE=False,
+                                            ROPE=False).items()
                       if a in fn.arg_names}  # the launcher's dot precision per dtype
             lines.append(_row_act(act, fn, f"variant core, {name}", bd, f"{bn} tokens / {VV.BLOCK_P} px", warps,
                                   consts, arch, io=_VARIANT_IO))
@@ -181,7 +182,9 @@ def ttt_linear_rows(block_ds, arch, mini_batch=16):
         for ln in (True, False):
             for act, fn in itertools.product(_ACT, (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states,
                                                     LT._bwd_keys)):
-                consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC=LT._prec(_TORCH[act]))
+                # the shipped configuration: RoPE, the lr sigmoid and the tau offsets inside the kernels
+                consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC=LT._prec(_TORCH[act]),
+                              ROPE=True, LR_SIG=True, TAU_OFF=True)
                 lines.append(_row_act(act, fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts,
                                       arch))
     return lines
@@ -219,14 +222,15 @@ def inner_mlp_rows(block_ds, arch):
                                                        else (False,)):
                     consts = {a: v for a, v in dict(GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                                                     BLOCK_C=min(T.BLOCK_C, bd), DETERMINISTIC=False,
-                                                    SINGLE=single).items()
+                                                    HAS_MIX=False).items()
                               if a in fn.arg_names}
                     tile = f"{bn} columns" if pass_ == "finalize" else f"{bn} tokens"
                     variant = ("T5" if gated else "DiT5") + (", one chunk" if single else "")
                     lines.append(_row_act(dt, fn, variant, bd, tile, warps, consts, arch))
     for fn in (KT._knorm_fwd, KT._knorm_bwd):
         lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
-                          dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C), arch))
+                          {a: v for a, v in dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C, BLOCK_T=16, CAT=False).items()
+                           if a in fn.arg_names}, arch))
     return lines
 
 
