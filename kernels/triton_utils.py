@@ -25,13 +25,16 @@ __all__ = ["UNSPECIALISED", "jit_sizes", "pid64", "base_offset", "prec", "dot_pr
 UNSPECIALISED = ("B", "N", "Hh", "Ww", "HEADS", "n_chunks", "n_pchunks", "n_tiles", "n_ptiles", "n_sw", "n_wb")
 
 
-def jit_sizes(fn=None, *, also: Tuple[str, ...] = ()):
+def jit_sizes(fn=None, *, also: Tuple[str, ...] = (), strides: Tuple[str, ...] = ()):
     """``triton.jit`` with ``do_not_specialize`` on the arguments of ``fn`` named in ``UNSPECIALISED`` and in ``also``
-    (a kernel's own arguments that vary with the token count, e.g. the batch stride of a per-token tensor)."""
+    (a kernel's own arguments that vary with the token count, e.g. the batch stride of a per-token tensor), and
+    ``do_not_specialize_on_alignment`` on ``strides`` (strides that follow the map size: their divisibility by 16
+    varies, while a stride of 1, a contiguous axis, stays specialised)."""
     if fn is None:
-        return lambda f: jit_sizes(f, also=also)
+        return lambda f: jit_sizes(f, also=also, strides=strides)
     names = inspect.signature(fn).parameters
-    return triton.jit(fn, do_not_specialize=[a for a in UNSPECIALISED + tuple(also) if a in names])
+    return triton.jit(fn, do_not_specialize=[a for a in UNSPECIALISED + tuple(also) if a in names],
+                      do_not_specialize_on_alignment=[a for a in strides if a in names])
 
 
 def prec(dtype: torch.dtype) -> str:

@@ -85,7 +85,7 @@ def _swiglu_tile(x, w1, w2, PREC: tl.constexpr):
     return z1, z2, tl.sigmoid(z2)
 
 
-@jit_sizes
+@jit_sizes(strides=("sxb", "syb", "sdb"))
 def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
                 sxb, sxh, sxn, sxd, syb, syh, syn, syd, swb, swh, swr, swc, sdc, sdb, sdh, sdn, sdd,
                 H, N, D, n_chunks,
@@ -113,7 +113,7 @@ def _swiglu_vjp(X, Y, W1, W2, DX, P1, P2,
     _store_partials(P1, P2, (pid * n_chunks + chunk) * D * D, p1, p2, offs_d, offs_c, D)
 
 
-@jit_sizes
+@jit_sizes(strides=("sqb", "sob"))
 def _swiglu_apply(Q, W1, W2, O,
                   sqb, sqh, sqn, sqd, sob, soh, son, sod,
                   H, N, D,
@@ -126,7 +126,7 @@ def _swiglu_apply(Q, W1, W2, O,
     store_tile(O, b * sob + h * soh, y1 * y2 * s, offs_n, offs_c, son, sod, N, D)
 
 
-@jit_sizes
+@jit_sizes(strides=("skb", "svb", "sdkb", "sdvb"))
 def _swiglu_update_bwd(K, V, W1, W2, DG1, DG2, DK, DV, P1, P2,
                        skb, skh, skn, skd, svb, svh, svn, svd, swb, swh, swr, swc,
                        sdkc, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
@@ -266,7 +266,7 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
 
 
 # ----------------------------------------------------------------------------------------------- conv kernels
-@jit_sizes
+@jit_sizes(strides=("sxb", "sxc", "sxh", "sxw", "seb", "sec", "seh", "sew"))
 def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
           TILES: tl.constexpr, BLOCK_P: tl.constexpr):
     """Partial t[i, j] = sum_p x[p + (i-1, j-1)] e[p] over TILES pixel tiles; writes 9 fp32 (padded to 16)."""
@@ -288,7 +288,7 @@ def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
     tl.store(P + (pid * n_chunks + chunk) * 16 + offs_t, acc)
 
 
-@jit_sizes
+@jit_sizes(strides=("sxb", "sxc", "sxh", "sxw", "sob", "soc", "soh", "sow"))
 def _dwconv(X, Wt, O, sxb, sxc, sxh, sxw, sob, soc, soh, sow, C, Hh, Ww, alpha,
             BLOCK_P: tl.constexpr):
     """out[p] = alpha * sum_taps w[b, c, tap] x[p + tap - 1] (zero padding), w (B, C, 16) fp32, taps 0..8."""
