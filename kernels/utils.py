@@ -103,21 +103,30 @@ def launch_on_meta():
         _LAUNCH_ON_META[0] = previous
 
 
-def count_flops_as(custom_op, impl) -> None:
+def count_flops_as(custom_op, impl=None) -> None:
     """Register the FLOP formula of ``custom_op`` for ``torch.utils.flop_counter.FlopCounterMode``: the FLOPs of
-    ``impl``, the op's own PyTorch path, run on meta copies of the op's arguments but the last (``triton``, the
-    backend choice; no compute).  Without it the counter sees one opaque node and counts nothing for the inner step
-    (a meta-device model runs only the fakes)."""
+    its PyTorch path run on meta copies of its arguments (no compute): ``impl`` called with the arguments before
+    ``triton`` (the backend choice), or without ``impl`` the op's own body with ``triton=False`` (every argument,
+    those after ``triton`` included).  Without it the counter sees one opaque node and counts nothing for the inner
+    step (a meta-device model runs only the fakes)."""
     from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+    names = [a.name for a in custom_op._opoverload._schema.arguments]
+    at = names.index("triton")
 
     def meta(a):
         if isinstance(a, torch.Tensor):
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
         return [meta(t) for t in a] if isinstance(a, (list, tuple)) else a
 
-    def flops(*args, out_val=None):
+    def flops(*args, out_val=None, **kwargs):
+        args = [meta(a) for a in args]
+        kwargs = {k: meta(v) for k, v in kwargs.items() if k != "triton"}
         with FlopCounterMode(display=False) as counter, torch.no_grad():
-            impl(*[meta(a) for a in args[:-1]])
+            if impl is not None:
+                impl(*args[:at])
+            else:
+                custom_op._init_fn(*args[:at], False, *args[at + 1:], **kwargs)
         return counter.get_total_flops()
 
     register_flop_formula(custom_op._opoverload._overloadpacket, get_raw=True)(flops)

@@ -58,7 +58,7 @@ SETUP=30         # seconds before the first unit on a fresh machine: versions, w
 RESERVE=15       # seconds kept back from the budget: a unit's kill grace and the last pack
 DEFAULT_VERIFY_CAP=40  # a kernel folder without an entry in VERIFY_CAPS (a new op)
 declare -A VERIFY_CAPS=([vit3_ttt]=95 [ttt_linear]=85 [inner_mlp]=70 [vit3_variant]=40 [key_norm]=30
-                        [linear_attention]=30)
+                        [linear_attention]=30 [dwconv]=25)  # call 1 is full: 30 + 40 + these + bench 80 = 525
 VERIFY_ORDER=(vit3_ttt ttt_linear inner_mlp vit3_variant key_norm linear_attention)  # then any other folder
 ALL_STEPS=(kernels_json verify bench_families graphs profile)  # tools/gpu_check.py PLAN_ORDER
 SELECT=("$@")
@@ -451,7 +451,7 @@ step_verify() {  # each kernel folder: its tests on CUDA (the dry run: the inter
 
 step_bench_families() {  # one model of each family vs DeiT-T, DiT3 / DiT5-S/2 vs DiT-S/2 (gpu_check's lists)
   step bench_families
-  unit bench_families 90 30 "${GPU_CHECK[@]}" --steps bench --sizes 224 --output "$R/bench_families"
+  unit bench_families 80 30 "${GPU_CHECK[@]}" --steps bench --sizes 224 --output "$R/bench_families"
 }
 
 step_graphs() {  # each compiled row compiles for tens of seconds; a second call reuses the inductor cache

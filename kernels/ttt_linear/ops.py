@@ -173,8 +173,8 @@ def _backward(ctx, dout, dstates):
 
 
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
-count_flops_as(scan_fwd_op, R.scan_fwd)
-count_flops_as(scan_bwd_op, R.scan_bwd)
+count_flops_as(scan_fwd_op)  # the op's own PyTorch path: RoPE and rates as the kernels take them
+count_flops_as(scan_bwd_op)
 
 
 def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float,

@@ -14,7 +14,7 @@ from ttt_zoo.kernels.dwconv import residual_dwconv_vjp, triton_path as dwconv_tr
 from .mixer import create_mixer
 from .recompute import can_recompute, linear_of_recomputed
 
-__all__ = ["TokenMlp", "TTTBlock", "cpe_residual", "tokens_to_map", "map_to_tokens", "tokens_as_map"]
+__all__ = ["ResidualCPE", "TokenMlp", "TTTBlock", "tokens_to_map", "map_to_tokens", "tokens_as_map"]
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -124,18 +124,21 @@ class TokenMlp(nn.Module):
         return self.drop2(self.fc2(x))
 
 
-def cpe_residual(x: torch.Tensor, cpe: nn.Conv2d, feat_size: Tuple[int, int], backend: Optional[str] = None
-                 ) -> torch.Tensor:
-    """``x + cpe(x)`` on (B, N, C) tokens (a depthwise 3x3 ``cpe``): one Triton ``residual_dwconv3x3`` launch where
-    ``backend`` resolves to Triton (eager, no hooks on ``cpe``), else the aten conv and add (TTT and DiT blocks)."""
-    if not torch.jit.is_scripting():
-        fused = None if _hooked(cpe) else dwconv_triton_path(x, backend)
-        if fused is not None:
-            return fused(x, cpe.weight, cpe.bias, feat_size)
-    return x + map_to_tokens(cpe(tokens_as_map(x, feat_size)))
+class ResidualCPE:
+    """``x + cpe(x)`` on (B, N, C) tokens for a block with a depthwise 3x3 ``cpe`` and a ``backend`` (TTT and DiT
+    blocks): one Triton ``residual_dwconv3x3`` launch where ``backend`` resolves to Triton (eager, no hooks on
+    ``cpe``), else the aten conv and add.  A method, not a function of the module: TorchScript calls submodules only
+    as attributes."""
+
+    def _cpe(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            fused = None if _hooked(self.cpe) else dwconv_triton_path(x, self.backend)
+            if fused is not None:
+                return fused(x, self.cpe.weight, self.cpe.bias, feat_size)
+        return x + map_to_tokens(self.cpe(tokens_as_map(x, feat_size)))
 
 
-class TTTBlock(nn.Module):
+class TTTBlock(ResidualCPE, nn.Module):
     """x += cpe(x); x += drop_path(mixer(norm1(x))); x += drop_path(mlp(norm2(x))).
 
     Keys: ``cpe.{weight,bias}`` (official layout, a bare Conv2d), ``norm1``, ``attn`` (the mixer), ``norm2``, ``mlp``.
@@ -166,7 +169,7 @@ class TTTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = cpe_residual(x, self.cpe, feat_size, self.backend)
+            x = self._cpe(x, feat_size)
         x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
         x = x + self.drop_path2(self.mlp(self.norm2(x), feat_size))
         return x

@@ -116,9 +116,10 @@ class DiT5MixedAttention(PlainStepTTT):
         return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
 
     def _ttt(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             feat_size: Tuple[int, int], na: torch.Tensor) -> torch.Tensor:
-        """(B, heads, N, d) from the qkv output and its q, k, v views, blended with ``na``; the q and k affines as one
-        launch, the convs' residuals folded into their weights."""
+             feat_size: Tuple[int, int], na: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, heads, N, d) from the qkv output and its q, k, v views, blended with ``na`` (None: the TTT branch
+        alone, as SD3.5-T5's image-only layer runs it); the q and k affines as one launch, the convs' residuals
+        folded into their weights."""
         s, o = self.qk_scale_ttt, self.qk_offset_ttt  # (1, 1, C, 2): [..., 0] for q, [..., 1] for k
         if self.share_qk:
             k = torch.addcmul(o[..., 1], k, s[..., 1])

@@ -22,7 +22,7 @@ from timm.layers import PatchEmbed, register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
 from ttt_zoo.errors import NoFeaturesError
-from ttt_zoo.layers import TokenMlp, cpe_residual, create_mixer
+from ttt_zoo.layers import ResidualCPE, TokenMlp, create_mixer
 from ._common import (build_ttt_model, check_image, check_sizes, run_blocks, unwrap_checkpoint, validate_state_dict,
                       with_hub_ids)
 
@@ -134,7 +134,7 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)
 
 
-class DiTBlock(nn.Module):
+class DiTBlock(ResidualCPE, nn.Module):
     """[x += cpe(x)]; x += g1 * mixer(mod(LN x)); x += g2 * mlp(mod(LN x)) with adaLN-Zero (6 vectors from c).
 
     The CPE (DiT3) sits before and outside the gate.  Keys: ``cpe``, ``attn`` (the mixer), ``mlp.fc1/fc2``,
@@ -154,7 +154,7 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         if self.cpe is not None:
-            x = cpe_residual(x, self.cpe, feat_size, self.backend)
+            x = self._cpe(x, feat_size)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
         x = x + gate1.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift1, scale1), feat_size)
         x = x + gate2.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift2, scale2), feat_size)
