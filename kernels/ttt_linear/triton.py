@@ -94,15 +94,21 @@ def _partner(offs_d, D):
 
 
 @triton.jit
+def _rope_table(CS, offs_c, offs_d, m2, D, MB):
+    """cos and the signed sin (-sin on the first half of the columns) of in-mini-batch positions ``offs_c``."""
+    half = D // 2
+    o = offs_c[:, None] * half + (offs_d % half)[None, :]
+    cs = tl.load(CS + o, mask=m2, other=0.0)
+    sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
+    return cs, tl.where(offs_d[None, :] < half, -sn, sn)
+
+
+@triton.jit
 def _load_qk(ptr, t, stride_t, offs_c, offs_d, m2, D, CS, MB, ROPE: tl.constexpr):
     """Rows ``t`` of q or k (fp32), turned by the in-mini-batch RoPE when ``ROPE``: x cos + partner(x) (+-sin)."""
     x = _load_rows(ptr, t, stride_t, offs_d, m2)
     if ROPE:
-        half = D // 2
-        o = offs_c[:, None] * half + (offs_d % half)[None, :]
-        cs = tl.load(CS + o, mask=m2, other=0.0)
-        sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
-        sn = tl.where(offs_d[None, :] < half, -sn, sn)
+        cs, sn = _rope_table(CS, offs_c, offs_d, m2, D, MB)
         xp = tl.load(ptr + t[:, None] * stride_t + _partner(offs_d, D)[None, :], mask=m2, other=0.0).to(tl.float32)
         x = x * cs + xp * sn
     return x
@@ -140,11 +146,7 @@ def _unturn(dx, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE: tl.constexpr):
     """The RoPE backward of a gradient tile held in registers: dx cos - partner(dx) (+-sin) (the inverse turn); the
     partner columns through an exact 0/1 permutation product."""
     if ROPE:
-        half = D // 2
-        o = offs_c[:, None] * half + (offs_d % half)[None, :]
-        cs = tl.load(CS + o, mask=m2, other=0.0)
-        sn = tl.load(CS + MB * half + o, mask=m2, other=0.0)
-        sn = tl.where(offs_d[None, :] < half, -sn, sn)
+        cs, sn = _rope_table(CS, offs_c, offs_d, m2, D, MB)
         perm = ((offs_d[:, None] == _partner(offs_d, D)[None, :]) & dmask[:, None] & dmask[None, :]).to(tl.float32)
         dx = dx * cs - tl.dot(dx, perm, input_precision="ieee") * sn
     return dx
