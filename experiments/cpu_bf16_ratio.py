@@ -161,7 +161,7 @@ def main() -> int:
              f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC) -->",
              "# Training step under bf16 autocast vs fp32 on the CPU, beside DeiT-T (issue 48)", "",
              f"`python experiments/cpu_bf16_ratio.py --batch-size {args.batch_size} --repeats {args.repeats} "
-             f"--steps {args.steps} --threads {args.threads}`", "",
+             f"--steps {args.steps} --threads {args.threads}{' --shares' if args.shares else ''}`", "",
              f"Machine: {cpu} ({isa}), {os.cpu_count()} cores shared with other jobs, {args.threads} torch "
              f"thread(s); torch {torch.__version__}, timm {timm.__version__}. Load average before {load_before}, "
              f"1-min load after each round {', '.join(f'{x:.1f}' for x in loads)}, after {_load()}.",
