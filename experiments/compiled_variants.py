@@ -1,7 +1,9 @@
 """Count the compiled variants of the fused ViT3 kernels (``kernels/vit3_ttt/fused.py``) over the standard shapes,
 without a GPU: every launch's key is what Triton's ``JITFunction`` keys its compile cache on, the specialization
-its binder builds from the arguments (dtype of each pointer, 16-byte alignment and ``== 1`` of each integer not
-in ``do_not_specialize``) plus the constexprs and launch options.  Launches are recorded, not run (meta tensors).
+the sm_90 binder builds from the arguments (dtype of each pointer, 16-byte alignment and ``== 1`` of each integer
+not in ``do_not_specialize``) plus the constexprs and launch options, recorded by
+``ttt_zoo.bench.compiled_variants._record`` (as every model's count is).  Launches are recorded, not run (meta
+tensors).
 
     python experiments/compiled_variants.py                    # writes experiments/results/compiled_variants.md
     python experiments/compiled_variants.py --module ttt_zoo.kernels.vit3_ttt._old_fused --out /tmp/before.md
@@ -17,8 +19,9 @@ from collections import defaultdict
 os.environ.pop("TRITON_INTERPRET", None)  # noqa: E402  (the JIT's own binder, not the interpreter)
 
 import torch  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
-from triton.runtime import jit  # noqa: E402
+
+from ttt_zoo.bench.compiled_variants import _record  # noqa: E402  (the recorder every count uses)
+from ttt_zoo.fileio import atomic_write  # noqa: E402
 
 SIZES = (224, 256, 384, 512, 1024)
 BATCHES = (1, 32, 64)
@@ -36,22 +39,6 @@ def shapes():
                 for heads, d, stride in stages:
                     side = -(-px // stride)
                     yield model, px, batch, heads, d, side, side
-
-
-def record(module):
-    """Patch ``JITFunction.run`` to record (kernel, key) and skip the launch; returns the list it fills."""
-    calls = []
-    binders = {}
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if self not in binders:
-            binders[self] = jit.create_function_from_signature(self.signature, self.params, BaseBackend)
-        opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("num_warps", "num_stages", "num_ctas")}
-        _, spec, _ = binders[self](*args, **kwargs)
-        calls.append((self.fn.__name__, str(spec) + str(sorted(opts.items()))))
-
-    jit.JITFunction.run = run
-    return calls
 
 
 def launch(module, b, heads, d, hh, ww, dtype):
@@ -75,23 +62,25 @@ def main():
     counts = {}
     for name in [args.module] + ([args.before] if args.before else []):
         module = importlib.import_module(name)
-        calls = record(module)
+        calls = []
         per = defaultdict(set)  # (kernel, dtype, d) -> keys
         launches = 0
-        for model, px, b, heads, d, hh, ww in shapes():
-            for dtype in DTYPES:
-                calls.clear()
-                launch(module, b, heads, d, hh, ww, dtype)
-                launches += len(calls)
-                for kernel, key in calls:
-                    per[(kernel, str(dtype)[6:], d)].add(key)
+        with _record(calls):
+            for model, px, b, heads, d, hh, ww in shapes():
+                for dtype in DTYPES:
+                    calls.clear()
+                    launch(module, b, heads, d, hh, ww, dtype)
+                    launches += len(calls)
+                    for kernel, key in calls:
+                        per[(kernel, str(dtype)[6:], d)].add(key)
         counts[name] = (per, launches)
     per, launches = counts[args.module]
     before = counts[args.before][0] if args.before else {}
     n_shapes = len(list(shapes()))
     lines = ["# Compiled variants of the fused ViT3 kernels over the standard shapes", "",
              f"`python experiments/compiled_variants.py{' --before ' + args.before if args.before else ''}` "
-             "(no GPU: the key of Triton's compile cache from `JITFunction`'s binder, per launch).  Shapes: ViT3-T/S/B "
+             "(no GPU: the key of Triton's compile cache from `JITFunction`'s sm_90 binder, per launch; "
+             "`ttt_zoo.bench.compiled_variants._record`).  Shapes: ViT3-T/S/B "
              "and the four stages of H-ViT3-T at 224, 256, 384, 512 and 1024 px, batch 1, 32 and 64 "
              f"({n_shapes} op calls per dtype, forward + backward: {launches} launches in all)."
              + (f"  Before: `{args.before}`, the kernels at 299558e (`git show 299558e:kernels/vit3_ttt/fused.py`"
@@ -105,8 +94,7 @@ def main():
     lines += ["", f"Total: {total_before} before, {sum(len(v) for v in per.values())} after "
               f"({len(per)} (kernel, dtype, head dim) combinations)."]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    atomic_write(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
