@@ -757,6 +757,98 @@ def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launc
         assert err < tol, f"{name}: max error {err:.2e} of {scale:.3g}"
 
 
+@pytest.fixture(scope="module")
+def long_dot_case(long_case):
+    """``long_case``'s inputs for the dot inner loss (``linear_attention.naive``: G = -v, no inner LayerNorm) with
+    gradient ascent (a negative rate scale): the float64 reference is the recurrent linear-attention scan of both
+    directions (``la_bidir_reference``, autograd), d/d logit and d/d offset as above."""
+    from ttt_zoo.kernels.linear_attention import la_bidir_reference
+    x, do, _, _ = long_case
+    leaves = [t.clone().requires_grad_() for t in x[:7]]
+    q, k, v, logit, off, w0, b0 = leaves
+    ref = la_bidir_reference(q, k, v, -LONG_LR_SCALE * torch.sigmoid(logit), token_tau(off), w0, b0, LONG_MB)
+    return x[:7], do, ref.detach(), torch.autograd.grad(ref, leaves, do)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+@triton_test
+def test_dot_loss_kernels_long_sequence(long_dot_case, dtype, tol, count_launches):
+    """The dot loss through the same scan kernels (``dot_loss``: forward passes 1 and 2, backward passes 1 and 2;
+    dz = 0, so no third): output and the gradients of q, k, v, the logits, tau's offsets, w0 and b0 against the
+    float64 recurrent reference, errors relative to each tensor's largest reference entry."""
+    x, do, ref, ref_grads = long_dot_case
+    leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
+    from ttt_zoo.bench.launches import count_launches as launches
+    out = ops.ttt_linear_bidir_op(*leaves, None, None, mini_batch=LONG_MB, triton=True, lr_scale=-LONG_LR_SCALE,
+                                  tau_offset=True, dot_loss=True)[0]
+    grads = []
+    bwd = launches(lambda: grads.extend(torch.autograd.grad(out, leaves, do.to(DEV, dtype))))
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    assert dict(bwd.triton) == {"_bwd_outputs": 1, "_bwd_states": 1}, bwd.triton
+    for name, got, want in zip(("out",) + NAMES[:7], (out,) + tuple(grads), (ref,) + ref_grads):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        scale = want.abs().max().item()
+        err = (got.double().cpu() - want).abs().max().item() / scale
+        assert err < tol, f"{name}: max error {err:.2e} of {scale:.3g}"
+
+
+@pytest.mark.parametrize("w0_mode,ascent,steps", [("shared", False, 1), ("separate", True, 2)],
+                         ids=["shared", "separate_ascent_2steps"])
+@triton_test
+def test_dot_loss_mixer_triton_vs_reference(w0_mode, ascent, steps, count_launches):
+    """The linear-attention Vision-TTT mixer (inner_loss='dot') on the Triton path (the TTT-Linear scan kernels,
+    the rate, tau and both directions inside them) against its recurrent path (``la_bidir_reference``) on a 5 x 7
+    map: output and the gradients of the input and every parameter."""
+    torch.manual_seed(0)
+    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0, inner_loss="dot",
+                     gradient_ascent=ascent, inner_steps=steps).to(DEV)
+    with torch.no_grad():
+        m.tau_offset.normal_(std=0.1)
+        m.b0.normal_(std=0.05)
+    x = torch.randn(2, 35, 32, device=DEV, requires_grad=True)
+    params = [x] + [p for p in m.parameters()]
+    outs, grads = [], []
+    for backend in ("triton", "torch_naive"):
+        m.backend = backend
+        out = m(x, (5, 7))
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), params))
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    torch.testing.assert_close(outs[0], outs[1], **KTOL[torch.float32])
+    for (name, _), g, r in zip([("x", x)] + list(m.named_parameters()), *grads):
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
+@triton_test
+def test_dot_loss_block_triton_equals_torch_path(count_launches):
+    """visionttt_tiny_la's first block (64 px: a 4 x 4 map of 192 channels) on the Triton path (the scan kernels and
+    the gate kernel) equals its torch path (linear attention's chunk form): output and the gradients of the
+    block's input and of every parameter."""
+    import timm
+    from ttt_zoo.kernels.backend import use_backend
+    torch.manual_seed(0)
+    block = timm.create_model("visionttt_tiny_la", img_size=64).blocks[0].to(DEV)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith(("tau_offset", "b0", "lr_proj.bias")):
+                p.normal_(std=0.1)
+    x = torch.randn(2, 16, block.attn.dim, device=DEV, requires_grad=True)
+    named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    leaves = [x] + [p for _, p in named]
+    outs, grads = [], []
+    for backend in ("triton", "torch"):
+        with use_backend(backend):
+            out = block(x, (4, 4))
+            grads.append(torch.autograd.grad(out.square().sum(), leaves))
+        outs.append(out)
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    torch.testing.assert_close(outs[0], outs[1], **KTOL[torch.float32])
+    for name, g, r in zip(["x"] + [n for n, _ in named], *grads):
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
 def test_pass2_grid_grows_with_the_sequence():
     """Vision-TTT-T (3 heads of 64, bidirectional, mini-batch 16), batch 1: the two recurrences keep one program per
     sequence, the output passes (forward pass 2, backward passes 1 and 3) run one per chunk x sequence: >= 100

@@ -86,13 +86,16 @@ def _rates(lr: Tensor, tau: Tensor, lr_scale: float, tau_offset: bool) -> Tuple[
 def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ln_w: Tensor,
                 ln_b: Tensor, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
                 save_states: bool, triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0,
-                tau_offset: bool = False) -> Tuple[Tensor, Tensor]:
+                tau_offset: bool = False, dot_loss: bool = False) -> Tuple[Tensor, Tensor]:
     if not launches_kernel(triton, q):
+        if dot_loss:
+            out = _dot_scan(q, k, v, lr, tau, w0, b0, ndir, mini_batch, rope_theta, lr_scale, tau_offset)
+            return _token_major(out), _fake_states(q, ndir, mini_batch, save_states)
         lr, tau = _rates(lr, tau, lr_scale, tau_offset)
     args = (v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states)
     if launches_kernel(triton, q):
         table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
-        out, st = _t().scan_fwd_triton(q, k, *args, table, lr_scale, tau_offset)
+        out, st = _t().scan_fwd_triton(q, k, *args, table, lr_scale, tau_offset, dot_loss)
     else:
         if rope_theta > 0:
             tables = _direction_tables(q, ndir, mini_batch, rope_theta)
@@ -103,15 +106,58 @@ def scan_fwd_op(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Te
     return out, st.contiguous()
 
 
-@scan_fwd_op.register_fake
-def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton, rope_theta=0.0,
-      lr_scale=0.0, tau_offset=False):
+def _fake_states(q: Tensor, ndir: int, mini_batch: int, save_states: bool) -> Tensor:
+    """The saved chunk-start states' buffer, unfilled: (ndir B, H, n_ck, d + 1, d), or empty."""
     _, bsz, h, n, d = q.shape
     cd = q.dtype if q.dtype == torch.float64 else torch.float32
     n_mb = -(-n // mini_batch)
     n_ck = -(-n_mb // R.ckpt_every(n_mb))
-    st = q.new_empty(ndir * bsz, h, n_ck, d + 1, d, dtype=cd) if save_states else q.new_empty(0, dtype=cd)
+    return q.new_empty(ndir * bsz, h, n_ck, d + 1, d, dtype=cd) if save_states else q.new_empty(0, dtype=cd)
+
+
+@scan_fwd_op.register_fake
+def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton, rope_theta=0.0,
+      lr_scale=0.0, tau_offset=False, dot_loss=False):
+    _, bsz, h, n, d = q.shape
+    st = _fake_states(q, ndir, mini_batch, save_states)
     return q.new_empty(bsz, n, h, d).transpose(1, 2), st  # token-major: (B, N, H * d) for the caller
+
+
+def _dot_scan(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ndir: int,
+              mini_batch: int, rope_theta: float, lr_scale: float, tau_offset: bool) -> Tensor:
+    """The dot loss off the kernels (differentiable): each direction as linear attention's chunk form
+    (``linear_attention.torch.la_chunk_torch``) in its scan order, summed; (B, H, N, d)."""
+    from ..linear_attention.torch import la_chunk_torch
+    lr, tau = _rates(lr, tau, lr_scale, tau_offset)
+    if rope_theta > 0:
+        tables = _direction_tables(q, ndir, mini_batch, rope_theta)
+        q2 = _turned(q, tables)
+        q, k = q2, (q2 if k is q else _turned(k, tables))
+    out = None
+    for r in range(ndir):
+        def order(x: Tensor, dim: int = -2) -> Tensor:
+            return x.flip(dim) if r else x
+        o = order(la_chunk_torch(order(q[min(r, q.shape[0] - 1)]), order(k[min(r, k.shape[0] - 1)]), order(v),
+                                 order(lr, -1), tau, w0[min(r, w0.shape[0] - 1)], b0[min(r, b0.shape[0] - 1)],
+                                 mini_batch))
+        out = o if out is None else out + o
+    return out
+
+
+def _dot_scan_vjp(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
+                  *cfg) -> List[Tensor]:
+    """Gradients of :func:`_dot_scan` w.r.t. q, k, v, lr, tau, w0, b0 (recomputed under autograd)."""
+    ins = [t.detach().requires_grad_(True) for t in (q, k, v, lr, tau, w0, b0)]
+    with torch.enable_grad():
+        grads = torch.autograd.grad(_dot_scan(*ins, *cfg), ins, do, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, ins)]
+
+
+def _dot_grads(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, *cfg) -> List[Tensor]:
+    """``scan_bwd_op``'s gradients of the dot loss off the kernels (no inner LayerNorm: its gradients are 0)."""
+    grads = _dot_scan_vjp(do, q, k, v, lr, tau, w0, b0, *cfg)
+    return _grad_layouts([_token_major(g) for g in grads[:3]] + grads[3:] +
+                         [torch.zeros_like(ln_w), torch.zeros_like(ln_b)])
 
 
 def _token_major(x: Tensor) -> Tensor:
@@ -128,15 +174,17 @@ def _grad_layouts(grads: List[Tensor]) -> List[Tensor]:
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
                 eps: float, triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0,
-                tau_offset: bool = False) -> List[Tensor]:
+                tau_offset: bool = False, dot_loss: bool = False) -> List[Tensor]:
     logits = lr
     kernels = launches_kernel(triton, q)
+    if dot_loss and not kernels:  # autograd of the chunk form: runs above the dispatcher (_backward, FLOP count)
+        return _dot_grads(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, rope_theta, lr_scale, tau_offset)
     if not kernels:
         lr, tau = _rates(logits, tau, lr_scale, tau_offset)
     args = (v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     if kernels:
         table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
-        return _grad_layouts(_t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset))
+        return _grad_layouts(_t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset, dot_loss))
     if rope_theta > 0:
         tables = _direction_tables(q, ndir, mini_batch, rope_theta)
         grads = R.scan_bwd(do.contiguous(), _turned(q, tables), _turned(k, tables), *args)
@@ -152,24 +200,30 @@ def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Te
 
 @scan_bwd_op.register_fake
 def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta=0.0,
-      lr_scale=0.0, tau_offset=False):
+      lr_scale=0.0, tau_offset=False, dot_loss=False):
     return [_token_major(torch.empty_like(t, memory_format=torch.contiguous_format)) for t in (q, k, v)] + \
         [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (lr, tau, w0, b0, ln_w, ln_b)]
 
 
 def _setup(ctx, inputs, output):
     q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, save_states, triton, rope_theta, lr_scale, \
-        tau_offset = inputs
+        tau_offset, dot_loss = inputs
     ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, output[1])
-    ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton, rope_theta, lr_scale, tau_offset)
+    ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton, rope_theta, lr_scale, tau_offset, dot_loss)
     ctx.set_materialize_grads(False)  # the states are never differentiated: no zero cotangent is made for them
 
 
 def _backward(ctx, dout, dstates):
     if dout is None:
-        return (None,) * 18
-    grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg)  # the kernels read dout with its strides
-    return (*grads, None, None, None, None, None, None, None, None, None)
+        return (None,) * 19
+    q, k, v, lr, tau, w0, b0, ln_w, ln_b, _ = ctx.saved_tensors
+    ndir, mini_batch, _, _, triton, rope_theta, lr_scale, tau_offset, dot_loss = ctx.cfg
+    if dot_loss and not launches_kernel(triton, q):  # autograd of the chunk form, here above the dispatcher
+        grads = _dot_grads(dout, q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, rope_theta, lr_scale,
+                           tau_offset)
+    else:
+        grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg)  # the kernels read dout with its strides
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 scan_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -178,10 +232,11 @@ count_flops_as(scan_bwd_op)
 
 
 def _scan(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool, eps: float,
-          triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0, tau_offset: bool = False) -> Tensor:
+          triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0, tau_offset: bool = False,
+          dot_loss: bool = False) -> Tensor:
     save = _needs_grad(q, k, v, lr, tau, w0, b0, ln_w, ln_b)
     return scan_fwd_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, int(mini_batch), bool(ln_residual), float(eps),
-                       save, bool(triton), float(rope_theta), float(lr_scale), bool(tau_offset))[0]
+                       save, bool(triton), float(rope_theta), float(lr_scale), bool(tau_offset), bool(dot_loss))[0]
 
 
 def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
@@ -199,14 +254,23 @@ def ttt_linear_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln
 
 def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 16, ln_residual: bool = True,
                         rope_theta: Optional[float] = 10000.0, eps: float = 1e-6, return_grad_norm: bool = False,
-                        triton=None, lr_scale: float = 0.0, tau_offset: bool = False
+                        triton=None, lr_scale: float = 0.0, tau_offset: bool = False, dot_loss: bool = False
                         ) -> Tuple[Tensor, Optional[Tensor]]:
     """Bidirectional scan, both directions in one kernel launch; signature of ``ttt_linear_bidir``.
+
+    ``dot_loss``: the inner loss ``-<k W + b, v>`` (``linear_attention.naive``: G = -v, the raw prediction out, no
+    inner LayerNorm: ``ln_w``, ``ln_b`` may be None and ``ln_residual`` is ignored); off the kernels its PyTorch
+    path is linear attention's chunk form.
 
     ``lr_scale`` != 0: ``lr`` holds logits, the rate is ``lr_scale * sigmoid(lr)``, formed inside the op (the ops'
     ``lr_scale``); ``tau_offset``: ``tau`` holds ``token_tau``'s offsets (the ops' ``tau_offset``).  The in-chunk RoPE runs inside the op (``rope_theta`` of the ops): q, k go in unrotated, with a broadcast leading
     axis of 1 for both directions.
     """
+    if dot_loss:
+        if return_grad_norm:
+            raise ValueError("return_grad_norm is defined for the MSE inner loss only")
+        ln_residual = False
+        ln_w, ln_b = _no_inner_norm(q)
     if return_grad_norm:  # as above
         lr, tau = _rates(lr, tau, lr_scale, tau_offset)
         return R.ttt_linear_bidir_torch(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch, ln_residual, rope_theta,
@@ -218,4 +282,15 @@ def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 
     if theta <= 0 and rope_theta is not None:
         raise ValueError(f"rope_theta must be > 0 (or None: no RoPE), got {rope_theta}")
     return _scan(q[None], k[None], v, lr, tau, w0[:, None], b0[:, None], ln_w, ln_b, 2, mini_batch, ln_residual, eps,
-                 triton, theta, lr_scale, tau_offset), None
+                 triton, theta, lr_scale, tau_offset, dot_loss), None
+
+
+# (heads, d) zeros standing in for the inner LayerNorm the dot loss does not have (read by nothing; utils.cached_constant)
+_NO_NORM: Dict[Tuple, Tensor] = {}
+
+
+def _no_inner_norm(q: Tensor) -> Tuple[Tensor, Tensor]:
+    h, d = q.shape[1], q.shape[3]
+    z = cached_constant(_NO_NORM, (h, d, q.dtype, str(q.device)), lambda: torch.zeros(h, d, device=q.device,
+                                                                                        dtype=q.dtype))
+    return z, z

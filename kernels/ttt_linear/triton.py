@@ -177,15 +177,20 @@ def _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs
 
 
 @triton.jit
-def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr):
-    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v), z = k W + b; rows / columns outside m2 are 0."""
-    z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-    if LN_RES:
-        xh, rstd = _ln_stats(z, dmask, D, eps)
-        gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
-        g = _ln_op(gx, xh, rstd, dmask, D)
+def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
+    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v; -v for the dot loss -<z, v>), z = k W + b; rows / columns
+    outside m2 are 0."""
+    if DOT:
+        g = -v
     else:
-        g = z - v
+        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+        if LN_RES:
+            xh, rstd = _ln_stats(z, dmask, D, eps)
+            gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
+            g = _ln_op(gx, xh, rstd, dmask, D)
+        else:
+            g = z - v
     return tl.where(m2, g, 0.0)
 
 
@@ -222,7 +227,8 @@ def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
                 sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln, swr, swb, sbr, sbb,
                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
+                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
     """Pass 1, one program per (direction x batch, head), sequential over the mini-batches: only the recurrence
     (z = k W + b, the inner gradient G, the state update).  Writes G (fp32, token order) and the incoming (W; b) of
     every CK-th mini-batch (the chunk starts)."""
@@ -243,7 +249,7 @@ def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
         v = _load_rows(vb, t, svn, offs_d, m2)
         lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
-        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC)
+        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC, DOT)
         tl.store(gb + t[:, None] * D + offs_d[None, :], g, mask=m2)
         tl.store(ob + t[:, None] * (H * D) + offs_d[None, :], tl.zeros_like(g), mask=m2 & (r == 0))
         step = (tau_last * lr)[:, None] * g
@@ -256,7 +262,8 @@ def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
                  sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
                  B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
+                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
     """Pass 2, one program per (chunk, direction x batch, head): given G the outputs are a linear recurrence, so
     each chunk starts from its stored (W; b) and walks its CK mini-batches: zb = q W + b - (eta (q k^T + 1)) G, the
     output LayerNorm + residual, W -= k^T (e G), b -= sum e G (the same arithmetic as pass 1)."""
@@ -316,7 +323,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
                  sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln, sdb, sdh, sdn,
                  B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
+                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
     """Backward pass 1, one program per (chunk, sequence), in parallel: from the chunk's stored state it walks the
     chunk forward (recomputing z, G and every incoming state) and forms the output-side gradients, which do not
     depend on the later mini-batches: dq (complete), dk's dS^T q term, dlr's eta term, dtau / dln partial sums,
@@ -340,13 +348,7 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
                                                offs_d, D, MB, lr_scale, ROPE, LR_SIG, TAU_OFF)
         do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-        if LN_RES:
-            xh, rstd = _ln_stats(z, dmask, D, eps)
-            gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
-            g = _ln_op(gx, xh, rstd, dmask, D)
-        else:
-            g = z - v
-        g = tl.where(m2, g, 0.0)
+        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC, DOT)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
         sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
@@ -370,7 +372,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
         dga = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
         dtau += tl.sum(deta * lr[None, :], 1)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        tl.store(Z + o2, z, mask=m2)
+        if not DOT:  # the dot loss's G = -v does not read z
+            tl.store(Z + o2, z, mask=m2)
         tl.store(DZB + o2, dzb, mask=m2)
         tl.store(DGA + o2, dga, mask=m2)
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
@@ -391,7 +394,8 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
                 sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
                 B, H, N, D, n_mb, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
+                LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
     """Backward pass 2, one program per sequence, sequential over the mini-batches in reverse: the (dW, db)
     recursion through the state updates and the inner LayerNorm gradient (not linear: it reads z), from the stored
     z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
@@ -413,16 +417,18 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
         lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        z = tl.load(Z + o2, mask=m2, other=0.0)
         dzb = tl.load(DZB + o2, mask=m2, other=0.0)
-        if LN_RES:
+        if DOT:
+            g = -_load_rows(vb, t, svn, offs_d, m2)
+        elif LN_RES:
+            z = tl.load(Z + o2, mask=m2, other=0.0)
             v = _load_rows(vb, t, svn, offs_d, m2)
             xh, rstd = _ln_stats(z, dmask, D, eps)
             y = tl.where(m2, lnw[None, :] * xh + lnb[None, :] - (v - k), 0.0)
             gx = y * lnw[None, :]
             g = _ln_op(gx, xh, rstd, dmask, D)
         else:
-            g = z - _load_rows(vb, t, svn, offs_d, m2)
+            g = tl.load(Z + o2, mask=m2, other=0.0) - _load_rows(vb, t, svn, offs_d, m2)
         g = tl.where(m2, g, 0.0)
         el = tau_last * lr
         pk = tl.dot(k, dw, input_precision=PREC) + db[None, :]
@@ -430,7 +436,9 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
         de = -tl.sum(pk * g, 1)
         dk = -tl.dot(el[:, None] * g, tl.trans(dw), input_precision=PREC)
         dtau += tl.where(offs_c == c - 1, tl.sum(de * lr, 0), 0.0)
-        if LN_RES:
+        if DOT:  # G = -v: no dz, and dk's last term (dz W^T, _bwd_keys) is 0
+            dv = -dg
+        elif LN_RES:
             dgx = _ln_op(dg, xh, rstd, dmask, D)
             dy = dgx * lnw[None, :]
             dlnw += tl.sum(dgx * y + dy * xh, 0)
@@ -444,16 +452,24 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
         else:
             dz = dg
             dv = -dg
-        tl.store(DZ + o2, dz, mask=m2)
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
         tl.store(DV + o3, dv, mask=m2)
-        tl.store(DK + o3, tl.load(DK + o3, mask=m2, other=0.0) + dk, mask=m2)
+        dk += tl.load(DK + o3, mask=m2, other=0.0)
+        if DOT:  # dk is complete here: no _bwd_keys
+            tl.store(DK + o3, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+        else:
+            tl.store(DZ + o2, dz, mask=m2)
+            tl.store(DK + o3, dk, mask=m2)
         dlr = tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last
         if LR_SIG:  # d lr / d logit = lr (1 - sigmoid)
             dlr *= lr * (1.0 - lr / lr_scale)
         tl.store(DLR + gb + t, dlr, mask=rmask)
-        dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
-        db += tl.sum(dzb, 0) + tl.sum(dz, 0)
+        if DOT:
+            dw += tl.dot(tl.trans(q), dzb, input_precision=PREC)
+            db += tl.sum(dzb, 0)
+        else:
+            dw += tl.dot(tl.trans(q), dzb, input_precision=PREC) + tl.dot(tl.trans(k), dz, input_precision=PREC)
+            db += tl.sum(dzb, 0) + tl.sum(dz, 0)
     tl.store(DW0 + seq * D * D + offs_d[:, None] * D + offs_d[None, :], dw, mask=wmask)
     tl.store(DB0 + seq * D + offs_d, db, mask=dmask)
     part = n_ck * (tl.num_programs(0) * tl.num_programs(1)) + seq
@@ -467,7 +483,8 @@ def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
               sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
               B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-              LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr):
+              LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
+                DOT: tl.constexpr):
     """Backward pass 3, one program per (chunk, sequence), in parallel: dk += dz W_i^T, walking the chunk's states
     forward from its stored state with G recomputed from the stored z (no LayerNorm statistics of the state
     itself: z is given)."""
@@ -547,7 +564,7 @@ def scan_grids(ndir: int, bsz: int, heads: int, n: int, mini_batch: int) -> Dict
 
 def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch: int, ln_residual: bool,
                     eps: float, save_states: bool, rope_table: Optional[torch.Tensor] = None, lr_scale: float = 0.0,
-                    tau_offset: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                    tau_offset: bool = False, dot_loss: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton forward of the general contract (see ``torch.py``): pass 1 (states, G), pass 2 (outputs)."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
@@ -562,7 +579,7 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, num_warps=warps)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
@@ -585,7 +602,7 @@ def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
 
 def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int, mini_batch: int,
                     ln_residual: bool, eps: float, rope_table: Optional[torch.Tensor] = None, lr_scale: float = 0.0,
-                    tau_offset: bool = False) -> List[torch.Tensor]:
+                    tau_offset: bool = False, dot_loss: bool = False) -> List[torch.Tensor]:
     """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b], in three launches
     (per chunk, per sequence, per chunk; module docstring)."""
     _check_dtype(q)
@@ -600,7 +617,9 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     f32 = dict(device=q.device, dtype=torch.float32)
     # per direction, fp32: the gradients, and z, dzb, dG_a, dz handed from pass to pass
     dq, dk, dv = [torch.empty(ndir, bsz, n, h, d, **f32) for _ in range(3)]  # token-major (_tok_major)
-    z, dzb, dga, dz = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(4)]
+    dzb, dga = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(2)]
+    # z and dz only for the state-dependent losses (the dot loss's G = -v reads neither)
+    z, dz = [dzb if dot_loss else torch.empty_like(dzb) for _ in range(2)]
     dlr = torch.empty(ndir, bsz, h, n, **f32)
     seqs = ndir * bsz * h
     ptau = torch.empty(n_ck + 1, seqs, mini_batch, **f32)  # partial sums: one row per chunk program, one for pass 2
@@ -610,7 +629,7 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, num_warps=warps)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     strides = _seq_strides(q, k, v, lr)
     _bwd_outputs[grids["_bwd_outputs"]](
@@ -619,9 +638,10 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     _bwd_states[grids["_bwd_states"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
         *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, **cfg)
-    _bwd_keys[grids["_bwd_keys"]](
-        k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dk,
-        *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+    if not dot_loss:  # dot loss: dz = 0, _bwd_states completes dk
+        _bwd_keys[grids["_bwd_keys"]](
+            k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dk,
+            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
     dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
     dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
     return [dq.to(q.dtype).transpose(2, 3), dk.to(k.dtype).transpose(2, 3), dv.sum(0).to(v.dtype).transpose(1, 2),

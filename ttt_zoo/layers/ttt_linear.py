@@ -291,23 +291,28 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
 
     @torch.jit.unused
     def _rate_in_kernels(self, q: torch.Tensor) -> bool:
-        """Eager TTT-Linear on the Triton kernels: they form the rate ``base_lr / d * sigmoid(logit)`` and tau
-        themselves (no launches of their own, forward or backward)."""
-        if self.dot_loss or self.base_lr == 0 or isinstance(q, torch.fx.Proxy) or tracing():
+        """Eager TTT-Linear (either inner loss) on the Triton kernels: they form the rate ``base_lr / d *
+        sigmoid(logit)`` and tau themselves (no launches of their own, forward or backward)."""
+        if self.base_lr == 0 or isinstance(q, torch.fx.Proxy) or tracing():
             return False
         return resolve_backend(self.backend, q.device, q.dtype, self.head_dim, "ttt_linear_bidir") == "triton"
 
     @torch.jit.unused
     def _kernel_scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """:meth:`_scan` of the MSE loss with the lr's logits and tau's offsets: the Triton op forms the rate (scale
-        ``base_lr / d``, its sign the ascent's) and ``token_tau`` itself."""
+        """:meth:`_scan` with the lr's logits and tau's offsets: the Triton op forms the rate (scale ``base_lr / d``,
+        its sign the ascent's, times the dot loss's inner steps) and ``token_tau`` itself."""
         dt = q.dtype
         scale = (-1.0 if self.gradient_ascent else 1.0) * self.base_lr / self.head_dim
         rope = self.rope_theta if self.inner_rope else None
+        ln_w = ln_b = None
+        if self.dot_loss:
+            scale = scale * float(self._inner_steps)
+        else:
+            ln_w, ln_b = self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt)
         return ttt_linear_bidir_op(
-            q, k, v, logits, self.tau_offset.to(dt), self.w0.to(dt), self.b0.to(dt),
-            self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt), self.mini_batch, self.inner_ln_residual, rope,
-            1e-6, triton=True, lr_scale=scale, tau_offset=True)[0]
+            q, k, v, logits, self.tau_offset.to(dt), self.w0.to(dt), self.b0.to(dt), ln_w, ln_b, self.mini_batch,
+            self.inner_ln_residual, rope, 1e-6, triton=True, lr_scale=scale, tau_offset=True,
+            dot_loss=self.dot_loss)[0]
 
     @torch.jit.unused
     def _gate_in_kernel(self) -> bool:
