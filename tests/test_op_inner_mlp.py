@@ -20,7 +20,7 @@ from ttt_zoo.kernels.inner_mlp.ops import mlp_ttt_op, t5_swiglu_ttt_op
 from ttt_zoo.kernels.inner_mlp.torch import mlp_ttt_torch, t5_swiglu_ttt_torch
 from ttt_zoo.kernels.key_norm import key_norm_op, key_norm_reference, key_norm_torch
 from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention
-from ttt_zoo.layers.t5_ttt import T5TTT
+from ttt_zoo.layers.t5_ttt import T5TTT, stacked_heads
 
 T = triton_kernels("inner_mlp")
 KT = triton_kernels("key_norm")
@@ -130,9 +130,36 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.ttt_zoo.key_instance_norm_fwd.default, [torch.randn(2, 9, 6), 1.0, False],
                           test_utils=("test_schema", "test_faketensor"))
     mix = torch.randn(2, 7, 2, 8).transpose(1, 2)
+    qk = torch.randn(2, 7, 2, 2, 8).permute(2, 0, 3, 1, 4)  # stacked q, k (k=None): a view of a (B, N, 2C) tensor
     for name, ws in (("t5_swiglu_fwd", w), ("dit5_mlp_fwd", w[:2])):
         torch.library.opcheck(getattr(torch.ops.ttt_zoo, name).default, [*q, *ws, 0.5, False, mix, 0.5],
                               test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(getattr(torch.ops.ttt_zoo, name).default, [qk, None, q[2], *ws, 0.5, False, mix, 0.5],
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.ttt_zoo.qk_norm_fold_fwd.default,
+                          [q[0][:, 0], q[1][:, 0], 1.0, torch.randn(8, 1, 3, 3), torch.randn(8),
+                           torch.randn(8, 1, 3, 3), torch.randn(8), False, True],
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_stacked_qk_matches_separate_fp64():
+    # the ops' stacked form (k=None: q and k as one (2, B, heads, N, d) view, their gradient one tensor) is the
+    # separate form: outputs and every gradient, T5 and DiT5, the PyTorch path, in float64
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 9, 2 * 16, generator=gen, dtype=torch.float64)  # (B, N, 2C), C = 2 heads x 8
+    v = torch.randn(2, 2, 9, 8, generator=gen, dtype=torch.float64)
+    for op, n_w in ((t5_swiglu_ttt_op, 3), (mlp_ttt_op, 2)):
+        ws = [torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64) * 0.2 for _ in range(n_w)]
+        res = []
+        for stacked in (True, False):
+            leaves = [base.clone().requires_grad_(), v.clone().requires_grad_()] + \
+                     [w.clone().requires_grad_() for w in ws]
+            qk = stacked_heads(leaves[0], 2)
+            args = (qk, None) if stacked else (qk[0], qk[1])
+            out = op(*args, leaves[1], *leaves[2:], 0.3, triton=False)
+            res.append([out] + list(torch.autograd.grad(out.sin().sum(), leaves)))
+        for a, b in zip(*res):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("which", ["wrapper", "custom_op"])
@@ -353,33 +380,6 @@ def test_inner_kernels_default_tiles(op, n, d, monkeypatch):
 LARGE_N_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # of each tensor's largest magnitude
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("op", ["t5", "dit5"])
-@triton_test
-def test_inner_kernels_large_n_vs_float64(op, dtype, monkeypatch):
-    # the size TTT is sold for: a 56 x 56 token map (N = 3136), head dim 64, the shipped tiles (13 chunks): the
-    # forward and every input and weight gradient against the float64 reference on the same (rounded) data; fp16
-    # would flush the inner-loss products to zero here if the kernels scaled before reducing (c = scale / N)
-    monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
-    monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
-    f, ref, n_w = KERNEL_OPS[op]
-    n, d = 3136, 64
-    gen = torch.Generator().manual_seed(0)
-    x = [torch.randn(1, 1, n, d, generator=gen) for _ in range(3)]
-    x += [torch.randn(1, 1, d, d, generator=gen) * 0.05 for _ in range(n_w)]
-    x = [t.to(dtype) for t in x]
-    leaves = [t.to(DEV).requires_grad_() for t in x]
-    ref_leaves = [t.double().requires_grad_() for t in x]
-    out, want = f(*leaves, d ** -0.5), ref(*ref_leaves, d ** -0.5)
-    do = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
-    got = [out] + list(torch.autograd.grad(out, leaves, do.to(DEV)))
-    want = [want] + list(torch.autograd.grad(want, ref_leaves, do.double()))
-    for name, g, w in zip(["out", "q", "k", "v"] + [f"w{i + 1}" for i in range(n_w)], got, want):
-        assert g.dtype == dtype and g.shape == w.shape, name
-        err = (g.cpu().double() - w).abs().max() / w.abs().max()
-        assert w.abs().max() > 0 and err < LARGE_N_TOL[dtype], f"{op} {name}: {err:.2e} of its max"
-
-
 MIX_CASES = [(3136, 1, 1),  # 56 x 56 tokens, 13 chunks (the finalize path)
              (196, 2, 2)]  # 14 x 14 tokens, one chunk per (batch, head), batch 2, two heads
 
@@ -427,18 +427,22 @@ def test_inner_kernels_mix_vs_float64(op, dtype, n, b, h, monkeypatch):
         assert c.aten_total == 0 and c.triton_total == 2, (name, dict(c.aten), dict(c.triton))
 
 
-ONE_CHUNK_CASES = [(196, 2, False),  # 14 x 14 tokens (every T5 model at 224 px): one chunk, batch 2, shared W
-                   (256, 2, True),   # exactly one chunk, per-sample weights
-                   (257, 1, False)]  # one token over: two chunks (the finalize path)
+VS_FLOAT64_CASES = [(3136, 1, False),  # the size TTT is sold for: a 56 x 56 token map, 13 chunks (the finalize
+                                       # path); fp16 would flush the inner-loss products to zero here if the
+                                       # kernels scaled before reducing (c = scale / N)
+                    (196, 2, False),   # 14 x 14 tokens (every T5 model at 224 px): one chunk, batch 2, shared W
+                    (256, 2, True),    # exactly one chunk, per-sample weights
+                    (257, 1, False)]   # one token over: two chunks
 
 
-@pytest.mark.parametrize("n,b,per_sample", ONE_CHUNK_CASES, ids=lambda c: None)
+@pytest.mark.parametrize("n,b,per_sample", VS_FLOAT64_CASES, ids=lambda c: None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("op", ["t5", "dit5"])
 @triton_test
-def test_inner_kernels_one_chunk_vs_float64(op, dtype, n, b, per_sample, monkeypatch):
-    # the shipped tiles (256-token chunks) at head dim 64: at N <= 256 the update / apply programs do the
-    # finalize's work (2 + 2 launches); forward and every gradient against the float64 reference on the same data
+def test_inner_kernels_vs_float64(op, dtype, n, b, per_sample, monkeypatch):
+    # the shipped tiles (256-token chunks) at head dim 64 (at N <= 256 the update / apply programs do the
+    # finalize's work: 2 + 2 launches): forward and every input and weight gradient against the float64 reference
+    # on the same (rounded) data
     monkeypatch.setattr(T, "BLOCK_N", DEFAULT_TILES[0])
     monkeypatch.setattr(T, "TILES", DEFAULT_TILES[1])
     f, ref, n_w = KERNEL_OPS[op]
@@ -574,22 +578,26 @@ def test_inner_kernels_strided_views():
     torch.testing.assert_close(out, t5_swiglu_ttt_reference(q, k, v, *w, 0.2), **KTOL[torch.float32])
 
 
-@pytest.mark.parametrize("mixer", ["t5", "dit5"])
+@pytest.mark.parametrize("mixer", ["t5", "t5plus", "dit5"])
 @triton_test
 def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
-    calls = []
-    fwd = T.inner_fwd_triton  # what the custom op looks up per call
-    # (gated, NA blended in by the op's apply kernel) of each call
-    monkeypatch.setattr(T, "inner_fwd_triton", lambda *a: calls.append(a[5] == (mixer == "t5") and
-                                                                       (a[6] is not None) == (mixer == "dit5")) or fwd(*a))
+    calls, bwd_calls = [], []
+    gated, has_na = mixer != "dit5", mixer != "t5"
+    fwd, bwd = T.inner_fwd_triton, T.inner_bwd_triton  # what the custom op looks up per call
+    # (gated, NA blended in by the op's apply kernel) of each call; the backward writes dq and dk as one stacked
+    # gradient (the fused q / k conv's: no cat)
+    monkeypatch.setattr(T, "inner_fwd_triton", lambda *a: calls.append(a[5] == gated and (a[6] is not None) == has_na)
+                        or fwd(*a))
+    monkeypatch.setattr(T, "inner_bwd_triton", lambda *a: bwd_calls.append(a[-1] is not None) or bwd(*a))
     kcalls = []
     kfwd = KT._knorm_fwd
     monkeypatch.setattr(KT, "_knorm_fwd", type("Spy", (), {"__getitem__": lambda s, g: kcalls.append(1) or kfwd[g]})())
     dim, heads, hw = 64, 2, (3, 7)  # d = 32, N = 21 (not a multiple of the tile), H != W
-    m = T5TTT(dim, heads) if mixer == "t5" else DiT5MixedAttention(dim, heads, kernel_size=3)
+    m = {"t5": lambda: T5TTT(dim, heads), "t5plus": lambda: T5TTT(dim, heads, na_kernel=3),
+         "dit5": lambda: DiT5MixedAttention(dim, heads, kernel_size=3)}[mixer]()
     m = m.to(DEV)
     with torch.no_grad():  # larger inner weights than the init, so the inner step visibly matters
-        for w in (m.w1, m.w2) + ((m.w3,) if mixer == "t5" else ()):
+        for w in (m.w1, m.w2) + ((m.w3,) if gated else ()):
             w.normal_(0, 0.1)
     x = torch.randn(3, hw[0] * hw[1], dim, device=DEV, requires_grad=True)
     res = []
@@ -600,6 +608,7 @@ def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
                   m.q_conv2d.bias]
         res.append([out] + list(torch.autograd.grad(out.square().sum(), params)))
     assert calls and all(calls) and kcalls  # the triton backend really ran the kernels (the mixer's form)
+    assert bwd_calls and all(bwd_calls)
     for name, a, b in zip(["out", "dx", "dw1", "dw2", "dqkv", "dkconv", "dkbias", "dqconv", "dqbias"], *res):
         scale = b.abs().max()
         torch.testing.assert_close(a / scale, b / scale, atol=1e-4, rtol=1e-4, msg=lambda msg: f"{name}: {msg}")

@@ -95,10 +95,11 @@ def test_empty_batch(backend):
 
 
 # ------------------------------------------------ [q | key norm(k)] + the folded taps of both convs (qk_norm_fold)
-def _fold_reference(q, k, eps, wq, bq, wk, bk):
-    """The two residual depthwise convs written out: q + conv_q(q), kn + conv_k(kn), kn the reference key norm."""
-    return torch.cat([q, key_norm_reference(k, eps)], -1), torch.cat([wq, wk]) + identity_taps(wq.repeat(2, 1, 1, 1)), \
-        torch.cat([bq, bk])
+def _fold_reference(q, k, eps, wq, bq, wk, bk, copy_qk=False):
+    """The two residual depthwise convs written out: q + conv_q(q), kn + conv_k(kn), kn the reference key norm
+    (``copy_qk``: then q and k themselves, which the op copies)."""
+    return (torch.cat([q, key_norm_reference(k, eps)], -1), torch.cat([wq, wk]) + identity_taps(wq.repeat(2, 1, 1, 1)),
+            torch.cat([bq, bk])) + ((q * 1, k * 1) if copy_qk else ())
 
 
 def _fold_inputs(b, n, c, dtype, gen=None, taps=3):
@@ -131,6 +132,14 @@ def test_qk_norm_fold_is_both_residual_convs_fp64():
                                                                              for t in (wq, bq, wk, bk)]
     assert torch.autograd.gradcheck(lambda *a: qk_norm_fold_op(a[0], a[1], 0.5, *a[2:], triton=False), small,
                                     fast_mode=True)
+    # with the copies of q and k (T5+'s neighbourhood attention): their gradients join q's and k's in the backward
+    outs = qk_norm_fold_op(leaves[0], leaves[1], 0.5, *leaves[2:], triton=False, copy_qk=True)
+    refs = _fold_reference(leaves[0], leaves[1], 0.5, *leaves[2:], copy_qk=True)
+    assert len(outs) == 5 and torch.equal(outs[3], q) and torch.equal(outs[4], k)
+    cots = [torch.randn_like(o) for o in outs]
+    for name, g, w_ in zip(["q", "k", "wq", "bq", "wk", "bk"], torch.autograd.grad(outs, leaves, cots),
+                           torch.autograd.grad(refs, leaves, cots)):
+        torch.testing.assert_close(g, w_, rtol=1e-10, atol=1e-10, msg=lambda m: f"copies, {name}: {m}")
     with pytest.raises(ValueError, match="depthwise"):
         qk_norm_fold_op(q, k, 0.5, wq[:, :, :2], bq, wk[:, :, :2], bk)
 
@@ -138,12 +147,14 @@ def test_qk_norm_fold_is_both_residual_convs_fp64():
 FOLD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # of each tensor's largest magnitude
 
 
-@pytest.mark.parametrize("n,b,c,taps", [(3136, 1, 64, 3), (196, 2, 40, 5)], ids=["N3136C64", "N196b2C40k5"])
+@pytest.mark.parametrize("n,b,c,taps,copy_qk", [(3136, 1, 64, 3, False), (196, 2, 40, 5, False),
+                                                (3136, 1, 64, 3, True)], ids=["N3136C64", "N196b2C40k5", "N3136copies"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @triton_test
-def test_qk_norm_fold_kernel_vs_float64(dtype, n, b, c, taps, monkeypatch):
+def test_qk_norm_fold_kernel_vs_float64(dtype, n, b, c, taps, copy_qk, monkeypatch):
     # the key-norm launch that also writes q beside kn and the folded taps / biases of both convs: every output and
-    # every gradient against the float64 written-out form on the same (rounded) data; one launch forward, one back
+    # every gradient against the float64 written-out form on the same (rounded) data; one launch forward, one back.
+    # copy_qk (T5+): copies of q and k too, whose gradients the one backward launch adds to q's and k's
     from ttt_zoo.bench.launches import count_launches
     monkeypatch.setattr(KT, "BLOCK_N", 64)
     monkeypatch.setattr(KT, "BLOCK_C", 32)
@@ -151,12 +162,13 @@ def test_qk_norm_fold_kernel_vs_float64(dtype, n, b, c, taps, monkeypatch):
     q, k, ws = _fold_inputs(b, n, c, dtype, gen, taps)
     leaves = [t.to(DEV).requires_grad_() for t in (q, k)] + [w.float().to(DEV).requires_grad_() for w in ws]
     ref_leaves = [t.double().requires_grad_() for t in (q, k)] + [w.double().requires_grad_() for w in ws]
-    outs = qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True)
-    refs = _fold_reference(ref_leaves[0], ref_leaves[1], 1.0, *ref_leaves[2:])
+    outs = qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True, copy_qk=copy_qk)
+    refs = _fold_reference(ref_leaves[0], ref_leaves[1], 1.0, *ref_leaves[2:], copy_qk=copy_qk)
     cots = [torch.randn(r.shape, generator=gen, dtype=torch.float64) for r in refs]
     got = list(outs) + list(torch.autograd.grad(outs, leaves, [t.to(o.dtype).to(DEV) for t, o in zip(cots, outs)]))
     want = list(refs) + list(torch.autograd.grad(refs, ref_leaves, cots))
-    for name, g, w_ in zip(["y", "w", "b", "q", "k", "wq", "bq", "wk", "bk"], got, want):
+    names = ["y", "w", "b"] + ["qc", "kc"] * copy_qk + ["q", "k", "wq", "bq", "wk", "bk"]
+    for name, g, w_ in zip(names, got, want):
         assert g.shape == w_.shape, name
         err = (g.cpu().double() - w_).abs().max() / w_.abs().max()
         assert err < FOLD_TOL[dtype], f"{name}: {err:.2e} of its max"
@@ -164,3 +176,10 @@ def test_qk_norm_fold_kernel_vs_float64(dtype, n, b, c, taps, monkeypatch):
     with torch.no_grad():
         c_fwd = count_launches(lambda: qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True))
     assert c_fwd.aten_total == 0 and dict(c_fwd.triton) == {"_knorm_fwd": 1}, (dict(c_fwd.aten), dict(c_fwd.triton))
+    if copy_qk:  # the copies exact; the backward (dq and dk with the copies' gradients added) one launch
+        assert torch.equal(outs[3].cpu(), q) and torch.equal(outs[4].cpu(), k)
+        outs = qk_norm_fold_op(leaves[0], leaves[1], 1.0, *leaves[2:], triton=True, copy_qk=True)
+        ones = [torch.ones_like(o) for o in outs[0:1] + outs[3:]]
+        c_bwd = count_launches(lambda: torch.autograd.grad(outs[0:1] + outs[3:], leaves[:2], ones))
+        assert dict(c_bwd.triton) == {"_knorm_bwd": 1} and c_bwd.aten_total == 0, (dict(c_bwd.aten),
+                                                                                   dict(c_bwd.triton))

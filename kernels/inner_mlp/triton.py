@@ -36,7 +36,7 @@ N x d beyond the outputs.  Every program holds whole d x d weights: ``backend.MA
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -54,6 +54,16 @@ BLOCK_N = 64      # the longest token tile
 TILES = 4         # tiles reduced per program in the reducing launches (chunks of TILES * BLOCK_N tokens)
 BLOCK_C = 32      # columns per finalize program
 _SIZES = ("N", "n_bh", "n_chunks", "n_tiles", "n_wb", "per")  # vary per input: one compiled variant serves every size
+
+
+def bwd_tuning(kernel: str, bd: int, fp32: bool) -> Tuple[int, int]:
+    """(num_stages, SPLIT) of ``_bwd_apply`` / ``_bwd_update``: fp32's FMA dots at d = 64 spilled on sm_90 (up to
+    12 KB a thread; experiments/sm90_launched.py), so there some d-long dots run as two half-length ones
+    (:func:`_mm`: ``_bwd_apply``'s hidden-layer dots, ``_bwd_update``'s derivative dots, where ptxas measured it
+    to help) and the loops pipeline fewer stages; 16-bit and smaller d: Triton's defaults."""
+    if not fp32 or bd < 64:
+        return 3, 1
+    return {"_bwd_apply": (1, 2), "_bwd_update": (2, 2)}[kernel]
 
 
 def launch_cfg(bd: int, pass_: str, fp32: bool = False):
@@ -87,14 +97,37 @@ def _weights(WA, WB, WO, ba, bb, bo, sr, sc, offs_d, D, dt: tl.constexpr, GATED:
 
 
 @triton.jit
-def _hidden(x, wa, wb, GATED: tl.constexpr, PREC: tl.constexpr):
+def _halves(x, w):
+    """x's column halves and w's row halves (x @ w = x0 @ w0 + x1 @ w1)."""
+    half: tl.constexpr = x.shape[1] // 2
+    x0, x1 = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, half)), (0, 2, 1)))
+    w0, w1 = tl.split(tl.permute(tl.reshape(w, (2, half, w.shape[1])), (1, 2, 0)))
+    return x0, x1, w0, w1
+
+
+@triton.jit
+def _mm(x, w, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """x @ w (x: tokens x d, w: d x d, both in registers), fp32 accumulation; ``SPLIT`` = 2: as two dots over the
+    halves of d (an fp32 FMA dot holds its operands' whole d-long rows and columns in each thread: half as many)."""
+    if SPLIT == 1:
+        out = _dot(x, w, PREC)
+    else:
+        half: tl.constexpr = x.shape[1] // 2
+        x0, x1 = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, half)), (0, 2, 1)))
+        w0, w1 = tl.split(tl.permute(tl.reshape(w, (2, half, w.shape[1])), (1, 2, 0)))
+        out = _dot(x0, w0, PREC) + _dot(x1, w1, PREC)
+    return out
+
+
+@triton.jit
+def _hidden(x, wa, wb, GATED: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr = 1):
     """z1 = x A, silu(z1), silu'(z1), sigmoid(z1), the gate z2 = x B (or z1) and the hidden h, all fp32."""
-    z1 = _dot(x, wa, PREC)
+    z1 = _mm(x, wa, PREC, SPLIT)
     s = tl.sigmoid(z1)
     a = z1 * s
     da = s + a * (1.0 - s)
     if GATED:
-        z2 = _dot(x, wb, PREC)
+        z2 = _mm(x, wb, PREC, SPLIT)
         h = a * z2
     else:
         z2 = z1
@@ -256,7 +289,7 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
                sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, sxb, sxh, sxn, sxd, smb, smh, smn, smd,
                H, N, D, n_bh, n_chunks, n_wb, c, alpha,
                GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PREC: tl.constexpr, HAS_MIX: tl.constexpr):
+               PREC: tl.constexpr, HAS_MIX: tl.constexpr, SPLIT: tl.constexpr = 1):
     """dq = dy W'^T and partials of dW' = q^T dy (dy the cotangent of q W'), over TILES tiles; the first chunk of
     the first n_wb batches zeroes dW (DWA, DWB, DWO: (n_wb, heads, d, d)) for the next launches' atomic adds.
     With one chunk the whole dW' is here, so the finalize's work is done here: CT = -c dW', SP = dW'.
@@ -279,7 +312,7 @@ def _bwd_apply(Q, DO, WA, WB, WO, DQ, P, DWA, DWB, DWO, CT, SP, DMIX,
             _st(DMIX, b * smb + h * smh, yf * alpha, offs_n, offs_d, smn, smd, N, D)
             y = yf * (1.0 - alpha)
         y = y.to(dt)
-        z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC)
+        z1, a, da, s, z2, hid = _hidden(x, wa, wb, GATED, PREC, SPLIT)
         dh = _dot(y, tl.trans(wo), PREC)
         xt = tl.trans(x)
         if GATED:
@@ -343,7 +376,7 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
                 sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                 H, N, D, n_bh, n_chunks, n_wb,
                 GATED: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                PREC: tl.constexpr, DETERMINISTIC: tl.constexpr, SPLIT: tl.constexpr = 1):
     """dk, dv and this chunk's part of dW through S, given CT (the cotangents of S_A, S_B, S_O): added to dW, or
     stored into the partials P (free again after ``_bwd_finalize``) for ``_bwd_reduce`` (deterministic).
     One chunk and not deterministic: this sample's dW' (SP, from ``_bwd_apply``) is added with it."""
@@ -364,31 +397,31 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
         d2a = s * (1.0 - s) * (2.0 + z1 * (1.0 - 2.0 * s))
         e = _residual(hid, v, wo, GATED, PREC)
         e16 = e.to(dt)
-        dh = _dot(e16, tl.trans(wo), PREC)
-        dpa = _dot(k, cta, PREC)
-        dha = _dot(e16, tl.trans(cto), PREC)
-        de = _dot(hid.to(dt), cto, PREC)
+        dpa = _mm(k, cta, PREC, SPLIT)
         if GATED:
-            dpb = _dot(k, ctb, PREC)
-            dk = _dot((dh * z2 * da).to(dt), tl.trans(cta), PREC)
-            dk += _dot((dh * a).to(dt), tl.trans(ctb), PREC)
+            dh = _mm(e16, tl.trans(wo), PREC, SPLIT)
+            dha = _mm(e16, tl.trans(cto), PREC, SPLIT)
+            de = _mm(hid.to(dt), cto, PREC, SPLIT)
+            dpb = _mm(k, ctb, PREC, SPLIT)
+            dk = _mm((dh * z2 * da).to(dt), tl.trans(cta), PREC, SPLIT)
+            dk += _mm((dh * a).to(dt), tl.trans(ctb), PREC, SPLIT)
             ddh = dpa * z2 * da + dpb * a
             dz2 = (dpa * dh * da + dha * a).to(dt)
             dz1 = (dpa * dh * z2 * d2a + dpb * dh * da + dha * z2 * da).to(dt)
-            de += _dot(ddh.to(dt), wo, PREC)
+            de += _mm(ddh.to(dt), wo, PREC, SPLIT)
             dv = de
-            dk += _dot(dz1, tl.trans(wa), PREC) + _dot(dz2, tl.trans(wb), PREC)
+            dk += _mm(dz1, tl.trans(wa), PREC, SPLIT) + _mm(dz2, tl.trans(wb), PREC, SPLIT)
             gb += _dot(tl.trans(k), dz2, PREC)
-        else:
-            dk = _dot((dh * da).to(dt), tl.trans(cta), PREC)
-            ddh = dpa * da
-            de += _dot(ddh.to(dt), wo, PREC)
-            df = de.to(dt)
-            dv = -de
-            dz1 = (dpa * dh * d2a + (dha + _dot(df, tl.trans(wo), PREC)) * da).to(dt)
-            dk += _dot(dz1, tl.trans(wa), PREC)
-            go += _dot(tl.trans(hid.to(dt)), df, PREC)
-        go += _dot(tl.trans(ddh.to(dt)), e16, PREC)
+            go += _dot(tl.trans(ddh.to(dt)), e16, PREC)
+        else:  # ordered so that each tile dies early (fp32 spilled on sm_90 otherwise)
+            ddh = (dpa * da).to(dt)
+            df = (_mm(hid.to(dt), cto, PREC, SPLIT) + _mm(ddh, wo, PREC, SPLIT)).to(dt)
+            go += _dot(tl.trans(hid.to(dt)), df, PREC) + _dot(tl.trans(ddh), e16, PREC)
+            dv = -df.to(tl.float32)
+            dh = _mm(e16, tl.trans(wo), PREC, SPLIT)
+            dz1 = (dpa * dh * d2a + (_mm(e16, tl.trans(cto), PREC, SPLIT) + _mm(df, tl.trans(wo), PREC, SPLIT))
+                   * da).to(dt)
+            dk = _mm((dh * da).to(dt), tl.trans(cta), PREC, SPLIT) + _mm(dz1, tl.trans(wa), PREC, SPLIT)
         ga += _dot(tl.trans(k), dz1, PREC)
         _st(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
         _st(DV, b * sdvb + h * sdvh, dv, offs_n, offs_d, sdvn, sdvd, N, D)
@@ -509,12 +542,13 @@ def inner_fwd_triton(q, k, v, ws: Sequence[torch.Tensor], scale: float, gated: b
 
 
 def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch.Tensor], scale: float,
-                     gated: bool, mix_weight: Optional[float] = None):
+                     gated: bool, mix_weight: Optional[float] = None, dqk: Optional[torch.Tensor] = None):
     """Triton backward in 3 launches (4 under ``torch.use_deterministic_algorithms``: dW summed in a fixed order
     instead of by relaxed atomic adds): [dq, dk, dv, dW...] (dW in fp32, cast to the weights' dtype if lower);
     recomputes every N x d intermediate from q, k, v, W and W' (fp32 contiguous (B, heads, d, d), as saved).
     ``mix_weight`` (the forward blended with ``mix``): dO is scaled by (1 - mix_weight) in ``_bwd_apply``, which
-    also writes d mix = mix_weight dO, returned last."""
+    also writes d mix = mix_weight dO, returned last.  ``dqk`` (2, B, heads, N, d): dq and dk are written into its
+    two halves (returned as views of it)."""
     op = _op_name(gated)
     b, h, n, d, bd, bn, tiles, warps, chunks = _sizes(q, op, "bwd")
     n_w, bh, prec, dev, f32 = len(ws), b * h, dot_prec(q.dtype), q.device, torch.float32
@@ -529,22 +563,25 @@ def inner_bwd_triton(do, q, k, v, ws: Sequence[torch.Tensor], wn: Sequence[torch
     dw = [torch.empty(n_wb, h, d, d, device=dev, dtype=f32) for _ in ws]
     ct = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32)
     sp = torch.empty(n_w, b, h, d, d, device=dev, dtype=f32) if det or single else ct  # each sample's dW'
-    dq = _heads_merged(b, h, n, d, q)
+    dq = _heads_merged(b, h, n, d, q) if dqk is None else dqk[0]
     dmix = dq if mix_weight is None else _heads_merged(b, h, n, d, q)  # never written without HAS_MIX
+    fp32 = q.dtype == torch.float32
+    stages, split = bwd_tuning("_bwd_apply", bd, fp32)
     _bwd_apply[(bh * chunks,)](q, do, *_slots(wn), dq, part, *_slots(dw), ct, sp, dmix, *q.stride(), *do.stride(),
                                *dq.stride(), *dmix.stride(), h, n, d, bh, chunks, n_wb, c, float(mix_weight or 0.0),
                                GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
-                               HAS_MIX=mix_weight is not None, num_warps=warps)
+                               HAS_MIX=mix_weight is not None, SPLIT=split, num_warps=warps, num_stages=stages)
     bc = min(BLOCK_C, bd)
     cols = triton.cdiv(d, bc)
     if not single:
         _bwd_finalize[(bh * cols,)](part, ct, *_slots(dw), sp, h, d, bh, chunks, cols, n_wb, c, GATED=gated,
                                     BLOCK_D=bd, BLOCK_C=bc, DETERMINISTIC=det, num_warps=4)
-    dk, dv = _heads_merged(b, h, n, d, q), _heads_merged(b, h, n, d, q)
+    dk, dv = _heads_merged(b, h, n, d, q) if dqk is None else dqk[1], _heads_merged(b, h, n, d, q)
+    stages, split = bwd_tuning("_bwd_update", bd, fp32)
     _bwd_update[(bh * chunks,)](k, v, *_slots(ws), ct, dk, dv, *_slots(dw), part, sp, *k.stride(), *v.stride(),
                                 *_wargs(ws), *dk.stride(), *dv.stride(), h, n, d, bh, chunks, n_wb, GATED=gated,
                                 TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec, DETERMINISTIC=det,
-                                num_warps=warps)
+                                SPLIT=split, num_warps=warps, num_stages=stages)
     if det:  # a fourth launch sums the partials in a fixed order (bitwise reproducible)
         _bwd_reduce[(n_wb * h * cols,)](part, sp, *_slots(dw), h, d, bh, chunks, cols, b // n_wb, GATED=gated,
                                         BLOCK_D=bd, BLOCK_C=bc, num_warps=4)

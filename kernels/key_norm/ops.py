@@ -6,11 +6,15 @@ through ``register_autograd``:
 
     y, mean, rstd = torch.ops.ttt_zoo.key_instance_norm_fwd(x, eps, triton)
     dx = torch.ops.ttt_zoo.key_instance_norm_bwd(dy, x, mean, rstd, triton)
-    y, wf, bf, mean, rstd = torch.ops.ttt_zoo.qk_norm_fold_fwd(q, k, eps, wq, bq, wk, bk, triton)
+    y, wf, bf, mean, rstd, qc, kc = torch.ops.ttt_zoo.qk_norm_fold_fwd(q, k, eps, wq, bq, wk, bk, triton, copy_qk)
+    dq, dk = torch.ops.ttt_zoo.qk_norm_fold_bwd(dy, k, mean, rstd, dqc, dkc, triton)
 
 The last one serves the T5 / DiT5 q and k convs as one depthwise conv over [q | key norm(k)] (2C channels): the
 Triton kernel writes that buffer and the two convs' stacked taps with the identity folded in, in the key norm's one
-launch; its backward is the key norm's (dq, dW, db are slices of the incoming gradients).
+launch; its backward is the key norm's (dq, dW, db are slices of the incoming gradients).  With ``copy_qk`` (T5+,
+whose neighbourhood attention reads q and k as well) the same launch also writes copies qc, kc of q and k (empty
+tensors otherwise) for the attention to read: their gradients then reach this op's backward, which adds them to
+dq and dk in the key norm's backward launch (``qk_norm_fold_bwd``) instead of autograd adding them after.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from torch import Tensor
 
 from ..backend import triton_choice
 from ..utils import count_flops_as, launches_kernel, triton_module
-from .torch import check_key_norm, check_qk_norm_fold, key_norm_bwd, key_norm_fwd, qk_norm_fold_fwd
+from .torch import check_key_norm, check_qk_norm_fold, key_norm_bwd, key_norm_fwd, qk_norm_fold_bwd, qk_norm_fold_fwd
 
 __all__ = ["key_norm_op", "qk_norm_fold_op"]
 
@@ -89,19 +93,35 @@ def key_norm_op(x: Tensor, eps: float = 1.0, triton=None) -> Tensor:
 
 @torch.library.custom_op("ttt_zoo::qk_norm_fold_fwd", mutates_args=())
 def qk_norm_fold_fwd_op(q: Tensor, k: Tensor, eps: float, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor,
-                        triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        triton: bool, copy_qk: bool = False
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     impl = _t().qk_norm_fold_fwd_triton if launches_kernel(triton, k) else qk_norm_fold_fwd
-    y, wf, bf, mean, rstd = impl(q, k, eps, wq, bq, wk, bk)
+    y, wf, bf, mean, rstd, *copies = impl(q, k, eps, wq, bq, wk, bk, copy_qk)
     dtype = _stat_dtype(k, triton)
-    return y.contiguous(), wf.contiguous(), bf.contiguous(), mean.to(dtype), rstd.to(dtype)
+    qc, kc = copies or (k.new_empty(0), k.new_empty(0))
+    return y.contiguous(), wf.contiguous(), bf.contiguous(), mean.to(dtype), rstd.to(dtype), qc, kc
 
 
 @qk_norm_fold_fwd_op.register_fake
-def _(q, k, eps, wq, bq, wk, bk, triton):
+def _(q, k, eps, wq, bq, wk, bk, triton, copy_qk=False):
     b, n, c = k.shape
     dtype = _stat_dtype(k, triton)
+    copies = [k.new_empty((b, n, c) if copy_qk else (0,)) for _ in range(2)]
     return (k.new_empty(b, n, 2 * c), wq.new_empty((2 * c,) + tuple(wq.shape[1:])), bq.new_empty(2 * c),
-            k.new_empty(b, c, dtype=dtype), k.new_empty(b, c, dtype=dtype))
+            k.new_empty(b, c, dtype=dtype), k.new_empty(b, c, dtype=dtype), *copies)
+
+
+@torch.library.custom_op("ttt_zoo::qk_norm_fold_bwd", mutates_args=())
+def qk_norm_fold_bwd_op(dy: Tensor, k: Tensor, mean: Tensor, rstd: Tensor, dqc: Tensor, dkc: Tensor,
+                        triton: bool) -> Tuple[Tensor, Tensor]:
+    impl = _t().qk_norm_fold_bwd_triton if launches_kernel(triton, k) else qk_norm_fold_bwd
+    dq, dk = impl(dy, k, mean, rstd, dqc, dkc)
+    return dq.contiguous(), dk.contiguous()
+
+
+@qk_norm_fold_bwd_op.register_fake
+def _(dy, k, mean, rstd, dqc, dkc, triton):
+    return k.new_empty(k.shape), k.new_empty(k.shape)
 
 
 def _fold_setup(ctx, inputs, output):
@@ -111,29 +131,37 @@ def _fold_setup(ctx, inputs, output):
     ctx.triton, ctx.c = inputs[7], inputs[1].shape[-1]
 
 
-def _fold_backward(ctx, dy, dwf, dbf, *_):
-    """dq and the weights' and biases' gradients are slices of the incoming ones (no launch); dk: the key norm's."""
+def _fold_backward(ctx, dy, dwf, dbf, dmean, drstd, dqc, dkc):
+    """dq and the weights' and biases' gradients are slices of the incoming ones (no launch); dk: the key norm's.
+    With the copies' gradients dqc, dkc: one launch adds them to dq and dk (``qk_norm_fold_bwd``)."""
     k, mean, rstd = ctx.saved_tensors
     c = ctx.c
     dq = dk = dwq = dwk = dbq = dbk = None
-    if dy is not None:
+    if dy is not None and dqc is not None and dkc is not None:
+        dq, dk = qk_norm_fold_bwd_op(dy, k, mean, rstd, dqc, dkc, ctx.triton)
+    elif dy is not None:
         dq, dk = dy[..., :c], key_norm_bwd_op(dy[..., c:], k, mean, rstd, ctx.triton)
+        dq, dk = (dq if dqc is None else dq + dqc), (dk if dkc is None else dk + dkc)
+    else:
+        dq, dk = dqc, dkc
     if dwf is not None:
         dwq, dwk = dwf[:c], dwf[c:]
     if dbf is not None:
         dbq, dbk = dbf[:c], dbf[c:]
-    return dq, dk, None, dwq, dbq, dwk, dbk, None
+    return dq, dk, None, dwq, dbq, dwk, dbk, None, None
 
 
 qk_norm_fold_fwd_op.register_autograd(_fold_backward, setup_context=_fold_setup)
 count_flops_as(qk_norm_fold_fwd_op, qk_norm_fold_fwd)
+count_flops_as(qk_norm_fold_bwd_op, qk_norm_fold_bwd)
 
 
 def qk_norm_fold_op(q: Tensor, k: Tensor, eps: float, wq: Tensor, bq: Tensor, wk: Tensor, bk: Tensor,
-                    triton=None) -> Tuple[Tensor, Tensor, Tensor]:
+                    triton=None, copy_qk: bool = False) -> Tuple[Tensor, ...]:
     """([q | key norm(k)] (B, N, 2C), stacked conv taps + identity (2C, 1, kh, kw), stacked biases) through the custom
     op (``triton`` as in :func:`key_norm_op`): one depthwise conv of the first with the other two computes both
-    residual convs ``q + conv_q(q)``, ``kn + conv_k(kn)``."""
+    residual convs ``q + conv_q(q)``, ``kn + conv_k(kn)``; ``copy_qk``: then copies of q and k (module docstring)."""
     check_qk_norm_fold(q, k, eps, wq, bq, wk, bk)
     triton = triton_choice(k, "key_instance_norm", 0) if triton is None else bool(triton)
-    return qk_norm_fold_fwd_op(q, k, float(eps), wq, bq, wk, bk, triton)[:3]
+    out = qk_norm_fold_fwd_op(q, k, float(eps), wq, bq, wk, bk, triton, bool(copy_qk))
+    return out[:3] + (out[5:] if copy_qk else ())

@@ -90,10 +90,18 @@ def check_qk_norm_fold(q, k, eps: float, wq, bq, wk, bk) -> None:
 
 
 def qk_norm_fold_fwd(q: torch.Tensor, k: torch.Tensor, eps: float, wq: torch.Tensor, bq: torch.Tensor,
-                     wk: torch.Tensor, bk: torch.Tensor):
+                     wk: torch.Tensor, bk: torch.Tensor, copy_qk: bool = False):
     """([q | key norm(k)] (B, N, 2C), the stacked conv taps with the identity folded in (2C, 1, kh, kw), the stacked
-    biases (2C,), mean, rstd): one depthwise conv of the result over 2C channels is ``q + conv_q(q)`` and
-    ``kn + conv_k(kn)`` side by side.  The PyTorch form of the Triton kernel's single launch."""
+    biases (2C,), mean, rstd, with ``copy_qk`` copies of q and k): one depthwise conv of the result over 2C channels
+    is ``q + conv_q(q)`` and ``kn + conv_k(kn)`` side by side.  The PyTorch form of the Triton kernel's launch."""
     y, mean, rstd = key_norm_fwd(k, eps)
     w = torch.cat([wq, wk])
-    return torch.cat([q, y], -1), w + identity_taps(w), torch.cat([bq, bk]), mean, rstd
+    copies = tuple(t.clone(memory_format=torch.contiguous_format) for t in (q, k)) if copy_qk else ()
+    return (torch.cat([q, y], -1), w + identity_taps(w), torch.cat([bq, bk]), mean, rstd) + copies
+
+
+def qk_norm_fold_bwd(dy: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, dqa: torch.Tensor,
+                     dka: torch.Tensor):
+    """(dq, dk) of :func:`qk_norm_fold_fwd` with ``copy_qk``, the copies' gradients ``dqa``, ``dka`` added."""
+    c = k.shape[-1]
+    return dy[..., :c] + dqa, key_norm_bwd(dy[..., c:], k, mean, rstd) + dka

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 from timm.layers import trunc_normal_
 
-from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, mlp_ttt
-from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_mix
+from ttt_zoo.kernels import last_layer_ttt, mlp_ttt
+from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_mix, mlp_ttt_op
 from ttt_zoo.kernels.utils import compute_dtype
-from .block import map_to_tokens, tokens_to_map
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import (PlainStepTTT, blend_na, dit5_form, eager_fold, fold_identity, fused_qk_convs,
-                     qkv_inputs, residual_dwconv, silu_gate_features)
+from .t5_ttt import PlainStepTTT, blend_na, dit5_form, qkv_inputs, silu_gate_features
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -60,6 +58,7 @@ class DiT5MixedAttention(PlainStepTTT):
             depends on the weights (regression loss), so k steps are *not* k times one step.
     """
     inner_param_names = ("w1", "w2")
+    inner_op = "dit5_mlp_ttt"  # as T5TTT.inner_op
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, kernel_size: int = 5,
                  dilation: int = 1, proj_drop: float = 0.0, use_natten: Optional[bool] = None,
@@ -86,11 +85,14 @@ class DiT5MixedAttention(PlainStepTTT):
             if w.device.type != "meta":
                 trunc_normal_(w, std=0.02)
 
-    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _inner(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
                na: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each, blended with ``na`` (the forward always
-        passes it; :func:`~ttt_zoo.layers.t5_ttt.blend_na`), inside the inner-step op where it has one."""
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each (k None: q stacks q and k, the Triton
+        op's form), blended with ``na`` (the forward always passes it; :func:`~ttt_zoo.layers.t5_ttt.blend_na`),
+        inside the inner-step op where it has one."""
         scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
+        if k is None:
+            return self._stacked_step(q, v, scale, na)
         if self.linear or self.inner_update == "last":
             if not self.linear:
                 q, k = silu_gate_features(q, self.w1, None), silu_gate_features(k, self.w1, None)
@@ -111,9 +113,10 @@ class DiT5MixedAttention(PlainStepTTT):
             return mlp_ttt(q, k, v, w1, w2, scale, backend=self.backend)
         return mlp_ttt_mix(q, k, v, w1, w2, scale, na, self.na_weight, backend=self.backend)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        return x.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
+    @torch.jit.unused
+    def _stacked_step(self, qk: torch.Tensor, v: torch.Tensor, scale: float,
+                      na: Optional[torch.Tensor]) -> torch.Tensor:
+        return mlp_ttt_op(qk, None, v, self.w1, self.w2, scale, triton=True, mix=na, mix_weight=self.na_weight)
 
     def _ttt(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              feat_size: Tuple[int, int], na: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -126,24 +129,8 @@ class DiT5MixedAttention(PlainStepTTT):
         else:  # [q | k] of the projection as (B, N, C, 2), the parameters' layout
             qk = torch.addcmul(o, qkv[..., :2 * k.shape[-1]].unflatten(-1, (2, k.shape[-1])).transpose(-1, -2), s)
             q, k = qk[..., 0], qk[..., 1]
-        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        if eager_fold() and not self.share_qk:  # [q | kn] and one conv where the key norm runs Triton
-            fused = fused_qk_convs(q, k, 1.0, self.q_conv2d.weight, self.q_conv2d.bias, self.k_conv2d.weight,
-                                   self.k_conv2d.bias, feat_size, self.backend)
-        if fused is not None:
-            return self._inner(self._heads(fused[0]), self._heads(fused[1]), self._heads(v), na)
-        k = key_instance_norm(k, 1.0, backend=self.backend)  # shared with T5 (ttt_zoo::key_instance_norm)
-        if not eager_fold():
-            k = self._heads(k + map_to_tokens(self.k_conv2d(tokens_to_map(k, feat_size))))
-            q = k if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
-        elif self.share_qk:
-            wk = fold_identity([self.k_conv2d.weight])[0]
-            q = k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
-        else:
-            wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
-            k = self._heads(residual_dwconv(k, wk, self.k_conv2d.bias, feat_size))
-            q = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
-        return self._inner(q, k, self._heads(v), na)
+        q2, k2, _, _ = self._qk_convs(q, k, 1.0, feat_size)  # the key norm shared with T5 (eps 1.0)
+        return self._inner(q2, k2, self._heads(v), na)
 
     def _na(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """(B, heads, N, d) from (B, N, C) q, k, v (views of the qkv output)."""

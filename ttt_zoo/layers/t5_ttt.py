@@ -16,7 +16,8 @@ from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import key_instance_norm, last_layer_ttt, t5_swiglu_ttt
 from ttt_zoo.kernels.backend import TRITON_BACKEND, tracing, resolve_backend
-from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, t5_inner_update_reference, t5_swiglu_ttt_mix
+from ttt_zoo.kernels.inner_mlp import (last_layer_ttt_torch, t5_inner_update_reference, t5_swiglu_ttt_mix,
+                                       t5_swiglu_ttt_op)
 from ttt_zoo.kernels.key_norm import identity_taps, qk_norm_fold_op
 from ttt_zoo.kernels.utils import cached_constant, compute_dtype
 from . import la_forms as laf
@@ -26,7 +27,8 @@ from .mixer import TTTMixer, register_mixer
 from .variants import VariantOptions, init_plain_step_variant
 
 __all__ = ["T5TTT", "PlainStepTTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form",
-           "eager_fold", "fold_identity", "residual_dwconv", "fused_qk_convs", "NA_WEIGHT", "blend_na"]
+           "eager_fold", "fold_identity", "residual_dwconv", "fused_qk_convs", "stacked_heads", "NA_WEIGHT",
+           "blend_na"]
 
 NA_WEIGHT = 0.5  # T5+ / DiT5: out = (1 - NA_WEIGHT) TTT + NA_WEIGHT NA (paper Eq. 15)
 
@@ -123,18 +125,25 @@ def residual_dwconv(z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 @torch.jit.unused  # TorchScript never folds (eager_fold)
 def fused_qk_convs(q: torch.Tensor, k: torch.Tensor, eps: float, wq: torch.Tensor, bq: Optional[torch.Tensor],
-                   wk: torch.Tensor, bk: Optional[torch.Tensor], fs: Tuple[int, int],
-                   backend: Optional[str]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``q + conv_q(q)`` and ``kn + conv_k(kn)``, kn = key_instance_norm(k), as (B, N, C) views of one depthwise conv
-    over 2C channels, where the key norm runs its Triton kernel (eager, not FX): that launch writes [q | kn] and the
+                   wk: torch.Tensor, bk: Optional[torch.Tensor], fs: Tuple[int, int], backend: Optional[str],
+                   copy_qk: bool = False) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``[q + conv_q(q) | kn + conv_k(kn)]`` (B, N, 2C), kn = key_instance_norm(k), from one depthwise conv over 2C
+    channels, where the key norm runs its Triton kernel (eager, not FX): that launch writes [q | kn] and the
     stacked taps (identity folded in) and biases of both convs (``key_norm.qk_norm_fold_op``): one conv and one
-    conv backward instead of two each, no fold launch.  None elsewhere (the caller runs the two convs)."""
+    conv backward instead of two each, no fold launch; then q and k for a neighbourhood attention: copies made by
+    the same launch with ``copy_qk`` (their gradients are added to q's and k's in the key norm's backward launch,
+    not by autograd), q and k themselves otherwise.  None elsewhere (the caller runs the two convs)."""
     if is_fx_symbolic_tracing() or bq is None or bk is None or \
             resolve_backend(backend, k.device, k.dtype, None, "key_instance_norm") != TRITON_BACKEND:
         return None
-    y, w, b = qk_norm_fold_op(q, k, eps, wq, bq, wk, bk, triton=True)
-    q2, k2 = torch.split(residual_dwconv(y, w, b, fs), q.shape[-1], -1)  # backward: one cat
-    return q2, k2
+    y, w, b, *copies = qk_norm_fold_op(q, k, eps, wq, bq, wk, bk, triton=True, copy_qk=copy_qk)
+    qc, kc = copies or (q, k)
+    return residual_dwconv(y, w, b, fs), qc, kc
+
+
+def stacked_heads(qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, N, 2C) ``[q | k]`` -> (2, B, heads, N, d), a view: the inner-step ops' stacked q, k (``k=None``)."""
+    return qk.unflatten(-1, (2, num_heads, qk.shape[-1] // (2 * num_heads))).permute(2, 0, 3, 1, 4)
 
 
 def dit5_form(m: nn.Module, t: Dict[str, torch.Tensor], fs: Tuple[int, int]) -> laf.T5Form:
@@ -175,6 +184,55 @@ class PlainStepTTT(VariantOptions, TTTMixer):
                                 inner_steps)
         self.scale = d ** -0.5
         return d
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, n, _ = t.shape
+        return t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # B, heads, N, d
+
+    @torch.jit.unused
+    def _stacks_qk(self, q: torch.Tensor) -> bool:
+        """The plain inner step runs the Triton op, which takes q and k stacked (one gradient, no ``cat``)."""
+        return self.inner_steps == 1 and not self.linear and self.inner_update == "all" and \
+            resolve_backend(self.backend, q.device, q.dtype, self.head_dim, self.inner_op) == TRITON_BACKEND
+
+    @torch.jit.unused
+    def _fused_qk(self, q: torch.Tensor, k: torch.Tensor, eps: float, feat_size: Tuple[int, int], copy_qk: bool
+                  ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]]:
+        """:func:`fused_qk_convs` as heads: (q2, k2, q, k), or (stacked q2 and k2, None, ...) for the Triton inner
+        step; None where it does not run."""
+        fused = fused_qk_convs(q, k, eps, self.q_conv2d.weight, self.q_conv2d.bias, self.k_conv2d.weight,
+                               self.k_conv2d.bias, feat_size, self.backend, copy_qk)
+        if fused is None:
+            return None
+        qk, qc, kc = fused
+        if self._stacks_qk(q):
+            return stacked_heads(qk, self.num_heads), None, qc, kc
+        q2, k2 = torch.split(qk, q.shape[-1], -1)  # backward: one cat
+        return self._heads(q2), self._heads(k2), qc, kc
+
+    def _qk_convs(self, q: torch.Tensor, k: torch.Tensor, eps: float, feat_size: Tuple[int, int],
+                  copy_qk: bool = False
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(B, N, C) q, k -> the inner step's q2 = q + conv_q(q), k2 = kn + conv_k(kn), kn = key_instance_norm(k),
+        as (B, heads, N, d) (``share_qk``: q2 is k2), and q, k for a neighbourhood attention (copies from the fused
+        launch with ``copy_qk``: :func:`fused_qk_convs`): one fused conv where the key norm runs Triton (stacked,
+        k2 None, where the inner step does too), else traced ``z + conv(z)`` or convs with the identity folded in."""
+        if eager_fold() and not self.share_qk:
+            fused = self._fused_qk(q, k, eps, feat_size, copy_qk)
+            if fused is not None:
+                return fused
+        kn = key_instance_norm(k, eps, backend=self.backend)
+        if not eager_fold():
+            k2 = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
+            q2 = k2 if self.share_qk else self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
+        elif self.share_qk:
+            wk = fold_identity([self.k_conv2d.weight])[0]
+            q2 = k2 = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
+        else:
+            wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
+            k2 = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
+            q2 = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
+        return q2, k2, q, k
 
     def _init_qk_projections(self, dim: int, qkv_bias: bool, proj_drop: float) -> None:
         self._init_projections(dim, qkv_bias, proj_drop, qk_convs=True)
@@ -225,6 +283,9 @@ class T5TTT(PlainStepTTT):
     # new relative to a softmax ViT: the inner weights and the q/k convs (the official recipe trains all of
     # them with the larger "new parameter" learning rate, and `linearize` initialises exactly these)
     inner_param_names = ("w1", "w2", "w3", "q_conv2d", "k_conv2d")
+    # the inner step's op name for backend.resolve_backend; not annotated: TorchScript sees PlainStepTTT's Final
+    # constants only while this class declares no annotation of its own
+    inner_op = "t5_swiglu_ttt"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, proj_drop: float = 0.0,
                  na_kernel: int = 0, key_norm_eps: float = 1.0, backend: Optional[str] = None,
@@ -260,11 +321,13 @@ class T5TTT(PlainStepTTT):
     def _inner_weights(self) -> Tuple[torch.Tensor, ...]:
         return (self.w3,) if self.inner_model == "linear" else (self.w1, self.w2, self.w3)
 
-    def _inner(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _inner(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
                na: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each; T5+ blends in ``na`` (:func:`blend_na`),
-        inside the inner-step op where it has one."""
+        """The inner step(s) on (k, v), read with q: (B, heads, N, d) each (k None: q stacks q and k, the Triton
+        op's form); T5+ blends in ``na`` (:func:`blend_na`), inside the inner-step op where it has one."""
         scale = -self.scale if self.gradient_ascent else self.scale  # a negative scale flips the update
+        if k is None:
+            return self._stacked_step(q, v, scale, na)
         if self.linear or self.inner_update == "last":
             if not self.linear:
                 q, k = silu_gate_features(q, self.w1, self.w2), silu_gate_features(k, self.w1, self.w2)
@@ -285,9 +348,11 @@ class T5TTT(PlainStepTTT):
             return t5_swiglu_ttt(q, k, v, w1, w2, w3, scale, backend=self.backend)
         return t5_swiglu_ttt_mix(q, k, v, w1, w2, w3, scale, na, self.na_weight, backend=self.backend)
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        b, n, _ = t.shape
-        return t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+    @torch.jit.unused
+    def _stacked_step(self, qk: torch.Tensor, v: torch.Tensor, scale: float,
+                      na: Optional[torch.Tensor]) -> torch.Tensor:
+        return t5_swiglu_ttt_op(qk, None, v, self.w1, self.w2, self.w3, scale, triton=True, mix=na,
+                                mix_weight=self.na_weight)
 
     def _core(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """Everything between the input and ``proj``: (B, N, C) -> (B, heads, N, d)."""
@@ -297,25 +362,7 @@ class T5TTT(PlainStepTTT):
             q = k
         else:
             q, k, v = torch.split(self.qkv(x), [c, c, c], dim=-1)
-        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        if eager_fold() and not self.share_qk:  # [q | kn] and one conv where the key norm runs Triton
-            fused = fused_qk_convs(q, k, self.key_norm_eps, self.q_conv2d.weight, self.q_conv2d.bias,
-                                   self.k_conv2d.weight, self.k_conv2d.bias, feat_size, self.backend)
-        if fused is not None:
-            q2h, k2h = self._heads(fused[0]), self._heads(fused[1])
-        else:
-            kn = key_instance_norm(k, self.key_norm_eps, backend=self.backend)
-            if not eager_fold():
-                k2h = self._heads(kn + map_to_tokens(self.k_conv2d(tokens_to_map(kn, feat_size))))
-                q2h = k2h if self.share_qk else \
-                    self._heads(q + map_to_tokens(self.q_conv2d(tokens_to_map(q, feat_size))))
-            elif self.share_qk:
-                wk = fold_identity([self.k_conv2d.weight])[0]
-                q2h = k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
-            else:
-                wq, wk = fold_identity([self.q_conv2d.weight, self.k_conv2d.weight])
-                k2h = self._heads(residual_dwconv(kn, wk, self.k_conv2d.bias, feat_size))
-                q2h = self._heads(residual_dwconv(q, wq, self.q_conv2d.bias, feat_size))
+        q2h, k2h, q, k = self._qk_convs(q, k, self.key_norm_eps, feat_size, self.na_kernel > 0)
         na: Optional[torch.Tensor] = None
         if self.na_kernel > 0:  # T5+: blended into the inner step's output (its (B, N, heads, d) layout is kept)
             grid = (b, self.num_heads, feat_size[0], feat_size[1], c // self.num_heads)
