@@ -283,6 +283,31 @@ def test_dwconv_kernels_strided_views():
     torch.testing.assert_close(out, dwconv_ttt_reference(q, k, v, w3, 1 / 3), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@triton_test
+def test_dwconv_kernels_token_major_views_long(dtype):
+    """The conv step as DiT3-XL's per-branch mixer core runs it: head dim 72 (three channel blocks, the last one
+    partial), the projection's token-major views (channels contiguous, no copy), N = 56 x 56 = 3136; output, dx and
+    dw3 against the float64 reference."""
+    b, h, w, d = 1, 56, 56, 72
+    gen = torch.Generator().manual_seed(0)
+    proj = torch.randn(b, h * w, 3 * d, generator=gen)
+    w3 = torch.randn(d, 1, 3, 3, generator=gen) * 0.05
+    dout = torch.randn(b, h * w, d, generator=gen)
+
+    def run(x, wt, do, f):
+        x, wt = x.requires_grad_(), wt.requires_grad_()
+        maps = [x[..., i * d:(i + 1) * d].transpose(1, 2).unflatten(-1, (h, w)) for i in range(3)]
+        out = f(*maps, wt, 1 / 3)
+        return (out, *torch.autograd.grad(out, [x, wt], do.transpose(1, 2).unflatten(-1, (h, w))))
+
+    new = run(proj.to(DEV, dtype), w3.to(DEV), dout.to(DEV, dtype), T.dwconv_ttt_triton)
+    ref = run(proj.to(dtype).double(), w3.double(), dout.to(dtype).double(), dwconv_ttt_reference)
+    for name, x, r in zip(("out", "dx", "dw3"), new, ref):
+        scale = r.abs().max()
+        torch.testing.assert_close(x.double().cpu() / scale, r / scale, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
 @triton_test
 @pytest.mark.parametrize("recompute", [True, False])
 def test_qkv_triton_path_with_rope(recompute):
@@ -484,6 +509,19 @@ def test_fused_backward_deterministic_switch(monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_per_branch_conv_kernels_see_one_layout_at_every_batch():
+    """DiT3-XL (head dim 72, above the fused kernels') runs the per-branch kernels: the conv maps reach ``_taps`` and
+    ``_dwconv`` as the projection's token-major views at batch 1 and above (no packed NCHW copy at batch > 1, which
+    the PyTorch path makes), so each call site compiles once (Triton's compile key on the meta device, no GPU)."""
+    from ttt_zoo.bench import compiled_variants as cv
+    if cv.available():
+        pytest.skip(cv.available())
+    calls, dims = cv.compile_keys("dit3_xl_2", sizes=(64,), batches=(1, 2), dtypes=(torch.float32,))
+    counts = {k[0]: n for k, n in cv.variants_per_kernel(calls, dims).items()}
+    assert dims == "72" and {"vit3_ttt._taps", "vit3_ttt._dwconv", "vit3_ttt._swiglu_vjp"} <= set(counts)
+    assert all(n == 1 for n in counts.values()), counts
+
+
 def test_fused_kernels_compile_once_per_dtype_and_head_dim(tmp_path):
     """Over the standard shapes (ViT3-T/S/B, H-ViT3-T's stages; 224 to 1024 px; batch 1 to 64) every fused kernel
     has one compiled variant per dtype and head dim: the per-image sizes are not specialised
@@ -494,7 +532,7 @@ def test_fused_kernels_compile_once_per_dtype_and_head_dim(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, str(root / "experiments" / "compiled_variants.py"), "--out", str(out)],
                    check=True, env=env, cwd=root, capture_output=True, timeout=600)
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| _")]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| vit3_ttt._")]
     assert len(rows) == 6 * 3 * 2  # six kernels, three dtypes, head dims 32 and 64
     assert all(int(r[-1]) == 1 for r in rows), [r for r in rows if int(r[-1]) != 1]
 

@@ -128,7 +128,7 @@ def small_tiles(monkeypatch):
     if DEV == "cpu" and T is not None:  # the interpreter is slow: small tiles, so tiny inputs still span programs
         monkeypatch.setattr(T, "BLOCK_N", 16)
         monkeypatch.setattr(T, "TILES", 2)
-        monkeypatch.setattr(T.F, "launch_cfg", lambda bd: (16, 4))
+        monkeypatch.setattr(T.F, "launch_cfg", lambda bd, *a, **k: (16, 4))
         monkeypatch.setattr(T.F, "TILES", 2)
         monkeypatch.setattr(T.F, "BLOCK_P", 16)
         T3 = triton_kernels("vit3_ttt")

@@ -32,7 +32,10 @@ MAX_BLOCK_C = 64  # channels per tile (64 fp16 = 128 bytes a token)
 ROWS = 16  # partial rows per program: 9 taps, the bias, padding to a power of two
 TARGET_PROGRAMS = 4096  # backward programs aimed at (bounds the partials: TARGET_PROGRAMS x 16 x BLOCK_C fp32)
 BLOCK_P = 32  # partial rows summed per step of the reduction
-NUM_WARPS = 8  # forward and backward: no spills on sm_90 in fp32 / fp16 / bf16 (4 warps spilled the GELU backward)
+# warps (sm_90 ptxas, experiments/sm90_launched.py): the backward on 8 (4 spilled the GELU backward), the forward on
+# 4 (8 spilled 76 B in fp16 without an activation at 80 registers; 4: 102-130 registers, no spills in any dtype)
+BWD_WARPS = 8
+FWD_WARPS = 4
 ACT_CODES = {None: 0, "gelu": 1}
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -183,7 +186,7 @@ def residual_dwconv_fwd_triton(x: torch.Tensor, weight: torch.Tensor, bias: Opti
     w = weight.contiguous()
     _fwd[(triton.cdiv(n, BLOCK_T), c_blocks, b)](x, w, w if bias is None else bias.contiguous(), y, n, feat_size[0],
                                                  feat_size[1], c, ACT=ACT_CODES[act], HAS_BIAS=bias is not None,
-                                                 BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS)
+                                                 BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS)
     return y
 
 
@@ -214,7 +217,7 @@ def residual_dwconv_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.
     _bwd[(n_chunks, c_blocks, b)](dy, x, w, bias_arg, dx, part, y if want_y else dx, hpre, n, feat_size[0],
                                   feat_size[1], c, n_tiles, n_chunks, ACT=ACT_CODES[act], HAS_BIAS=bias is not None,
                                   WRITE_Y=want_y, IN_GELU=pre_x is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c,
-                                  ROWS=ROWS, num_warps=NUM_WARPS)
+                                  ROWS=ROWS, num_warps=BWD_WARPS)
     dw = torch.empty_like(w)
     db = torch.empty(c, device=x.device, dtype=(weight if bias is None else bias).dtype)
     _reduce[(c_blocks, 10)](part, dw, db, b, n_chunks, c, BLOCK_P=BLOCK_P, BLOCK_C=block_c, ROWS=ROWS)

@@ -51,14 +51,17 @@ TILES = 4         # tiles (SwiGLU) or pixel tiles (conv) reduced per program in 
 BLOCK_P = 32      # pixels per conv tile (a BLOCK_P x BLOCK_CH tile, contiguous along the channels)
 BLOCK_CH = 32     # channels per conv tile (fewer for smaller head dims)
 
-def launch_cfg(bd: int, dtype: torch.dtype = torch.float32, kernel: str = ""):
+# warps per (kernel, activation dtype, padded head dim) where the default 8 spills on sm_90 (ptxas -v of the launches
+# as the models make them, experiments/sm90_launched.py; with and without H-ViT3's RoPE): 4-16 bytes spilled there
+WARPS = {("_bwd_apply", torch.float16, 32): 16, ("_bwd_apply", torch.bfloat16, 32): 16,
+         ("_bwd_apply", torch.float32, 32): 4, ("_bwd_update", torch.float32, 32): 16}
+
+
+def launch_cfg(bd: int, dtype: torch.dtype = torch.float32, kernel: str = "", warps=None):
     """(token tile, warps) of ``kernel``'s launch for padded head dim ``bd`` and activations in ``dtype``: the one
-    place that picks them, from the sm_90 ptxas reports (experiments/results/sm90_kernels.md).  The token tile is
-    the same for every kernel of a direction (the backward's partials are laid out by it); fp32's IEEE dots hold
-    more registers: 16-token tiles at d = 64, and 16 warps for _bwd_apply there."""
-    if bd <= 32:
-        return 32, 8
-    return 16, (16 if dtype == torch.float32 and kernel == "_bwd_apply" else 8)
+    place that picks them (``warps``: the table, this module's ``WARPS`` unless given).  The token tile is the same for
+    every kernel of a direction (the backward's partials are laid out by it): 32 tokens up to d = 32, 16 above."""
+    return (32 if bd <= 32 else 16), (WARPS if warps is None else warps).get((kernel, dtype, bd), 8)
 
 
 def conv_block(bd: int) -> int:
@@ -510,8 +513,8 @@ def _sizes(q1, q2):
     b, heads, n, d = q1.shape
     hh, ww = q2.shape[2], q2.shape[3]
     bd = _block_d(d)
-    bn, warps = launch_cfg(bd, q1.dtype)
-    return b, heads, n, d, hh, ww, bd, bn, warps
+    bn, _ = launch_cfg(bd, q1.dtype)
+    return b, heads, n, d, hh, ww, bd, bn, lambda kernel: launch_cfg(bd, q1.dtype, kernel)[1]
 
 
 def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_grad: bool = True, cos=None,
@@ -533,14 +536,15 @@ def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_gr
     _fwd_update[(n_sw + b * n_cb * pchunks,)](
         k1, v1, w1, w2, k2, v2, part, part3, cs, sn, *k1.stride(), *v1.stride(), *_wstrides(w1), *k2.stride(),
         *v2.stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks, n_sw, n_cb,
-        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope, num_warps=warps, **blocks)
+        TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope, num_warps=warps("_fwd_update"), **blocks)
     g = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     wn = torch.empty_like(g)
     g3 = torch.empty(b, d, 3, 3, device=dev, dtype=f32)
     wn3 = torch.empty(b, d, 16, device=dev, dtype=f32)
     _fwd_finalize[(b * heads * 2 + b * n_cb,)](
         part, part3, w1, w2, w3, g, wn, g3, wn3, *_wstrides(w1), w3.stride(0), w3.stride(3),
-        heads, d, d, chunks, pchunks, b * heads * 2, n_cb, c, NORM=bool(normalize_grad), num_warps=warps, **blocks)
+        heads, d, d, chunks, pchunks, b * heads * 2, n_cb, c, NORM=bool(normalize_grad),
+        num_warps=warps("_fwd_finalize"), **blocks)
     out = torch.empty(b, n, heads * d + d, device=dev, dtype=q1.dtype)
     o1 = out[..., :heads * d].unflatten(-1, (heads, d)).transpose(1, 2)
     o2 = out[..., heads * d:].transpose(1, 2).unflatten(-1, (hh, ww))
@@ -549,7 +553,7 @@ def qkv_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize_gr
     _fwd_apply[(n_sw + b * n_cb * ptiles,)](
         q1, wn, o1, q2, wn3, o2, cs, sn, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(), stn,
         heads, n, d, d, hh, ww, tiles, ptiles, n_sw, n_cb, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
-        num_warps=warps, **blocks)
+        num_warps=warps("_fwd_apply"), **blocks)
     return out, g, wn, g3, wn3
 
 
@@ -580,7 +584,7 @@ def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scal
         q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, cs, sn, *q1.stride(), *do1.stride(),
         *dx1[0].stride(), *q2.stride(), *do2.stride(), *dx2[0].stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks,
         n_sw, n_cb, TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
-        num_warps=launch_cfg(bd, q1.dtype, "_bwd_apply")[1], **blocks)
+        num_warps=warps("_bwd_apply"), **blocks)
     n_wb = w1.shape[0]
     dg = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     dw1 = torch.empty(n_wb, heads, d, d, device=dev, dtype=f32)
@@ -590,15 +594,15 @@ def qkv_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, scal
     dw3 = torch.empty(d, 1, 3, 3, device=dev, dtype=f32)
     _bwd_finalize[(b * heads * 2 + b * n_cb,)](
         part, part3, g, dg, dw1, dw2, g3, dg3, d3p, dw3, heads, d, d, chunks, pchunks, b * heads * 2, n_wb, n_cb,
-        NORM=bool(normalize_grad), num_warps=warps, **blocks)
+        NORM=bool(normalize_grad), num_warps=warps("_bwd_finalize"), **blocks)
     n_sw = b * heads * chunks
     _bwd_update[(n_sw + b * n_cb * ptiles,)](
         k1, v1, w1, w2, dg, dx1[1], dx1[2], part, dw1, dw2, k2, v2, dg3, dx2[1], dx2[2], d3p, dw3, cs, sn,
         *k1.stride(), *v1.stride(), *_wstrides(w1), *dx1[1].stride(), *dx1[2].stride(), *k2.stride(), *v2.stride(),
         *dx2[1].stride(), *dx2[2].stride(), stn, heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, n_cb, c,
         TILES=TILES, BLOCK_N=bn, BLOCK_P=BLOCK_P, PREC=prec, DETERMINISTIC=deterministic, ROPE=rope,
-        num_warps=warps, **blocks)
+        num_warps=warps("_bwd_update"), **blocks)
     if deterministic:
         _bwd_reduce[(n_wb * heads * 2 + n_cb,)](part, dw1, dw2, d3p, dw3, b, heads, d, d, chunks, n_wb * heads * 2, n_wb,
-                                                num_warps=warps, **blocks)
+                                                num_warps=warps("_bwd_reduce"), **blocks)
     return dqkv, dw1, dw2, dw3

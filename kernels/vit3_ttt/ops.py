@@ -315,9 +315,12 @@ class QKVFused(torch.autograd.Function):
 
 
 def _qkv_function(name: str, triton: bool):
-    """The mixer core's autograd.Function over the per-branch custom ops, with the backend choice bound."""
+    """The mixer core's autograd.Function over the per-branch custom ops, with the backend choice bound.  The conv
+    kernels read the projection's token-major views (their strides): no packed copy of the maps, and one layout,
+    so one compiled variant, at every batch (the PyTorch path packs them for its depthwise conv)."""
     return make_qkv_function(name, lambda *a: swiglu_fwd_op(*a, triton), lambda *a: swiglu_bwd_op(*a, triton),
-                             lambda *a: dwconv_fwd_op(*a, triton), lambda *a: dwconv_bwd_op(*a, triton))
+                             lambda *a: dwconv_fwd_op(*a, triton), lambda *a: dwconv_bwd_op(*a, triton),
+                             **({"pack": None} if triton else {}))
 
 
 QKVTorchOps = _qkv_function("QKVTorchOps", False)

@@ -321,10 +321,11 @@ swiglu_ttt_torch, dwconv_ttt_torch = step_functions("", swiglu_fwd, swiglu_bwd, 
 
 # ------------------------------------------------------------------------------- qkv projection + both branches
 def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad,
-                swiglu_f=None, dwconv_f=None, keep_g: bool = True, keep_inputs: bool = False):
+                swiglu_f=None, dwconv_f=None, keep_g: bool = True, keep_inputs: bool = False, pack=_packed_maps):
     """Projection + both inner steps, no autograd: (out (B, N, C + d), G_swiglu, G_conv); the PyTorch steps
     return no G with ``keep_g=False`` (inference: the scale folds into the normalisation).  ``keep_inputs``: a
-    fourth item, the inner steps' inputs (q1, k1, v1, q2, k2, v2) as the backward takes them.
+    fourth item, the inner steps' inputs (q1, k1, v1, q2, k2, v2) as the backward takes them.  ``pack``: what
+    the conv maps go through first (None: the projection's token-major views as they are).
 
     The PyTorch SwiGLU step writes straight into the heads-merged output buffer (no head-merge copy, no concat);
     other implementations (Triton, custom ops) return their own tensor, copied in.
@@ -334,7 +335,8 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
     (q1, k1, v1), (q2, k2, v2) = qkv_split(x, weight, bias, feat_size, heads, cos, sin)
     b, n, c = x.shape
     d = c // heads
-    q2, k2, v2 = _packed_maps(q2, k2, v2)
+    if pack is not None:
+        q2, k2, v2 = pack(q2, k2, v2)
     if exporting():  # a traced graph: the heads merged and concatenated, no buffer written through views
         with _autocast(x.device):
             x1, g1 = swiglu_f(q1, k1, v1, w1, w2, scale, normalize_grad)
@@ -357,8 +359,9 @@ def qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, 
     return (out, g1, g3, (q1, k1, v1, q2, k2, v2)) if keep_inputs else (out, g1, g3)
 
 
-def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
-    """autograd.Function for ``[swiglu_ttt | dwconv_ttt](split(x W^T + b))`` that stores only x and small tensors.
+def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b, pack=_packed_maps):
+    """autograd.Function for ``[swiglu_ttt | dwconv_ttt](split(x W^T + b))`` that stores only x and small tensors;
+    ``pack``: as :func:`qkv_forward`'s (None for conv steps that read the projection's strided views themselves).
 
     Saved per block: the projection input x (B, N, C) (which the projection would store anyway), the weights, and the
     raw inner gradients (B, heads, d, 2d) and (B, d, 3, 3).  With ``recompute`` (the default) the backward
@@ -369,7 +372,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
 
     def forward(ctx, x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale, normalize_grad, recompute=True):
         out, g1, g3, inputs = qkv_forward(x, weight, bias, w1, w2, w3, cos, sin, feat_size, heads, scale,
-                                          normalize_grad, swiglu_f, dwconv_f, keep_inputs=True)
+                                          normalize_grad, swiglu_f, dwconv_f, keep_inputs=True, pack=pack)
         ctx.save_for_backward(x, weight, bias, w1, w2, w3, g1, g3, cos, sin, *(() if recompute else inputs))
         ctx.args = (feat_size, heads, scale, normalize_grad)
         ctx.amp = _autocast_state(x.device)
@@ -382,7 +385,7 @@ def make_qkv_function(name: str, swiglu_f, swiglu_b, dwconv_f, dwconv_b):
         h, w = feat_size
         d = c // heads
         q1, k1, v1, q2, k2, v2 = backward_inputs(inputs, x, weight, bias, feat_size, heads, cos, sin, ctx.amp,
-                                                 _packed_maps)
+                                                 pack)
         del inputs
         with torch.no_grad(), _autocast(x.device):
             dx1 = dout[..., :c].reshape(b, n, heads, d).transpose(1, 2)

@@ -23,7 +23,8 @@ blocks through fp32 partials (one N x d buffer per block, only when there is mor
   W' (2 d^2 each) and the partials (2 d^2 per chunk of TILES * BLOCK_N tokens), all fp32; O(N d) only for the
   output / input gradients themselves.
 
-3x3 depthwise-conv branch, per (batch, channel) map of H x W pixels:
+3x3 depthwise-conv branch, per batch on (pixels x channels) tiles, contiguous along the channels of the token-major
+maps (the projection's views):
   ``_taps``: t[i, j] = sum_p xpad[p + (i, j)] e[p] for all 9 taps in one pass over the map (fp32 partials).
   ``_dwconv``: out[p] = sum_taps w[tap] x[p + tap] with zero padding, one pass.
   fwd: G = c taps(k, v); out = dwconv(q, w3 - G^).  bwd (recomputes nothing large, saves only G, 9 floats):
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fused as F
 from .torch import normalize_columns, normalize_columns_bwd, step_functions
 from ..utils import compute_dtype
 from ..triton_utils import block_d as _block_d, jit_sizes, load_mat, load_tile, load_tile_pair, pid64, prec as _prec, \
@@ -48,7 +50,7 @@ __all__ = ["swiglu_fwd_triton", "swiglu_bwd_triton", "dwconv_fwd_triton", "dwcon
 
 BLOCK_N = 64      # the largest token tile (_reduce_cfg picks the tile per head dim)
 TILES = 4         # tiles reduced per program in the reduction kernels
-BLOCK_P = 256     # pixels per tile in the conv kernels
+BLOCK_P = 32      # pixels per tile in the conv kernels (tiles of BLOCK_P pixels x fused.BLOCK_CH channels)
 MAX_COLS = 64     # widest column block of the d x d SwiGLU kernels; larger (padded) head dims split into blocks
 COL_BLOCK = 32    # column-block width used when the padded head dim exceeds MAX_COLS (e.g. d = 72 -> 128 = 4 x 32)
 
@@ -266,54 +268,47 @@ def swiglu_bwd_triton(do, q, k, v, w1, w2, g, scale: float, normalize_grad: bool
 
 
 # ----------------------------------------------------------------------------------------------- conv kernels
+# One program per (batch, block of CONV_CH channels) and pixel chunk / tile: 2-D (pixels x channels) tiles, the
+# helpers of the fused kernels (``fused._taps_tile`` / ``_conv_tile``: one load per tap, contiguous along the channels
+# of the projection's token-major (B, N, 3C + 3d) views, which the per-branch mixer core passes as they are).
+CONV_CH: tl.constexpr = tl.constexpr(F.BLOCK_CH)
+
+
 @jit_sizes(strides=("sxb", "sxc", "sxh", "sxw", "seb", "sec", "seh", "sew"))
-def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks,
+def _taps(X, E, P, sxb, sxc, sxh, sxw, seb, sec, seh, sew, C, Hh, Ww, n_chunks, n_cb,
           TILES: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Partial t[i, j] = sum_p x[p + (i-1, j-1)] e[p] over TILES pixel tiles; writes 9 fp32 (padded to 16)."""
+    """Partial t[i, j] = sum_p x[p + (i-1, j-1)] e[p] over TILES pixel tiles: 9 fp32 rows (padded to 16) of CONV_CH
+    channels into a (B, chunks, 16, C) buffer."""
     pid, chunk = pid64(0), pid64(1)
-    b, c = pid // C, pid % C
-    offs_t = tl.arange(0, 16)
-    acc = tl.zeros((16,), dtype=tl.float32)
-    ti, tj = offs_t // 3 - 1, offs_t % 3 - 1
+    b, cb = pid // n_cb, pid % n_cb
+    offs_c = cb * CONV_CH + tl.arange(0, CONV_CH)
+    cm = offs_c < C
+    acc = tl.zeros((16, CONV_CH), dtype=tl.float32)
     for t in range(TILES):
-        offs_p = (chunk * TILES + t) * BLOCK_P + tl.arange(0, BLOCK_P)
-        y, x = offs_p // Ww, offs_p % Ww
-        pm = offs_p < Hh * Ww
-        e = tl.load(E + b * seb + c * sec + y * seh + x * sew, mask=pm, other=0.0).to(tl.float32)
-        yy = y[:, None] + ti[None, :]
-        xx = x[:, None] + tj[None, :]
-        m = pm[:, None] & (offs_t[None, :] < 9) & (yy >= 0) & (yy < Hh) & (xx >= 0) & (xx < Ww)
-        xs = tl.load(X + b * sxb + c * sxc + yy * sxh + xx * sxw, mask=m, other=0.0).to(tl.float32)
-        acc += tl.sum(xs * e[:, None], axis=0)
-    tl.store(P + (pid * n_chunks + chunk) * 16 + offs_t, acc)
+        y, x, pm = F._conv_rows((chunk * TILES + t) * BLOCK_P, tl.arange(0, BLOCK_P), Hh, Ww)
+        acc = F._taps_tile(acc, X, E, b * sxb, b * seb, sxc, sxh, sxw, sec, seh, sew, y, x, pm, offs_c, cm, Hh, Ww)
+    tl.store(P + F._taps_ptr(b, chunk, n_chunks, C, tl.arange(0, 16), offs_c), acc, mask=cm[None, :])
 
 
 @jit_sizes(strides=("sxb", "sxc", "sxh", "sxw", "sob", "soc", "soh", "sow"))
-def _dwconv(X, Wt, O, sxb, sxc, sxh, sxw, sob, soc, soh, sow, C, Hh, Ww, alpha,
+def _dwconv(X, Wt, O, sxb, sxc, sxh, sxw, sob, soc, soh, sow, C, Hh, Ww, n_cb, alpha,
             BLOCK_P: tl.constexpr):
-    """out[p] = alpha * sum_taps w[b, c, tap] x[p + tap - 1] (zero padding), w (B, C, 16) fp32, taps 0..8."""
+    """out[p] = alpha * sum_taps w[b, c, tap] x[p + tap - 1] (zero padding) on one pixel tile of CONV_CH channels;
+    w (B, C, 16) fp32, taps 0..8."""
     pid, tile = pid64(0), pid64(1)
-    b, c = pid // C, pid % C
-    offs_t = tl.arange(0, 16)
-    w = tl.load(Wt + pid * 16 + offs_t)
-    ti, tj = offs_t // 3 - 1, offs_t % 3 - 1
-    offs_p = tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    y, x = offs_p // Ww, offs_p % Ww
-    pm = offs_p < Hh * Ww
-    yy = y[:, None] + ti[None, :]
-    xx = x[:, None] + tj[None, :]
-    m = pm[:, None] & (offs_t[None, :] < 9) & (yy >= 0) & (yy < Hh) & (xx >= 0) & (xx < Ww)
-    xs = tl.load(X + b * sxb + c * sxc + yy * sxh + xx * sxw, mask=m, other=0.0).to(tl.float32)
-    out = tl.sum(xs * w[None, :], axis=1) * alpha
-    tl.store(O + b * sob + c * soc + y * soh + x * sow, out.to(O.dtype.element_ty), mask=pm)
+    b, cb = pid // n_cb, pid % n_cb
+    offs_c = cb * CONV_CH + tl.arange(0, CONV_CH)
+    y, x, pm = F._conv_rows(tile * BLOCK_P, tl.arange(0, BLOCK_P), Hh, Ww)
+    F._conv_tile(X, O, b * sxb, b * sob, Wt, b * C * 16, sxc, sxh, sxw, soc, soh, sow, y, x, pm, offs_c, offs_c < C,
+                 Hh, Ww, alpha, False)
 
 
 def _taps_triton(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     b, c, h, w = x.shape
-    chunks = triton.cdiv(h * w, TILES * BLOCK_P)
-    p = torch.empty(b * c, chunks, 16, device=x.device, dtype=torch.float32)
-    _taps[(b * c, chunks)](x, e, p, *x.stride(), *e.stride(), c, h, w, chunks, TILES=TILES, BLOCK_P=BLOCK_P)
-    return p.sum(1)[:, :9].reshape(b, c, 3, 3)
+    chunks, n_cb = triton.cdiv(h * w, TILES * BLOCK_P), triton.cdiv(c, F.BLOCK_CH)
+    p = torch.empty(b, chunks, 16, c, device=x.device, dtype=torch.float32)
+    _taps[(b * n_cb, chunks)](x, e, p, *x.stride(), *e.stride(), c, h, w, chunks, n_cb, TILES=TILES, BLOCK_P=BLOCK_P)
+    return p.sum(1)[:, :9].transpose(1, 2).reshape(b, c, 3, 3)
 
 
 def _dwconv_triton(x: torch.Tensor, wt: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -321,8 +316,9 @@ def _dwconv_triton(x: torch.Tensor, wt: torch.Tensor, alpha: float = 1.0) -> tor
     w16 = torch.zeros(b * c, 16, device=x.device, dtype=torch.float32)
     w16[:, :9] = wt.float().expand(b, c, 3, 3).reshape(b * c, 9)
     out = torch.empty(b, c, h, w, device=x.device, dtype=x.dtype)
-    _dwconv[(b * c, triton.cdiv(h * w, BLOCK_P))](x, w16, out, *x.stride(), *out.stride(), c, h, w, alpha,
-                                                   BLOCK_P=BLOCK_P)
+    n_cb = triton.cdiv(c, F.BLOCK_CH)
+    _dwconv[(b * n_cb, triton.cdiv(h * w, BLOCK_P))](x, w16, out, *x.stride(), *out.stride(), c, h, w, n_cb, alpha,
+                                                      BLOCK_P=BLOCK_P)
     return out
 
 

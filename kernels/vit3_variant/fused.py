@@ -361,10 +361,13 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
         b, h = bh // HEADS, bh % HEADS
         offs_d = tl.arange(0, BLOCK_D)
         wbase = b * swb + h * swh
+        act = K1.dtype.element_ty  # dG cast once to the dots' operand dtype (fewer registers than fp32 tiles)
         dg1, s1 = _unit(_ld(DG, bh * D * 2 * D, offs_d, offs_d, 2 * D, 1, D, D))
+        dg1 = dg1.to(act)
         c1 = c * s1
         if KIND == ALL:
             dg2, s2 = _unit(_ld(DG, bh * D * 2 * D + D, offs_d, offs_d, 2 * D, 1, D, D))
+            dg2 = dg2.to(act)
             c2 = c * s2
         dw1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
         dw2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=tl.float32)
@@ -428,11 +431,17 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def _sizes(q1, q2):
+# warps per ("kernel:kind", activation dtype, padded head dim) where the default 8 spills on sm_90 (ptxas -v of the
+# models' launches, experiments/sm90_launched.py): the table ``vit3_ttt.fused.launch_cfg`` reads for this core
+WARPS = {("_bwd_update:last", torch.float32, 64): 16}  # 8: 255 registers, 156 bytes spilled (vit3_small_v1)
+
+
+def _sizes(q1, q2, kind):
     b, heads, n, d = q1.shape
     bd = block_d(d)
-    bn, warps = launch_cfg(bd)
-    return b, heads, n, d, q2.shape[2], q2.shape[3], bd, bn, warps
+    bn, _ = launch_cfg(bd, q1.dtype, warps=WARPS)
+    return (b, heads, n, d, q2.shape[2], q2.shape[3], bd, bn,
+            lambda kernel: launch_cfg(bd, q1.dtype, f"{kernel}:{kind}", warps=WARPS)[1])
 
 
 def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normalize: bool, kind: str, lr: float,
@@ -440,7 +449,7 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     """(out (B, N, heads d + d) in q1's dtype, G, W' (B, heads, d, 2d) fp32, G3, W3' (B, d, 16) fp32) in 3 launches.
     ``w2`` is None for the linear inner model; q1 may be k1 (share_qk).  With H-ViT3's RoPE tables ``cos``, ``sin``,
     q1 and k1 are turned as the kernels load them."""
-    b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
+    b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2, kind)
     cs, sn, stn, rope = _rope_args(cos, sin, q1)
     c, prec, dev, f32, kid = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32, KINDS[kind]
     w2 = w1 if w2 is None else w2  # never loaded by the linear kernels
@@ -451,7 +460,8 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     _fwd_update[(n_sw + b * d * pchunks,)](
         k1, v1, w1, w2, k2, v2, part, part3, cs, sn, *k1.stride(), *v1.stride(), *wstrides(w1), *k2.stride(),
         *v2.stride(), stn, heads, n, d, d, hh, ww, chunks, pchunks, n_sw,
-        KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope, num_warps=warps)
+        KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
+        num_warps=warps("_fwd_update"))
     g = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     wn = torch.empty_like(g)
     g3 = torch.empty(b, d, 16, device=dev, dtype=f32)
@@ -459,7 +469,7 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     _fwd_finalize[(b * heads + b * d,)](
         part, part3, w1, w2, w3, g, wn, g3, wn3, *wstrides(w1), w3.stride(0), w3.stride(3),
         heads, d, d, chunks, pchunks, b * heads, c, float(lr), KIND=kid, NORM=bool(normalize), BLOCK_D=bd,
-        num_warps=warps)
+        num_warps=warps("_fwd_finalize"))
     out = torch.empty(b, n, heads * d + d, device=dev, dtype=q1.dtype)
     o1 = out[..., :heads * d].unflatten(-1, (heads, d)).transpose(1, 2)
     o2 = out[..., heads * d:].transpose(1, 2).unflatten(-1, (hh, ww))
@@ -468,7 +478,7 @@ def variant_fused_fwd(q1, k1, v1, q2, k2, v2, w1, w2, w3, scale: float, normaliz
     _fwd_apply[(n_sw + b * d * ptiles,)](
         q1, wn, o1, q2, wn3, o2, cs, sn, *q1.stride(), *o1.stride(), *q2.stride(), *o2.stride(), stn,
         heads, n, d, d, hh, ww, tiles, ptiles, n_sw, KIND=kid, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec,
-        ROPE=rope, num_warps=warps)
+        ROPE=rope, num_warps=warps("_fwd_apply"))
     return out, g, wn, g3, wn3
 
 
@@ -477,7 +487,7 @@ def variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, 
     """(dqkv (B, N, 3 heads d + 3 d), or 2 heads d + 2 d with ``share_qk``, in q1's dtype; dw1, dw2 (w1's shape,
     fp32; dw2 None for the linear inner model), dw3 (d, 1, 3, 3) fp32) in 3 launches; ``dout`` any strides.  With the
     forward's RoPE tables, q1 and k1 are turned as loaded and their cotangents turned back."""
-    b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2)
+    b, heads, n, d, hh, ww, bd, bn, warps = _sizes(q1, q2, kind)
     cs, sn, stn, rope = _rope_args(cos, sin, q1)
     cc = heads * d
     c, prec, dev, f32, kid = -scale / n, dot_prec(q1.dtype), q1.device, torch.float32, KINDS[kind]
@@ -502,16 +512,16 @@ def variant_fused_bwd(dout, q1, k1, v1, q2, k2, v2, w1, w2, w3, g, wn, g3, wn3, 
         q1, do1, wn, dx1[0], q2, do2, wn3, dx2[0], part, part3, dw, dw3, cs, sn, *q1.stride(), *do1.stride(),
         *dx1[0].stride(), *q2.stride(), *do2.stride(), *dx2[0].stride(), stn, heads, n, d, d, hh, ww, chunks,
         pchunks, n_sw, n_wb, KIND=kid, TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
-        num_warps=warps)
+        num_warps=warps("_bwd_apply"))
     dg = torch.empty(b, heads, d, 2 * d, device=dev, dtype=f32)
     dg3 = torch.empty(b, d, 16, device=dev, dtype=f32)
     _bwd_finalize[(b * heads + b * d,)](
         part, part3, g, dg, dw, g3, dg3, dw3, heads, d, d, chunks, pchunks, b * heads, n_wb, float(lr),
-        KIND=kid, NORM=bool(normalize), BLOCK_D=bd, num_warps=warps)
+        KIND=kid, NORM=bool(normalize), BLOCK_D=bd, num_warps=warps("_bwd_finalize"))
     _bwd_update[(n_sw + b * d * ptiles,)](
         k1, v1, w1, w2_, dg, dx1[1], dx1[2], dw, k2, v2, dg3, dx2[1], dx2[2], cs, sn,
         *k1.stride(), *v1.stride(), *wstrides(w1), *dx1[1].stride(), *dx1[2].stride(), *k2.stride(), *v2.stride(),
         *dx2[1].stride(), *dx2[2].stride(), stn, heads, n, d, d, hh, ww, chunks, ptiles, n_sw, n_wb, c,
         KIND=kid, SHARE=bool(share_qk), TILES=TILES, BLOCK_N=bn, BLOCK_D=bd, BLOCK_P=BLOCK_P, PREC=prec, ROPE=rope,
-        num_warps=warps)
+        num_warps=warps("_bwd_update"))
     return dqkv, dw[0], None if w2 is None else dw[1], dw3
