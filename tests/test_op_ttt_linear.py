@@ -757,6 +757,43 @@ def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launc
         assert err < tol, f"{name}: max error {err:.2e} of {scale:.3g}"
 
 
+@pytest.mark.parametrize("dot_loss", [False, True], ids=["mse", "dot"])
+@triton_test
+def test_backward_sums_inside_the_kernels(dot_loss, count_launches):
+    """The float32 backward of the bidirectional op with one tensor for q = k (the mixer's case) launches the backward
+    passes and one reduction and nothing else (the sums over directions, dq + dk, dW0 / db0 and the partial sums are
+    in the kernels; no add after the op either); its gradients match the reference's and two runs agree bitwise
+    (relaxed atomics of two addends onto 0, a fixed-order reduction)."""
+    from ttt_zoo.bench.launches import count_launches as launches
+    x = make_kernel_inputs(2, 2, 37, 16, 8, 1)
+    x[3], x[4] = torch.randn(2, 2, 37), torch.randn(8) * 0.1  # logits and tau offsets
+    leaves = [t.to(DEV).requires_grad_() for t in x[:1] + x[2:]]
+    q, rest = leaves[0], leaves[1:]
+    ln = (None, None) if dot_loss else tuple(rest[-2:])
+    args = rest[:5] + list(ln)
+    do = torch.randn(2, 2, 37, 16, device=DEV)
+    runs = []
+    for _ in range(2):
+        out = ops.ttt_linear_bidir_op(q, q, *args, mini_batch=8, triton=True, lr_scale=0.25, tau_offset=True,
+                                      dot_loss=dot_loss)[0]
+        used = [q] + [t for t in args if t is not None]
+        c = launches(lambda: runs.append(torch.autograd.grad(out, used, do)))
+    kernels = {"_bwd_outputs": 1, "_bwd_states": 1, "_reduce_partials": 1, **({} if dot_loss else {"_bwd_keys": 1})}
+    assert dict(c.triton) == kernels and c.aten_total == 0, (c.triton, c.aten)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    if dot_loss:
+        from ttt_zoo.kernels.linear_attention import la_bidir_reference as ref_scan
+    ref_in = [t.detach().double().requires_grad_() for t in used]
+    rq, rv, rlogit, roff, rw, rb = ref_in[:6]
+    rates = (rv, 0.25 * torch.sigmoid(rlogit), token_tau(roff), rw, rb)
+    ref = ref_scan(rq, rq, *rates, 8) if dot_loss else reference_bidir(rq, rq, *rates, *ref_in[6:], 8)[0]
+    for name, g, r in zip(("q", "v", "logit", "offset", "w0", "b0", "ln_w", "ln_b"), runs[0],
+                          torch.autograd.grad(ref, ref_in, do.double())):
+        scale = r.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g.double() / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
 @pytest.fixture(scope="module")
 def long_dot_case(long_case):
     """``long_case``'s inputs for the dot inner loss (``linear_attention.naive``: G = -v, no inner LayerNorm) with
@@ -773,8 +810,8 @@ def long_dot_case(long_case):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
 @triton_test
 def test_dot_loss_kernels_long_sequence(long_dot_case, dtype, tol, count_launches):
-    """The dot loss through the same scan kernels (``dot_loss``: forward passes 1 and 2, backward passes 1 and 2;
-    dz = 0, so no third): output and the gradients of q, k, v, the logits, tau's offsets, w0 and b0 against the
+    """The dot loss through the same scan kernels (``dot_loss``: forward passes 1 and 2, backward passes 1 and 2 and
+    the reduction; dz = 0, so no third pass): output and the gradients of q, k, v, the logits, tau's offsets, w0 and b0 against the
     float64 recurrent reference, errors relative to each tensor's largest reference entry."""
     x, do, ref, ref_grads = long_dot_case
     leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
@@ -784,7 +821,7 @@ def test_dot_loss_kernels_long_sequence(long_dot_case, dtype, tol, count_launche
     grads = []
     bwd = launches(lambda: grads.extend(torch.autograd.grad(out, leaves, do.to(DEV, dtype))))
     assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
-    assert dict(bwd.triton) == {"_bwd_outputs": 1, "_bwd_states": 1}, bwd.triton
+    assert dict(bwd.triton) == {"_bwd_outputs": 1, "_bwd_states": 1, "_reduce_partials": 1}, bwd.triton
     for name, got, want in zip(("out",) + NAMES[:7], (out,) + tuple(grads), (ref,) + ref_grads):
         assert got.dtype == dtype and got.shape == want.shape, name
         scale = want.abs().max().item()

@@ -7,10 +7,10 @@ so ``torch.compile`` treats them as opaque nodes and meta-device models build an
 
     out, states = torch.ops.ttt_zoo.ttt_linear_scan_fwd(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch,
                                                          ln_residual, eps, save_states, triton, rope_theta,
-                                                         lr_scale, tau_offset)
+                                                         lr_scale, tau_offset, dot_loss)
     dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b = torch.ops.ttt_zoo.ttt_linear_scan_bwd(
         do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta,
-        lr_scale, tau_offset)
+        lr_scale, tau_offset, dot_loss, shared_qk)
 
 ``rope_theta`` > 0: the in-mini-batch RoPE (position ``p mod b`` of scan position p, in each direction) turns q and k
 inside the op (the Triton kernels on load, with the inverse turn of dq, dk in their backward; the PyTorch path
@@ -19,7 +19,9 @@ before and after ``torch.py``), so q, k come unrotated, (1 | ndir, B, H, N, d); 
 load and return d/d logit); 0: ``lr`` is the rate.  ``tau_offset``: ``tau`` holds the offsets of
 ``common.token_tau`` and the factor is ``max(0, 1 / i + offset_i)`` (the kernels form it and return d/d offset).
 ``out`` is (B, H, N, d) with token-major strides (memory (B, N, H, d): ``out.transpose(1, 2)`` is the (B, N, C) map
-without a copy); the kernels read ``do`` with its strides.
+without a copy); the kernels read ``do`` with its strides.  ``dot_loss``: the inner loss ``-<k W + b, v>`` (no inner
+LayerNorm; ``ttt_linear_bidir_op``).  ``shared_qk`` (the forward was given one tensor as q and k): dq holds dq + dk
+and dk is empty, so autograd adds nothing after the op.
 
 ``ttt_linear_op`` / ``ttt_linear_bidir_op`` have the signatures of the references.  ``return_grad_norm=True`` (the
 gradient-magnitude map, inference only) runs the PyTorch reference, not the kernels.
@@ -174,7 +176,16 @@ def _grad_layouts(grads: List[Tensor]) -> List[Tensor]:
 def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor,
                 ln_w: Tensor, ln_b: Tensor, states: Tensor, ndir: int, mini_batch: int, ln_residual: bool,
                 eps: float, triton: bool, rope_theta: float = 0.0, lr_scale: float = 0.0,
-                tau_offset: bool = False, dot_loss: bool = False) -> List[Tensor]:
+                tau_offset: bool = False, dot_loss: bool = False, shared_qk: bool = False) -> List[Tensor]:
+    grads = _scan_bwd(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton,
+                      rope_theta, lr_scale, tau_offset, dot_loss, shared_qk)
+    if shared_qk and grads[1].numel():  # the PyTorch paths: dq + dk into dq (the kernels write it so)
+        grads[0], grads[1] = _token_major(grads[0] + grads[1]), k.new_empty(0)
+    return grads
+
+
+def _scan_bwd(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton,
+              rope_theta, lr_scale, tau_offset, dot_loss, shared_qk) -> List[Tensor]:
     logits = lr
     kernels = launches_kernel(triton, q)
     if dot_loss and not kernels:  # autograd of the chunk form: runs above the dispatcher (_backward, FLOP count)
@@ -184,7 +195,8 @@ def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Te
     args = (v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps)
     if kernels:
         table = _kernel_rope_table(mini_batch, q.shape[-1], rope_theta, q.device)
-        return _grad_layouts(_t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset, dot_loss))
+        return _grad_layouts(_t().scan_bwd_triton(do, q, k, *args, table, lr_scale, tau_offset, dot_loss,
+                                                  shared_qk))
     if rope_theta > 0:
         tables = _direction_tables(q, ndir, mini_batch, rope_theta)
         grads = R.scan_bwd(do.contiguous(), _turned(q, tables), _turned(k, tables), *args)
@@ -200,9 +212,12 @@ def scan_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Te
 
 @scan_bwd_op.register_fake
 def _(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir, mini_batch, ln_residual, eps, triton, rope_theta=0.0,
-      lr_scale=0.0, tau_offset=False, dot_loss=False):
-    return [_token_major(torch.empty_like(t, memory_format=torch.contiguous_format)) for t in (q, k, v)] + \
+      lr_scale=0.0, tau_offset=False, dot_loss=False, shared_qk=False):
+    grads = [_token_major(torch.empty_like(t, memory_format=torch.contiguous_format)) for t in (q, k, v)] + \
         [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (lr, tau, w0, b0, ln_w, ln_b)]
+    if shared_qk:
+        grads[1] = k.new_empty(0)
+    return grads
 
 
 def _setup(ctx, inputs, output):
@@ -210,6 +225,7 @@ def _setup(ctx, inputs, output):
         tau_offset, dot_loss = inputs
     ctx.save_for_backward(q, k, v, lr, tau, w0, b0, ln_w, ln_b, output[1])
     ctx.cfg = (ndir, mini_batch, ln_residual, eps, triton, rope_theta, lr_scale, tau_offset, dot_loss)
+    ctx.shared_qk = q is k  # one tensor for both: its gradient dq + dk comes summed (no add after the op)
     ctx.set_materialize_grads(False)  # the states are never differentiated: no zero cotangent is made for them
 
 
@@ -221,8 +237,10 @@ def _backward(ctx, dout, dstates):
     if dot_loss and not launches_kernel(triton, q):  # autograd of the chunk form, here above the dispatcher
         grads = _dot_grads(dout, q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, rope_theta, lr_scale,
                            tau_offset)
-    else:
-        grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg)  # the kernels read dout with its strides
+    else:  # the kernels read dout with its strides
+        grads = scan_bwd_op(dout, *ctx.saved_tensors, *ctx.cfg, ctx.shared_qk)
+        if ctx.shared_qk:
+            grads[1] = None
     return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
@@ -281,7 +299,9 @@ def ttt_linear_bidir_op(q, k, v, lr, tau, w0, b0, ln_w, ln_b, mini_batch: int = 
     theta = 0.0 if rope_theta is None else float(rope_theta)
     if theta <= 0 and rope_theta is not None:
         raise ValueError(f"rope_theta must be > 0 (or None: no RoPE), got {rope_theta}")
-    return _scan(q[None], k[None], v, lr, tau, w0[:, None], b0[:, None], ln_w, ln_b, 2, mini_batch, ln_residual, eps,
+    q1 = q[None]
+    k1 = q1 if k is q else k[None]  # a shared q = k stays one tensor: the op's backward returns dq + dk at once
+    return _scan(q1, k1, v, lr, tau, w0[:, None], b0[:, None], ln_w, ln_b, 2, mini_batch, ln_residual, eps,
                  triton, theta, lr_scale, tau_offset, dot_loss), None
 
 

@@ -35,7 +35,12 @@ The backward, three launches, from the chunk-start states (saved by the forward)
         adds the recurrence terms of dk and dlr; dW0, db0 at the end.
     ``_bwd_keys``, grid (chunks, direction x batch, heads), in parallel: dk += dz W_i^T, the chunk's states walked
         forward from the stored one with G recomputed from z.
-    Partial sums (dtau, dln_w, dln_b: one row per program) are reduced by PyTorch after: no atomics, deterministic.
+    ``_reduce_partials``, one launch: the partial sums (dtau, dln_w, dln_b: one row per program; dW0, db0: one per
+        sequence) summed in a fixed order.  dq, dk, dv and dlr leave the passes summed over the directions (and dq + dk
+        for a shared q = k): zeroed by the first pass, each direction's complete value added by a relaxed atomic
+        add (two addends onto 0: deterministic).
+The dot inner loss (``DOT``, ``linear_attention.naive``: G = -v, the raw prediction out) is the same scan without
+the inner LayerNorm: G does not read the state, so there is no dz and no ``_bwd_keys`` (dk is complete in pass 2).
 Memory per (batch, head) and direction (d = head dim, b = mini_batch, n_mb = ceil(N / b), ck as above):
     forward: the fp32 N x d output and G, ceil(n_mb / ck) <= ~32 chunk states of (d + 1) x d, also the only thing
     saved for the backward besides the inputs;
@@ -228,7 +233,7 @@ def _fwd_states(K, V, LR, TAU, CS, W0, B0, LNW, LNB, G, ST, O,
                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Pass 1, one program per (direction x batch, head), sequential over the mini-batches: only the recurrence
     (z = k W + b, the inner gradient G, the state update).  Writes G (fp32, token order) and the incoming (W; b) of
     every CK-th mini-batch (the chunk starts)."""
@@ -263,7 +268,7 @@ def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
                  B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                  LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Pass 2, one program per (chunk, direction x batch, head): given G the outputs are a linear recurrence, so
     each chunk starts from its stored (W; b) and walks its CK mini-batches: zb = q W + b - (eta (q k^T + 1)) G, the
     output LayerNorm + residual, W -= k^T (e G), b -= sum e G (the same arithmetic as pass 1)."""
@@ -318,13 +323,74 @@ def _chunk_state(ST, seq, ck, n_ck, D, offs_d, dmask, wmask):
             tl.load(sb + D * D + offs_d, mask=dmask, other=0.0))
 
 
-@triton.jit(do_not_specialize=[*_STRIDES_NS, "sdb", "sdh", "sdn", "B", "H", "N", "n_mb", "CK", "n_ck"])
+@triton.jit
+def _zero_outputs(GQ, GK, GV, GLR, b, h, B, H, N, D, t, offs_d, rmask, m2, RQ, RK):
+    """Zeroes rows ``t`` of the final gradients (every direction slice of dq, dk; dv; dlr), which the later passes
+    add onto."""
+    zero = tl.where(m2, 0.0, 0.0)
+    for s in range(RQ):
+        tl.store(GQ + _tok_major(s, b, h, B, H, N, D, t, offs_d), zero, mask=m2)
+    for s in range(RK):
+        tl.store(GK + _tok_major(s, b, h, B, H, N, D, t, offs_d), zero, mask=m2)
+    tl.store(GV + _tok_major(0, b, h, B, H, N, D, t, offs_d), zero, mask=m2)
+    tl.store(GLR + (b * H + h) * N + t, tl.where(rmask, 0.0, 0.0), mask=rmask)
+
+
+@triton.jit
+def _finish_qk(DQ, GQ, GK, dk, r, b, h, B, H, N, D, t, offs_d, m2, RQ, RK, SHARED: tl.constexpr):
+    """This direction's complete dq (from DQ) and dk into the final gradients (zeroed by ``_zero_outputs``): slice
+    min(r, RQ - 1) of dq, or of dk; with ``SHARED`` (q = k) dq + dk into dq.  Relaxed atomic adds of at most two
+    addends (one per direction) onto 0: the same sum in either order (deterministic)."""
+    dq = tl.load(DQ + _tok_major(r, b, h, B, H, N, D, t, offs_d), mask=m2, other=0.0)
+    oq = _tok_major(tl.minimum(r, RQ - 1), b, h, B, H, N, D, t, offs_d)
+    if SHARED:
+        tl.atomic_add(GQ + oq, dq + dk, mask=m2, sem="relaxed")
+    else:
+        tl.atomic_add(GQ + oq, dq, mask=m2, sem="relaxed")
+        tl.atomic_add(GK + _tok_major(tl.minimum(r, RK - 1), b, h, B, H, N, D, t, offs_d), dk, mask=m2,
+                      sem="relaxed")
+
+
+@triton.jit
+def _seg_sum(P, OUT, O, R, M, so, si, pid, BLOCK: tl.constexpr):
+    """``OUT[o, j] = sum_i P[o so + i si + j]`` (i < R, in order) for block ``pid`` of the O x M outputs."""
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < O * M
+    base = P + (offs // M) * so + offs % M
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(R):
+        acc += tl.load(base + i * si, mask=mask, other=0.0)
+    tl.store(OUT + offs, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["r_tau", "r_ln", "m_ln", "o_w", "r_w", "so_w", "si_w", "m_w"])
+def _reduce_partials(PTAU, DTAU, PLNW, DLNW, PLNB, DLNB, PW0, DW0, PB0, DB0,
+                     r_tau, r_ln, m_ln, o_w, r_w, so_w, si_w, m_w, D, MB: tl.constexpr, BLOCK: tl.constexpr):
+    """The one reduction after the backward passes, fixed order (deterministic): dtau from its partial rows, the
+    inner LayerNorm's dln_w, dln_b from theirs (over chunks, directions and batch), dW0 (M = H d d) and db0
+    (M = H d) over the axes the initial state is shared along (``_state_sums``).  Grid (blocks, 5 tensors)."""
+    pid = pid64(0)
+    which = pid64(1)
+    if which == 0:
+        _seg_sum(PTAU, DTAU, 1, r_tau, MB, 0, MB, pid, BLOCK)
+    elif which == 1:
+        _seg_sum(PLNW, DLNW, 1, r_ln, m_ln, 0, m_ln, pid, BLOCK)
+    elif which == 2:
+        _seg_sum(PLNB, DLNB, 1, r_ln, m_ln, 0, m_ln, pid, BLOCK)
+    elif which == 3:
+        _seg_sum(PW0, DW0, o_w, r_w, m_w * D, so_w * D, si_w * D, pid, BLOCK)
+    else:
+        _seg_sum(PB0, DB0, o_w, r_w, m_w, so_w, si_w, pid, BLOCK)
+
+
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "sdb", "sdh", "sdn", "B", "H", "N", "n_mb", "CK", "n_ck", "RQ", "RK"])
 def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DLR, PTAU, PLNW, PLNB,
+                 GQ, GK, GV, GLR,
                  sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln, sdb, sdh, sdn,
-                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
+                 B, H, N, D, n_mb, CK, n_ck, eps, lr_scale, RQ, RK,
                  MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                  LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Backward pass 1, one program per (chunk, sequence), in parallel: from the chunk's stored state it walks the
     chunk forward (recomputing z, G and every incoming state) and forms the output-side gradients, which do not
     depend on the later mini-batches: dq (complete), dk's dS^T q term, dlr's eta term, dtau / dln partial sums,
@@ -380,6 +446,8 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
         tl.store(DQ + o3, _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
         tl.store(DK + o3, dk, mask=m2)
         tl.store(DLR + gb + t, tl.sum(deta * tau[:, None], 0), mask=rmask)
+        if r == 0:
+            _zero_outputs(GQ, GK, GV, GLR, b, h, B, H, N, D, t, offs_d, rmask, m2, RQ, RK)
         step = (tau_last * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
         bias -= tl.sum(step, 0)
@@ -389,13 +457,14 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
     tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
-@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "n_ck"])
-def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW0, DB0, PTAU, PLNW, PLNB,
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "n_ck", "RQ", "RK"])
+def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DQ, DK, DLR, DW0, DB0, PTAU, PLNW, PLNB,
+                GQ, GK, GV, GLR,
                 sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
-                B, H, N, D, n_mb, n_ck, eps, lr_scale,
+                B, H, N, D, n_mb, n_ck, eps, lr_scale, RQ, RK,
                 MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                 LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Backward pass 2, one program per sequence, sequential over the mini-batches in reverse: the (dW, db)
     recursion through the state updates and the inner LayerNorm gradient (not linear: it reads z), from the stored
     z, dzb, dG_a; no state is needed.  Writes dz for pass 3, dv, and adds dk's and dlr's recurrence terms."""
@@ -453,17 +522,19 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
             dz = dg
             dv = -dg
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
-        tl.store(DV + o3, dv, mask=m2)
+        # dv, dlr: both directions onto the zeroed outputs (two addends: deterministic)
+        tl.atomic_add(GV + _tok_major(0, b, h, B, H, N, D, t, offs_d), dv, mask=m2, sem="relaxed")
         dk += tl.load(DK + o3, mask=m2, other=0.0)
         if DOT:  # dk is complete here: no _bwd_keys
-            tl.store(DK + o3, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+            _finish_qk(DQ, GQ, GK, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), r, b, h, B, H, N, D, t,
+                       offs_d, m2, RQ, RK, SHARED)
         else:
             tl.store(DZ + o2, dz, mask=m2)
             tl.store(DK + o3, dk, mask=m2)
         dlr = tl.load(DLR + gb + t, mask=rmask, other=0.0) + de * tau_last
         if LR_SIG:  # d lr / d logit = lr (1 - sigmoid)
             dlr *= lr * (1.0 - lr / lr_scale)
-        tl.store(DLR + gb + t, dlr, mask=rmask)
+        tl.atomic_add(GLR + (b * H + h) * N + t, dlr, mask=rmask, sem="relaxed")
         if DOT:
             dw += tl.dot(tl.trans(q), dzb, input_precision=PREC)
             db += tl.sum(dzb, 0)
@@ -478,13 +549,13 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DK, DV, DLR, DW
     tl.store(PTAU + part * MB + offs_c, _tau_grad(dtau, TAU, offs_c, MB, TAU_OFF), mask=offs_c < MB)
 
 
-@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "CK", "n_ck"])
-def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
+@triton.jit(do_not_specialize=[*_STRIDES_NS, "B", "H", "N", "n_mb", "CK", "n_ck", "RQ", "RK"])
+def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DQ, DK, GQ, GK,
               sqr, sqb, sqh, sqn, skr, skb, skh, skn, svb, svh, svn, slb, slh, sln,
-              B, H, N, D, n_mb, CK, n_ck, eps, lr_scale,
+              B, H, N, D, n_mb, CK, n_ck, eps, lr_scale, RQ, RK,
               MB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
               LN_RES: tl.constexpr, ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr, PREC: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Backward pass 3, one program per (chunk, sequence), in parallel: dk += dz W_i^T, walking the chunk's states
     forward from its stored state with G recomputed from the stored z (no LayerNorm statistics of the state
     itself: z is given)."""
@@ -514,7 +585,8 @@ def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DK,
         dz = tl.load(DZ + o2, mask=m2, other=0.0)
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
         dk = tl.load(DK + o3, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
-        tl.store(DK + o3, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+        _finish_qk(DQ, GQ, GK, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), r, b, h, B, H, N, D, t, offs_d,
+                   m2, RQ, RK, SHARED)
         w -= tl.dot(tl.trans(k), (tau_last * lr)[:, None] * g, input_precision=PREC)
 
 
@@ -579,7 +651,8 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=False,
+               num_warps=warps)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
@@ -592,19 +665,25 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     return out.to(q.dtype).transpose(1, 2), (st if save_states else torch.empty(0, **f32))
 
 
-def _reduce_w(dw: torch.Tensor, like: torch.Tensor, ndir: int) -> torch.Tensor:
-    dw = dw.reshape(ndir, -1, *like.shape[2:])
-    shared = [i for i in (0, 1) if like.shape[i] == 1]  # one state for both directions / the whole batch
-    if shared:
-        dw = dw.sum(shared, keepdim=True)  # one launch
-    return dw.to(like.dtype)
+def _state_sums(like: torch.Tensor, ndir: int, bsz: int) -> Tuple[int, int, int, int]:
+    """(O, R, so, si) of ``_seg_sum`` (in units of one head's block) that sums the per-sequence (ndir, B) gradient of
+    the initial state to ``like``'s (1 | ndir, 1 | B) leading axes."""
+    per_dir, per_sample = like.shape[0] != 1, like.shape[1] != 1
+    if per_dir and per_sample:
+        return ndir * bsz, 1, 1, 0
+    if per_dir:
+        return ndir, bsz, bsz, 1
+    if per_sample:
+        return bsz, ndir, 1, bsz
+    return 1, ndir * bsz, 0, 1
 
 
 def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int, mini_batch: int,
                     ln_residual: bool, eps: float, rope_table: Optional[torch.Tensor] = None, lr_scale: float = 0.0,
-                    tau_offset: bool = False, dot_loss: bool = False) -> List[torch.Tensor]:
+                    tau_offset: bool = False, dot_loss: bool = False, shared_qk: bool = False) -> List[torch.Tensor]:
     """Triton backward of the general contract: [dq, dk, dv, dlr, dtau, dw0, db0, dln_w, dln_b], in three launches
-    (per chunk, per sequence, per chunk; module docstring)."""
+    (per chunk, per sequence, per chunk; module docstring; two for the dot loss) and one reduction of the partial
+    sums.  ``shared_qk`` (k is q): dq holds dq + dk and dk is empty."""
     _check_dtype(q)
     _, bsz, h, n, d = q.shape
     if states.numel() == 0:
@@ -615,36 +694,51 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     if states.shape[2] != n_ck:
         raise ValueError(f"states hold {states.shape[2]} checkpoints, expected {n_ck} for {n_mb} mini-batches")
     f32 = dict(device=q.device, dtype=torch.float32)
-    # per direction, fp32: the gradients, and z, dzb, dG_a, dz handed from pass to pass
-    dq, dk, dv = [torch.empty(ndir, bsz, n, h, d, **f32) for _ in range(3)]  # token-major (_tok_major)
+    # per direction, fp32, handed from pass to pass: dq, dk (token-major, _tok_major), dlr, z, dzb, dG_a, dz
+    dq, dk = [torch.empty(ndir, bsz, n, h, d, **f32) for _ in range(2)]
     dzb, dga = [torch.empty(ndir, bsz, h, n, d, **f32) for _ in range(2)]
     # z and dz only for the state-dependent losses (the dot loss's G = -v reads neither)
     z, dz = [dzb if dot_loss else torch.empty_like(dzb) for _ in range(2)]
     dlr = torch.empty(ndir, bsz, h, n, **f32)
+    # the gradients (fp32): dq, dk, dv, dlr zeroed by pass 1 and summed over the directions by the later passes
+    rq, rk = q.shape[0], k.shape[0]
+    gq = torch.empty(rq, bsz, n, h, d, **f32)
+    gk = gq if shared_qk else torch.empty(rk, bsz, n, h, d, **f32)
+    gv = torch.empty(bsz, n, h, d, **f32)
+    glr = torch.empty(bsz, h, n, **f32)
     seqs = ndir * bsz * h
     ptau = torch.empty(n_ck + 1, seqs, mini_batch, **f32)  # partial sums: one row per chunk program, one for pass 2
     plnw, plnb = [torch.empty(n_ck + 1, seqs, d, **f32) for _ in range(2)]
-    dw0 = torch.empty(seqs, d, d, **f32)
-    db0 = torch.empty(seqs, d, **f32)
+    pw0 = torch.empty(seqs, d, d, **f32)
+    pb0 = torch.empty(seqs, d, **f32)
     block_c, block_d, warps = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=shared_qk,
+               num_warps=warps)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     strides = _seq_strides(q, k, v, lr)
     _bwd_outputs[grids["_bwd_outputs"]](
-        q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb,
-        *strides, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+        q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb, gq, gk, gv, glr,
+        *strides, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk,
+        **cfg)
     _bwd_states[grids["_bwd_states"]](
-        q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dk, dv, dlr, dw0, db0, ptau, plnw, plnb,
-        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, **cfg)
+        q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dq, dk, dlr, pw0, pb0, ptau, plnw, plnb, gq, gk, gv, glr,
+        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, rq, rk, **cfg)
     if not dot_loss:  # dot loss: dz = 0, _bwd_states completes dk
         _bwd_keys[grids["_bwd_keys"]](
-            k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dk,
-            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
-    dq = dq.sum(0, keepdim=True) if q.shape[0] == 1 else dq
-    dk = dk.sum(0, keepdim=True) if k.shape[0] == 1 else dk
-    return [dq.to(q.dtype).transpose(2, 3), dk.to(k.dtype).transpose(2, 3), dv.sum(0).to(v.dtype).transpose(1, 2),
-            dlr.sum(0).to(lr.dtype),
-            ptau.sum((0, 1)).to(tau.dtype), _reduce_w(dw0, w0, ndir), _reduce_w(db0.view(seqs, 1, d), b0, ndir),
-            plnw.view(-1, h, d).sum(0).to(ln_w.dtype), plnb.view(-1, h, d).sum(0).to(ln_b.dtype)]
+            k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dq, dk, gq, gk,
+            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk, **cfg)
+    dtau = torch.empty(mini_batch, **f32)
+    dlnw, dlnb = torch.empty(h, d, **f32), torch.empty(h, d, **f32)
+    dw0 = torch.empty(w0.shape, **f32)
+    db0 = torch.empty(b0.shape, **f32)
+    o_w, r_w, so_w, si_w = _state_sums(w0, ndir, bsz)
+    block = 1024
+    most = max(mini_batch, h * d, o_w * h * d * d)
+    _reduce_partials[(triton.cdiv(most, block), 5)](
+        ptau, dtau, plnw, dlnw, plnb, dlnb, pw0, dw0, pb0, db0, (n_ck + 1) * seqs, (n_ck + 1) * ndir * bsz, h * d,
+        o_w, r_w, so_w * h * d, si_w * h * d, h * d, d, MB=mini_batch, BLOCK=block, num_warps=4)
+    return [gq.to(q.dtype).transpose(2, 3), (k.new_empty(0) if shared_qk else gk.to(k.dtype).transpose(2, 3)),
+            gv.to(v.dtype).transpose(1, 2), glr.to(lr.dtype), dtau.to(tau.dtype), dw0.to(w0.dtype),
+            db0.to(b0.dtype), dlnw.to(ln_w.dtype), dlnb.to(ln_b.dtype)]
