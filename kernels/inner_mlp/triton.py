@@ -419,8 +419,8 @@ def _bwd_update(K, V, WA, WB, WO, CT, DK, DV, DWA, DWB, DWO, P, SP,
             go += _dot(tl.trans(hid.to(dt)), df, PREC) + _dot(tl.trans(ddh), e16, PREC)
             dv = -df.to(tl.float32)
             dh = _mm(e16, tl.trans(wo), PREC, SPLIT)
-            dz1 = (dpa * dh * d2a + (_mm(e16, tl.trans(cto), PREC, SPLIT) + _mm(df, tl.trans(wo), PREC, SPLIT))
-                   * da).to(dt)
+            dz1 = (dpa * dh * d2a + (_mm(e16, tl.trans(cto), PREC, SPLIT) + _dot(df, tl.trans(wo), PREC))
+                   * da).to(dt)  # this one unsplit: ptxas spilled 132 B with it split
             dk = _mm((dh * da).to(dt), tl.trans(cta), PREC, SPLIT) + _mm(dz1, tl.trans(wa), PREC, SPLIT)
         ga += _dot(tl.trans(k), dz1, PREC)
         _st(DK, b * sdkb + h * sdkh, dk, offs_n, offs_d, sdkn, sdkd, N, D)
