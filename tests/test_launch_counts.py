@@ -150,10 +150,8 @@ def test_vit3_fused_op_launches():
 # target fails here until its entry is removed.
 TRITON_ABOVE_TARGET = {
     "t5_plus_tiny": (14, 44),
-    "visionttt_h_tiny": (15, 58),
-    "visionttt_h_tiny_la": (49, 162),
-    "visionttt_tiny": (15, 58),
-    "visionttt_tiny_la": (49, 162),
+    "visionttt_h_tiny": (14, 42),  # one over: the fused projection's weight / bias cats and its split's cat
+    "visionttt_tiny": (14, 42),
     "dit3_s_2": (23, 68),  # within 1.5x / 1.3x of its softmax peer DiT-S/2 (20 / 66), not of DeiT-T
     "dit5_s_2": (25, 84),  # the same (1.25x / 1.27x DiT-S/2)
 }

@@ -900,6 +900,33 @@ def test_pass2_grid_grows_with_the_sequence():
     assert math.prod(grids[224]["_fwd_outputs"]) < math.prod(grids[1024]["_fwd_outputs"])
 
 
+# ------------------------------------------------------------ the Triton SwiGLU of the Vision-TTT MLP
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+@triton_test
+def test_silu_mul_kernels_vs_float64(dtype, tol):
+    """``silu_mul`` (one launch forward, one backward writing both halves of dh) and ``silu_mul_vjp`` (the same
+    backward launch also writing the output) against float64 PyTorch at N = 3136 tokens (56 x 56), batch 2, hidden 520
+    (Vision-TTT-T's 512 rounded: not a power of two); errors relative to each tensor's largest reference entry."""
+    from ttt_zoo.kernels.ttt_linear.gate import silu_mul, silu_mul_vjp
+    g = torch.Generator().manual_seed(0)
+    hid = 520
+    h = (torch.randn(2, 3136, 2 * hid, generator=g, dtype=torch.float64) * 3).to(dtype)
+    dg = torch.randn(2, 3136, hid, generator=g, dtype=torch.float64).to(dtype)
+    ref_h = h.double().requires_grad_()
+    gate, value = ref_h.chunk(2, -1)
+    ref = F.silu(gate) * value
+    (ref_dh,) = torch.autograd.grad(ref, ref_h, dg.double())
+    got_h = h.to(DEV).requires_grad_()
+    out = silu_mul(got_h)
+    (dh,) = torch.autograd.grad(out, got_h, dg.to(DEV))
+    out2, dh2, dparams = silu_mul_vjp(h.to(DEV), dg.to(DEV))
+    assert dparams == [] and torch.equal(out2, out.detach()) and torch.equal(dh2, dh)
+    for name, got, want in (("out", out, ref), ("dh", dh, ref_dh)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err < tol, f"{name}: max error {err:.2e}"
+
+
 # ------------------------------------------------------------ the Triton output gate of the Vision-TTT mixer
 @pytest.mark.parametrize("c", [96, 192])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
@@ -908,7 +935,7 @@ def test_gelu_gate_kernel_vs_float64(c, dtype, tol):
     """``gelu_gate`` (one launch forward, one + a reduction backward) against float64 PyTorch: output and the
     gradients of u (a strided split view, as the mixer's projection gives it), z, the LayerNorm weight and bias;
     errors relative to each tensor's largest reference entry."""
-    from ttt_zoo.kernels.ttt_linear.gate import gelu_gate
+    from ttt_zoo.kernels.ttt_linear.gate import gelu_gate, gelu_gate_vjp
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     proj = (r(2, 37, 3 * c) * 2).to(dtype).double()
@@ -925,3 +952,8 @@ def test_gelu_gate_kernel_vs_float64(c, dtype, tol):
         assert got.dtype == dtype and got.shape == want.shape, name
         err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
         assert err < tol, f"{name}: max error {err:.2e}"
+    # the recompute's vjp: the same backward launch, writing the output as well
+    u, zwb = got_in[0][..., c:2 * c].detach(), [t.detach() for t in got_in[1:]]
+    y, du, (dz, dw, db) = gelu_gate_vjp(u, dy.to(DEV, dtype), *zwb, 1e-6)
+    assert torch.equal(y, out.detach()) and torch.equal(du, grads[0][..., c:2 * c])
+    assert torch.equal(dz, grads[1]) and torch.equal(dw, grads[2]) and torch.equal(db, grads[3])

@@ -328,6 +328,14 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
         from ttt_zoo.kernels.ttt_linear.gate import gelu_gate  # Triton: imported where it runs
         return gelu_gate(u_g, z, norm_w, norm_b, self.post_norm.eps)
 
+    @torch.jit.unused
+    def _kernel_gate_vjp(self, u_g: torch.Tensor, dy: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor,
+                         norm_b: torch.Tensor):
+        """The gate's output and gradients from its backward kernel (the recompute's ``mid_vjp``: no forward
+        launch in the backward)."""
+        from ttt_zoo.kernels.ttt_linear.gate import gelu_gate_vjp  # Triton: imported where it runs
+        return gelu_gate_vjp(u_g, dy, z, norm_w, norm_b, self.post_norm.eps)
+
     def _scaled_tau(self, scale: float) -> torch.Tensor:
         """``scale * token_tau(tau_offset)`` for ``scale >= 0``, as ``relu(scale / i + scale * offset_i)``: the
         ``scale / i`` table is a per-process constant, so this is two launches (token_tau: five)."""
@@ -361,10 +369,12 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
             z, _ = self._scan(q, k, v, (self.base_lr / self.head_dim) * torch.sigmoid(logits))
         z = z.transpose(1, 2).reshape(b, n, c)
         if not torch.jit.is_scripting():
+            gate_in_kernel = rate_in_kernels and self._gate_in_kernel() and launches_kernel(True, z)
             if can_recompute(self, z):  # training: keep u_g and z only (ttt_zoo.layers.recompute)
                 return linear_of_recomputed(self._gate, u_g, self.o_proj, z, self.post_norm.weight,
-                                            self.post_norm.bias)
-            if rate_in_kernels and self._gate_in_kernel() and launches_kernel(True, z):
+                                            self.post_norm.bias, mid_vjp=self._kernel_gate_vjp if gate_in_kernel
+                                            else None)
+            if gate_in_kernel:
                 return self.proj_drop(self.o_proj(self._kernel_gate(u_g, z, self.post_norm.weight,
                                                                     self.post_norm.bias)))
         return self.proj_drop(self.o_proj(F.gelu(u_g, approximate="tanh") * self.post_norm(z)))

@@ -18,6 +18,8 @@ from torch import nn
 from timm.layers import register_notrace_function
 from timm.models import generate_default_cfgs, register_model
 
+from ttt_zoo.kernels.backend import resolve_backend, tracing
+from ttt_zoo.kernels.utils import launches_kernel
 from ttt_zoo.layers import TTTBlock, family_mixer_kwargs
 from ttt_zoo.layers.recompute import can_recompute, linear_of_recomputed
 from ._common import (build_ttt_model, check_image, check_sizes, image_cfg, run_blocks, unwrap_checkpoint,
@@ -47,14 +49,18 @@ ONE_BLOCK_KWARGS = {"visionttt": dict(depth=1), "visionttt_h": dict(depths=(1, 1
 
 class SwiGluMlp(nn.Module):
     """``fc2(silu(gate) * value)`` with ``[gate, value] = fc1(x)``; hidden rounded up to a multiple of 8.  In
-    training ``silu(gate) * value`` is recomputed in the backward (``recompute_act = False`` keeps it)."""
+    training ``silu(gate) * value`` is recomputed in the backward (``recompute_act = False`` keeps it).  Where
+    ``backend`` resolves to Triton for the Vision-TTT op (eager), ``silu(gate) * value`` is one kernel forward and
+    one backward (``kernels/ttt_linear/gate.py``)."""
 
     recompute_act: bool = True
 
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = True, drop: float = 0.0):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = True, drop: float = 0.0,
+                 backend: Optional[str] = None):
         super().__init__()
         hidden_dim = int(math.ceil(hidden_dim / 8) * 8)
         self.hidden_dim = hidden_dim
+        self.backend = backend
         self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=bias)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop = nn.Dropout(drop)
@@ -64,11 +70,27 @@ class SwiGluMlp(nn.Module):
         gate, value = h.chunk(2, dim=-1)
         return F.silu(gate) * value
 
+    @torch.jit.unused
+    def _kernels(self, h: torch.Tensor):
+        """``(silu_mul, silu_mul_vjp)`` of the Triton path, or None: the aten ops (graph capture, or a backend
+        that resolves to PyTorch for the Vision-TTT op)."""
+        if isinstance(h, torch.fx.Proxy) or tracing() or not launches_kernel(True, h):
+            return None
+        if resolve_backend(self.backend, h.device, h.dtype, None, "ttt_linear_bidir") != "triton":
+            return None
+        from ttt_zoo.kernels.ttt_linear.gate import silu_mul, silu_mul_vjp  # Triton: imported where it runs
+        return silu_mul, silu_mul_vjp
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         h = self.fc1(x)
         if not torch.jit.is_scripting():
+            kernels = self._kernels(h)
             if can_recompute(self, h):  # training: keep fc1's output only (ttt_zoo.layers.recompute)
+                if kernels is not None:
+                    return linear_of_recomputed(kernels[0], h, self.fc2, mid_vjp=kernels[1])
                 return linear_of_recomputed(self._mid, h, self.fc2)
+            if kernels is not None:
+                return self.drop(self.fc2(kernels[0](h)))
         return self.drop(self.fc2(self._mid(h)))
 
 
@@ -94,7 +116,7 @@ def _make_blocks(dim: int, depth: int, head_dim: int, drop_path: Sequence[float]
     return nn.ModuleList([
         TTTBlock(dim, num_heads, mixer=mixer, mlp_ratio=mlp_ratio, cpe=False, qkv_bias=qkv_bias,
                  proj_drop=proj_drop, drop_path=drop_path[i], norm_layer=norm_layer,
-                 mlp_layer=partial(SwiGluMlp, drop=proj_drop), mixer_kwargs=mk)
+                 mlp_layer=partial(SwiGluMlp, drop=proj_drop, backend=mk.get("backend")), mixer_kwargs=mk)
         for i in range(depth)])
 
 
@@ -110,7 +132,8 @@ class VisionTTT(PlainTTTViT):
         num_heads, mk = _vittt_heads(embed_dim, head_dim, mixer, mixer_kwargs)
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, mixer=mixer, mixer_kwargs=mk, cpe=False,
-            pos_embed=True, proj_drop_rate=proj_drop_rate, mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate),
+            pos_embed=True, proj_drop_rate=proj_drop_rate,
+            mlp_layer=partial(SwiGluMlp, drop=proj_drop_rate, backend=mk.get("backend")),
             **kwargs)
 
 
