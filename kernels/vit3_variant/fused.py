@@ -380,27 +380,28 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
             kt = tl.trans(k)
             da1 = _dot(k, dg1, PREC) * c1                     # dA (first block) = c k dG
             if KIND == LINEAR:                                 # A = v
+                _st(DV1, b * sxvb + h * sxvh, da1, offs_n, offs_d, sxvn, sxvd, N, D)
                 dk = _dot(v.to(k.dtype), tl.trans(dg1), PREC) * c1
-                dv = da1
-            else:
+            else:  # dv first and stored at once (fewer live tiles), then dk and dW
                 w2 = _ld(W2, wbase, offs_d, offs_d, swr, swc, D, D)
                 z2 = _dot(k, w2, PREC)
                 silu, dsilu, s = _silu_parts(z2)
                 vd = v * dsilu
-                dk = _dot((v * silu).to(k.dtype), tl.trans(dg1), PREC) * c1
                 dz2 = da1 * vd
                 dv = da1 * silu
                 if KIND == ALL:
                     w1 = _ld(W1, wbase, offs_d, offs_d, swr, swc, D, D)
                     z1 = _dot(k, w1, PREC)
-                    d2silu = s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s))
                     da2 = _dot(k, dg2, PREC) * c2
+                    _st(DV1, b * sxvb + h * sxvh, dv + da2 * z1 * dsilu, offs_n, offs_d, sxvn, sxvd, N, D)
                     dz1 = (da2 * vd).to(k.dtype)
-                    dz2 += da2 * v * z1 * d2silu
-                    dk += _dot((z1 * vd).to(k.dtype), tl.trans(dg2), PREC) * c2
-                    dk += _dot(dz1, tl.trans(w1), PREC)
-                    dv += da2 * z1 * dsilu
+                    dz2 += da2 * v * z1 * (s * (1.0 - s) * (2.0 + z2 * (1.0 - 2.0 * s)))
+                    dk = _dot((z1 * vd).to(k.dtype), tl.trans(dg2), PREC) * c2 + _dot(dz1, tl.trans(w1), PREC)
                     dw1 += _dot(kt, dz1, PREC)
+                    dk += _dot((v * silu).to(k.dtype), tl.trans(dg1), PREC) * c1
+                else:
+                    _st(DV1, b * sxvb + h * sxvh, dv, offs_n, offs_d, sxvn, sxvd, N, D)
+                    dk = _dot((v * silu).to(k.dtype), tl.trans(dg1), PREC) * c1
                 dz2 = dz2.to(k.dtype)
                 dk += _dot(dz2, tl.trans(w2), PREC)
                 dw2 += _dot(kt, dz2, PREC)
@@ -409,7 +410,6 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
             if SHARE:  # q is k: the dq the first launch wrote into these rows (already turned back)
                 dk += _ld(DK1, b * sxkb + h * sxkh, offs_n, offs_d, sxkn, sxkd, N, D).to(tl.float32)
             _st(DK1, b * sxkb + h * sxkh, dk, offs_n, offs_d, sxkn, sxkd, N, D)
-            _st(DV1, b * sxvb + h * sxvh, dv, offs_n, offs_d, sxvn, sxvd, N, D)
         wb = b % n_wb
         if KIND == ALL:
             _add(DW, (wb * HEADS + h) * D * D, dw1, offs_d, D)
