@@ -30,7 +30,7 @@ from ttt_zoo.kernels.vit3_ttt import ops as VO  # noqa: E402
 from ttt_zoo.kernels.vit3_ttt import triton as VT  # noqa: E402
 from ttt_zoo.kernels.vit3_variant import fused as VV  # noqa: E402
 
-_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC", "MB")
+_INT = ("N", "C", "H", "D", "B", "CK", "Hh", "Ww", "HEADS", "DC", "MB", "RQ", "RK")
 _IO = ("K", "V", "Q", "O", "DO", "DQ", "DK", "DV", "X", "Y", "DY", "DX")  # activations: bf16 here
 _FLOAT = ("c", "eps", "alpha", "lr", "lr_scale")
 
@@ -49,10 +49,11 @@ def _signature(fn, consts, io=_IO):
     return sig
 
 
-def _compile(fn, consts, arch, num_warps, io=_IO):
+def _compile(fn, consts, arch, num_warps, io=_IO, stages=None):
     t0 = time.time()
+    options = dict(num_warps=num_warps) if stages is None else dict(num_warps=num_warps, num_stages=stages)
     k = triton.compile(ASTSource(fn, _signature(fn, consts, io), consts), target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=num_warps))
+                       options=options)
     secs = time.time() - t0
     regs, spill = ptxas_stats(k.asm["ptx"], arch)
     return secs, regs, spill, k.metadata.shared
@@ -79,11 +80,11 @@ def _header(title, arch, note):
             "|---|---|---|---|---|---|---|---|---|---|"]
 
 
-def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO):
+def _row(fn, variant, bd, tile, warps, consts, arch, io=_IO, stages=None):
     act = next((v[1:] for a, v in _signature(fn, consts, io).items() if a in io), "-")  # the activations' dtype
     head = f"| {fn.__name__} | {variant} | {act} | {bd} | {tile} | {warps} |"
     try:
-        secs, regs, spill, shared = _compile(fn, consts, arch, warps, io)
+        secs, regs, spill, shared = _compile(fn, consts, arch, warps, io, stages)
         row = f"{head} {secs:.0f} | {regs} | {spill} | {shared} |"
     except Exception as e:  # report, do not hide
         row = f"{head} - | FAILED {type(e).__name__}: {' '.join(str(e).split())[:80]} | | |"
@@ -179,14 +180,17 @@ def ttt_linear_rows(block_ds, arch, mini_batch=16):
     lines = []
     for bd in block_ds:
         bc, _, warps = LT._launch_cfg(bd, mini_batch)
-        for ln in (True, False):
-            for act, fn in itertools.product(_ACT, (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states,
-                                                    LT._bwd_keys)):
+        # the MSE loss with and without the LN residual, and the dot loss (the LA forms: no _bwd_keys pass)
+        for loss, ln, dot in (("mse", True, False), ("mse", False, False), ("dot", False, True)):
+            fns = (LT._fwd_states, LT._fwd_outputs, LT._bwd_outputs, LT._bwd_states) + (() if dot else (LT._bwd_keys,))
+            for act, fn in itertools.product(_ACT, fns):
                 # the shipped configuration: RoPE, the lr sigmoid and the tau offsets inside the kernels
                 consts = dict(MB=mini_batch, BLOCK_C=bc, BLOCK_D=bd, LN_RES=ln, PREC=LT._prec(_TORCH[act]),
-                              ROPE=True, LR_SIG=True, TAU_OFF=True)
-                lines.append(_row_act(act, fn, f"ln_residual={ln}", bd, f"mini-batch {mini_batch}", warps, consts,
-                                      arch))
+                              ROPE=True, LR_SIG=True, TAU_OFF=True, DOT=dot, SHARED=False)
+                variant = f"ln_residual={ln}" if loss == "mse" else "dot loss"
+                lines.append(_row_act(act, fn, variant, bd, f"mini-batch {mini_batch}", warps, consts, arch))
+    lines.append(_row(LT._reduce_partials, "partial sums (fp32)", "-", "1024", 4, dict(MB=mini_batch, BLOCK=1024),
+                      arch, io=()))
     return lines
 
 
@@ -217,19 +221,26 @@ def inner_mlp_rows(block_ds, arch):
             for fn, pass_ in kernels:
                 bn, tiles, warps = T.launch_cfg(bd, pass_, dt == "fp32") if pass_ != "finalize" else \
                     (min(T.BLOCK_C, bd), 1, 4)
-                # SINGLE: the one-chunk variant (N <= 256) of the update / apply-bwd / update-bwd kernels
-                for gated, single in itertools.product((True, False), (False, True) if "SINGLE" in fn.arg_names
-                                                       else (False,)):
+                # the backward kernels' stages and SPLIT (fp32 at d = 64: halved dots) as the launcher picks them
+                stages, split = T.bwd_tuning(fn.__name__, bd, dt == "fp32") if "SPLIT" in fn.arg_names else (None, 1)
+                for gated, mix in itertools.product((True, False), (False, True) if "HAS_MIX" in fn.arg_names
+                                                    else (False,)):
+                    if mix and not gated:
+                        continue  # the TTT / attention blend is T5+'s (gated)
                     consts = {a: v for a, v in dict(GATED=gated, TILES=tiles, BLOCK_N=bn, BLOCK_D=bd, PREC=prec,
                                                     BLOCK_C=min(T.BLOCK_C, bd), DETERMINISTIC=False,
-                                                    HAS_MIX=False).items()
+                                                    HAS_MIX=mix, SPLIT=split).items()
                               if a in fn.arg_names}
                     tile = f"{bn} columns" if pass_ == "finalize" else f"{bn} tokens"
-                    variant = ("T5" if gated else "DiT5") + (", one chunk" if single else "")
-                    lines.append(_row_act(dt, fn, variant, bd, tile, warps, consts, arch))
-    for fn in (KT._knorm_fwd, KT._knorm_bwd):
-        lines.append(_row(fn, "key-norm", f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
-                          {a: v for a, v in dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C, BLOCK_T=16, CAT=False).items()
+                    variant = ("T5+" if mix else "T5" if gated else "DiT5") + (f", {stages} stages, SPLIT {split}"
+                                                                               if stages is not None else "")
+                    lines.append(_row_act(dt, fn, variant, bd, tile, warps, consts, arch, stages=stages))
+    for fn, extra in ((KT._knorm_fwd, dict(CAT=False, COPY=False)), (KT._knorm_fwd, dict(CAT=True, COPY=False)),
+                      (KT._knorm_fwd, dict(CAT=True, COPY=True)), (KT._knorm_bwd, dict(ADD=False)),
+                      (KT._knorm_bwd, dict(ADD=True))):
+        variant = "key-norm" + "".join(f", {k}" for k, v in extra.items() if v)
+        lines.append(_row(fn, variant, f"{KT.BLOCK_C} (C)", KT.BLOCK_N, 4,
+                          {a: v for a, v in dict(BLOCK_N=KT.BLOCK_N, BLOCK_C=KT.BLOCK_C, BLOCK_T=16, **extra).items()
                            if a in fn.arg_names}, arch))
     return lines
 

@@ -100,7 +100,7 @@ def test_counter_counts_triton_launches_once():
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("name", ["visionttt_tiny_la", "visionttt_tiny"])  # a forward kernel; forward + backward
+@pytest.mark.parametrize("name", ["visionttt_tiny_la", "visionttt_tiny"])  # the dot loss and the MSE loss
 def test_counts_do_not_depend_on_running_the_kernels(name):
     """The Triton path counted with its kernels run (the interpreter) and only launched: the same launches."""
     _needs_triton()
@@ -149,11 +149,10 @@ def test_vit3_fused_op_launches():
 # (inference, training) at the commit of experiments/results/launch_counts.md.  Strict: a model that reaches the
 # target fails here until its entry is removed.
 TRITON_ABOVE_TARGET = {
-    "t5_plus_tiny": (14, 44),
     "visionttt_h_tiny": (14, 42),  # one over: the fused projection's weight / bias cats and its split's cat
     "visionttt_tiny": (14, 42),
     "dit3_s_2": (23, 68),  # within 1.5x / 1.3x of its softmax peer DiT-S/2 (20 / 66), not of DeiT-T
-    "dit5_s_2": (25, 84),  # the same (1.25x / 1.27x DiT-S/2)
+    "dit5_s_2": (25, 83),  # the same (1.25x / 1.26x DiT-S/2)
 }
 
 

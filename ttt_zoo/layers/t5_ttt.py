@@ -26,6 +26,10 @@ from .neighborhood import neighborhood_attention_2d
 from .mixer import TTTMixer, register_mixer
 from .variants import VariantOptions, init_plain_step_variant
 
+# a leaf for torch.fx wherever this module's code calls it, also from mixers whose forward lives elsewhere (DiT5's
+# calls PlainStepTTT._qk_convs): timm's notrace registration patches only the traced forwards' own globals
+torch.fx.wrap("key_instance_norm")
+
 __all__ = ["T5TTT", "PlainStepTTT", "key_instance_norm", "kernel_ttt_form", "qkv_inputs", "dit5_form",
            "eager_fold", "fold_identity", "residual_dwconv", "fused_qk_convs", "stacked_heads", "NA_WEIGHT",
            "blend_na"]
