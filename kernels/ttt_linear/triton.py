@@ -51,6 +51,7 @@ load (the partner columns loaded too), dq and dk turned back before their last s
 sigmoid(logit)`` (``LR_SIG``) and tau ``max(0, 1 / i + offset)`` (``TAU_OFF``) are formed on load; dlr and the dtau
 partials leave as d logit, d offset.  The callers then launch nothing around the scan for them.
 """
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -618,6 +619,27 @@ def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
     return _block_d(mini_batch), block_d, (8 if block_d >= 64 else 4)
 
 
+# (kernel, fp32 activations, BLOCK_D) -> (num_warps, num_stages) where _launch_cfg's warps with Triton's 3 stages
+# spill on sm_90 (ptxas -v of every model launch, experiments/sm90_launched.py).  One stage: the mini-batch loop's
+# prefetched loads no longer hold registers.  16 warps spill more at d = 64 (the 16-row tiles are replicated).
+_SM90_CFG = {
+    ("_fwd_outputs", True, 64): (8, 1),
+    ("_bwd_outputs", True, 64): (8, 1),
+    ("_bwd_states", True, 64): (8, 1),
+    ("_bwd_outputs", True, 32): (8, 1),
+    ("_bwd_states", True, 32): (4, 1),
+    ("_bwd_outputs", False, 32): (4, 1),
+    ("_bwd_states", False, 32): (8, 1),
+}
+
+
+def _kernel_opts(kernel: str, dtype: torch.dtype, d: int, mini_batch: int) -> Dict[str, int]:
+    """num_warps and num_stages of one scan kernel: _SM90_CFG where it has a row, else _launch_cfg's warps."""
+    _, block_d, warps = _launch_cfg(d, mini_batch)
+    warps, stages = _SM90_CFG.get((kernel, dtype == torch.float32, block_d), (warps, 3))
+    return dict(num_warps=warps, num_stages=stages)
+
+
 def _chunks(n: int, mini_batch: int) -> Tuple[int, int, int]:
     """Mini-batches, mini-batches per chunk (= per saved checkpoint, ``torch.ckpt_every``) and chunks."""
     n_mb = triton.cdiv(n, mini_batch)
@@ -648,20 +670,20 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     out = torch.empty(bsz, n, h, d, **f32)  # both directions summed, token-major: (B, N, C) for the caller
     grad = torch.empty(ndir, bsz, h, n, d, **f32)  # the inner gradients G (pass 1 -> pass 2)
     st = torch.empty(ndir * bsz, h, n_ck, d + 1, d, **f32)  # chunk-start states = the backward's checkpoints
-    block_c, block_d, warps = _launch_cfg(d, mini_batch)
+    block_c, block_d, _ = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=False,
-               num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=False)
+    opts = partial(_kernel_opts, dtype=q.dtype, d=d, mini_batch=mini_batch)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
         *_seq_strides(q, k, v, lr), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg, **opts("_fwd_states"))
     _fwd_outputs[grids["_fwd_outputs"]](
         q, k, lr, tau, cs, ln_w, ln_b, grad, st, out,
         *_seq_strides(q, k, v, lr),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg)
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg, **opts("_fwd_outputs"))
     return out.to(q.dtype).transpose(1, 2), (st if save_states else torch.empty(0, **f32))
 
 
@@ -711,24 +733,24 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     plnw, plnb = [torch.empty(n_ck + 1, seqs, d, **f32) for _ in range(2)]
     pw0 = torch.empty(seqs, d, d, **f32)
     pb0 = torch.empty(seqs, d, **f32)
-    block_c, block_d, warps = _launch_cfg(d, mini_batch)
+    block_c, block_d, _ = _launch_cfg(d, mini_batch)
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
-               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=shared_qk,
-               num_warps=warps)
+               LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=shared_qk)
+    opts = partial(_kernel_opts, dtype=q.dtype, d=d, mini_batch=mini_batch)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     strides = _seq_strides(q, k, v, lr)
     _bwd_outputs[grids["_bwd_outputs"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb, gq, gk, gv, glr,
         *strides, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk,
-        **cfg)
+        **cfg, **opts("_bwd_outputs"))
     _bwd_states[grids["_bwd_states"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dq, dk, dlr, pw0, pb0, ptau, plnw, plnb, gq, gk, gv, glr,
-        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, rq, rk, **cfg)
+        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, rq, rk, **cfg, **opts("_bwd_states"))
     if not dot_loss:  # dot loss: dz = 0, _bwd_states completes dk
         _bwd_keys[grids["_bwd_keys"]](
             k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dq, dk, gq, gk,
-            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk, **cfg)
+            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk, **cfg, **opts("_bwd_keys"))
     dtau = torch.empty(mini_batch, **f32)
     dlnw, dlnb = torch.empty(h, d, **f32), torch.empty(h, d, **f32)
     dw0 = torch.empty(w0.shape, **f32)
