@@ -414,7 +414,9 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
         q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs_c,
                                                offs_d, D, MB, lr_scale, ROPE, LR_SIG, TAU_OFF)
         do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+        o2 = (gb + t[:, None]) * D + offs_d[None, :]
+        if not DOT:  # z stored at once, not held to the end (sm_90 spills); the dot loss's G = -v does not read z
+            tl.store(Z + o2, tl.dot(k, w, input_precision=PREC) + bias[None, :], mask=m2)
         g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC, DOT)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
@@ -438,9 +440,6 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
         dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
         dga = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
         dtau += tl.sum(deta * lr[None, :], 1)
-        o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        if not DOT:  # the dot loss's G = -v does not read z
-            tl.store(Z + o2, z, mask=m2)
         tl.store(DZB + o2, dzb, mask=m2)
         tl.store(DGA + o2, dga, mask=m2)
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
@@ -511,20 +510,22 @@ def _bwd_states(Q, K, V, LR, TAU, CS, LNW, LNB, Z, DZB, DGA, DZ, DQ, DK, DLR, DW
         elif LN_RES:
             dgx = _ln_op(dg, xh, rstd, dmask, D)
             dy = dgx * lnw[None, :]
+            # dv = -dy added at once, not held to the end (sm_90 spills)
+            tl.atomic_add(GV + _tok_major(0, b, h, B, H, N, D, t, offs_d), -dy, mask=m2, sem="relaxed")
             dlnw += tl.sum(dgx * y + dy * xh, 0)
             dlnb += tl.sum(dy, 0)
             mgx = tl.sum(gx * xh, 1) / D
             dxh = dy * lnw[None, :] - (mgx[:, None] * dg + gx * (tl.sum(dg * xh, 1) / D)[:, None]) * rstd[:, None]
             dz = _ln_op(dxh, xh, rstd, dmask, D) - ((tl.sum(dg * g, 1) * rstd / D)[:, None]) * xh
             dz = tl.where(m2, dz, 0.0)
-            dv = -dy
             dk += dy
         else:
             dz = dg
             dv = -dg
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
         # dv, dlr: both directions onto the zeroed outputs (two addends: deterministic)
-        tl.atomic_add(GV + _tok_major(0, b, h, B, H, N, D, t, offs_d), dv, mask=m2, sem="relaxed")
+        if DOT or not LN_RES:  # (LN_RES: added above)
+            tl.atomic_add(GV + _tok_major(0, b, h, B, H, N, D, t, offs_d), dv, mask=m2, sem="relaxed")
         dk += tl.load(DK + o3, mask=m2, other=0.0)
         if DOT:  # dk is complete here: no _bwd_keys
             _finish_qk(DQ, GQ, GK, _unturn(dk, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), r, b, h, B, H, N, D, t,
