@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import triton_choice
+from ..backend import get_op, triton_choice
 from ..rope import rope_1d, rope_1d_tables
 from ..utils import needs_grad as _needs_grad
 from ..utils import cached_constant, count_flops_as, launches_kernel, triton_module
@@ -128,8 +128,9 @@ def _(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir, mini_batch, ln_residual, eps, 
 def _dot_scan(q: Tensor, k: Tensor, v: Tensor, lr: Tensor, tau: Tensor, w0: Tensor, b0: Tensor, ndir: int,
               mini_batch: int, rope_theta: float, lr_scale: float, tau_offset: bool) -> Tensor:
     """The dot loss off the kernels (differentiable): each direction as linear attention's chunk form
-    (``linear_attention.torch.la_chunk_torch``) in its scan order, summed; (B, H, N, d)."""
-    from ..linear_attention.torch import la_chunk_torch
+    (the ``torch`` path of the ``linear_attention`` op, ``linear_attention.torch.la_chunk_torch``) in its scan order,
+    summed; (B, H, N, d).  Taken from the op registry: ``linear_attention`` builds on this folder, not the reverse."""
+    la_chunk_torch = get_op("linear_attention", q.device, "torch")
     lr, tau = _rates(lr, tau, lr_scale, tau_offset)
     if rope_theta > 0:
         tables = _direction_tables(q, ndir, mini_batch, rope_theta)
