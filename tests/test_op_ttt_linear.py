@@ -599,19 +599,10 @@ def test_causal_kernel(n_w0, count_launches):
              count_launches)
 
 
-@pytest.mark.parametrize("w0_mode,ascent", [("shared", False), ("separate", False), ("shared", True)],
-                         ids=["shared", "separate", "shared_ascent"])
-@triton_test
-def test_mixer_triton_vs_naive_non_square(w0_mode, ascent, count_launches):
-    # Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), q = k shared; on the
-    # Triton path the kernels form the rate from the logits (negative scale for gradient ascent) and turn q, k
-    torch.manual_seed(0)
-    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0, gradient_ascent=ascent).to(DEV)
-    with torch.no_grad():
-        m.tau_offset.normal_(std=0.1)
-        m.ttt_norm_weight.normal_(1.0, 0.2)
-        m.ttt_norm_bias.normal_(std=0.1)
-        m.b0.normal_(std=0.05)
+def _assert_mixer_triton_equals_naive(m, count_launches):
+    """A 32-wide Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), batch 2, on the
+    Triton path (one scan launch each way) and on ``torch_naive``: output and the gradients of the input and of
+    every parameter."""
     x = torch.randn(2, 35, 32, device=DEV, requires_grad=True)
     params = [x] + [p for p in m.parameters()]
     outs, grads = [], []
@@ -625,6 +616,22 @@ def test_mixer_triton_vs_naive_non_square(w0_mode, ascent, count_launches):
     for (name, _), g, r in zip([("x", x)] + list(m.named_parameters()), *grads):
         scale = r.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+
+
+@pytest.mark.parametrize("w0_mode,ascent", [("shared", False), ("separate", False), ("shared", True)],
+                         ids=["shared", "separate", "shared_ascent"])
+@triton_test
+def test_mixer_triton_vs_naive_non_square(w0_mode, ascent, count_launches):
+    # Vittt mixer on a 5 x 7 map (35 tokens: 2 full mini-batches of 16 and a partial one), q = k shared; on the
+    # Triton path the kernels form the rate from the logits (negative scale for gradient ascent) and turn q, k
+    torch.manual_seed(0)
+    m = create_mixer("ttt_linear", 32, head_dim=16, w0_mode=w0_mode, base_lr=8.0, gradient_ascent=ascent).to(DEV)
+    with torch.no_grad():
+        m.tau_offset.normal_(std=0.1)
+        m.ttt_norm_weight.normal_(1.0, 0.2)
+        m.ttt_norm_bias.normal_(std=0.1)
+        m.b0.normal_(std=0.05)
+    _assert_mixer_triton_equals_naive(m, count_launches)
 
 
 @triton_test
@@ -842,19 +849,7 @@ def test_dot_loss_mixer_triton_vs_reference(w0_mode, ascent, steps, count_launch
     with torch.no_grad():
         m.tau_offset.normal_(std=0.1)
         m.b0.normal_(std=0.05)
-    x = torch.randn(2, 35, 32, device=DEV, requires_grad=True)
-    params = [x] + [p for p in m.parameters()]
-    outs, grads = [], []
-    for backend in ("triton", "torch_naive"):
-        m.backend = backend
-        out = m(x, (5, 7))
-        outs.append(out)
-        grads.append(torch.autograd.grad(out.square().sum(), params))
-    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
-    torch.testing.assert_close(outs[0], outs[1], **KTOL[torch.float32])
-    for (name, _), g, r in zip([("x", x)] + list(m.named_parameters()), *grads):
-        scale = r.abs().max().clamp_min(1e-6)
-        torch.testing.assert_close(g / scale, r / scale, **KTOL[torch.float32], msg=lambda s: f"d{name}: {s}")
+    _assert_mixer_triton_equals_naive(m, count_launches)
 
 
 @triton_test

@@ -85,14 +85,19 @@ def _cfg(c: int, rows: int) -> Tuple[int, int, int]:
     return block_r, block_c, triton.cdiv(rows, block_r)
 
 
+def _gate_rows(u: torch.Tensor, z: torch.Tensor):
+    """The gate's operands as rows: (u, its row stride, z contiguous, C, rows, the launch config)."""
+    u, su = _rows(u)
+    z = z.contiguous()
+    c = z.shape[-1]
+    r = z.numel() // c
+    return u, su, z, c, r, _cfg(c, r)
+
+
 class _GeluGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, z, weight, bias, eps: float):
-        u, su = _rows(u)
-        z = z.contiguous()
-        c = z.shape[-1]
-        r = z.numel() // c
-        block_r, block_c, grid = _cfg(c, r)
+        u, su, z, c, r, (block_r, block_c, grid) = _gate_rows(u, z)
         y = torch.empty(z.shape, device=z.device, dtype=u.dtype)
         _gate_fwd[(grid,)](u, z, weight, bias, y, r, su, c, eps, BLOCK_R=block_r, BLOCK_C=block_c)
         ctx.save_for_backward(u, z, weight, bias)
@@ -109,11 +114,7 @@ class _GeluGate(torch.autograd.Function):
 def _gate_vjp(dy, u, z, weight, bias, eps: float, write_y: bool):
     """(output if ``write_y`` else None, du, dz, d weight, d bias) of the gate for output gradient ``dy``."""
     dy, sy = _rows(dy)
-    u, su = _rows(u)
-    z = z.contiguous()
-    c = z.shape[-1]
-    r = z.numel() // c
-    block_r, block_c, grid = _cfg(c, r)
+    u, su, z, c, r, (block_r, block_c, grid) = _gate_rows(u, z)
     du = torch.empty(z.shape, device=z.device, dtype=u.dtype)
     dz = torch.empty_like(z)
     y = torch.empty(z.shape, device=z.device, dtype=u.dtype) if write_y else None
