@@ -54,8 +54,8 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (T5, 3 weights) and d = 72 (DiT5, 2 weights): ``OutOfResources`` in the lease of 2026-11-26
 # (experiments/results/gpu_h200_20261126); ``experiments/compile_kernels.py`` reports each kernel's shared memory.
 # ``vit3_qkv_fused``: the ViT3 mixer core's fused kernels (``vit3_ttt/fused.py``, whole d x d tiles per program; at
-# 128 the sm_90 compile spills and _bwd_update needs 311,296 bytes of shared memory, experiments/results/
-# vit3_triton_compile.md); above it ``vit3_qkv_ttt`` runs the per-branch kernels, which take any head dim.
+# 128 an sm_90 compile of hand-written signatures spilled and _bwd_update needed 311,296 bytes of shared memory);
+# above it ``vit3_qkv_ttt`` runs the per-branch kernels, which take any head dim.
 # The one table of the kernels' limits: every op folder's ``choose()`` reads it (through ``triton_unsupported``).
 MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 64, "dit5_mlp_ttt": 64,
                                 "vit3_qkv_fused": 64}

@@ -32,7 +32,7 @@ MAX_BLOCK_C = 64  # channels per tile (64 fp16 = 128 bytes a token)
 ROWS = 16  # partial rows per program: 9 taps, the bias, padding to a power of two
 TARGET_PROGRAMS = 4096  # backward programs aimed at (bounds the partials: TARGET_PROGRAMS x 16 x BLOCK_C fp32)
 BLOCK_P = 32  # partial rows summed per step of the reduction
-# warps (sm_90 ptxas, experiments/sm90_launched.py): the backward on 8 (4 spilled the GELU backward), the forward on
+# warps (sm_90 ptxas, experiments/compile_kernels.py): the backward on 8 (4 spilled the GELU backward), the forward on
 # 4 (8 spilled 76 B in fp16 without an activation at 80 registers; 4: 102-130 registers, no spills in any dtype)
 BWD_WARPS = 8
 FWD_WARPS = 4

@@ -58,7 +58,7 @@ _SIZES = ("N", "n_bh", "n_chunks", "n_tiles", "n_wb", "per")  # vary per input: 
 
 def bwd_tuning(kernel: str, bd: int, fp32: bool) -> Tuple[int, int]:
     """(num_stages, SPLIT) of ``_bwd_apply`` / ``_bwd_update``: fp32's FMA dots at d = 64 spilled on sm_90 (up to
-    12 KB a thread; experiments/sm90_launched.py), so there some d-long dots run as two half-length ones
+    12 KB a thread; experiments/compile_kernels.py), so there some d-long dots run as two half-length ones
     (:func:`_mm`: ``_bwd_apply``'s hidden-layer dots, ``_bwd_update``'s derivative dots, where ptxas measured it
     to help) and the loops pipeline fewer stages; 16-bit and smaller d: Triton's defaults."""
     if not fp32 or bd < 64:
@@ -69,7 +69,7 @@ def bwd_tuning(kernel: str, bd: int, fp32: bool) -> Tuple[int, int]:
 def launch_cfg(bd: int, pass_: str, fp32: bool = False):
     """(token tile, tiles per chunk, warps) of a pass ("apply", "update", "bwd") at padded head dim ``bd``, for fp32
     or 16-bit activations: the one place that picks them, from the sm_90 ptxas report
-    (experiments/results/t5_triton_compile.md; fp32's IEEE dots hold the most registers: 16-token tiles)."""
+    (experiments/results/sm90_launched.md; fp32's IEEE dots hold the most registers: 16-token tiles)."""
     if fp32:
         cap = 16
     elif bd <= 32:

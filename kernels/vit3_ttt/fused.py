@@ -52,7 +52,7 @@ BLOCK_P = 32      # pixels per conv tile (a BLOCK_P x BLOCK_CH tile, contiguous 
 BLOCK_CH = 32     # channels per conv tile (fewer for smaller head dims)
 
 # warps per (kernel, activation dtype, padded head dim) where the default 8 spills on sm_90 (ptxas -v of the launches
-# as the models make them, experiments/sm90_launched.py; with and without H-ViT3's RoPE): 4-16 bytes spilled there
+# as the models make them, experiments/compile_kernels.py; with and without H-ViT3's RoPE): 4-16 bytes spilled there
 WARPS = {("_bwd_apply", torch.float16, 32): 16, ("_bwd_apply", torch.bfloat16, 32): 16,
          ("_bwd_apply", torch.float32, 32): 4, ("_bwd_update", torch.float32, 32): 16}
 

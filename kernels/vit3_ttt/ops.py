@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backend import MAX_HEAD_DIM, triton_choice
+from ..backend import triton_choice
 from ..utils import autocast_state, compute_dtype, count_flops_as, launches_kernel, no_autocast, \
     triton_module
 from . import torch as R
@@ -342,6 +342,3 @@ def _core(function, fused: bool):
 #: the mixer-core paths ``vit3_ttt.choose`` picks from: the per-branch custom ops on their PyTorch path (the opaque
 #: nodes torch.compile sees for the ``torch`` backend), the per-branch kernels, the fused kernels (3 launches each way)
 qkv_torch_ops, qkv_triton_ops, qkv_fused = _core(QKVTorchOps, False), _core(QKVTritonOps, False), _core(QKVFused, True)
-
-
-FUSED_MAX_HEAD_DIM = MAX_HEAD_DIM["vit3_qkv_fused"]  # the table's row, under the name experiments/compile_kernels.py reads

@@ -179,9 +179,9 @@ def _grid_chunks(n: int, bn: int) -> int:
 
 
 def _reduce_cfg(bd: int, dtype: torch.dtype = torch.float32) -> Tuple[int, int]:
-    """(token tile, warps) of every SwiGLU kernel: from the sm_90 ptxas reports (experiments/results/sm90_kernels.md:
-    no spills in fp32, fp16, bf16; 64-token tiles on 4 warps spilled up to 21 KB per thread in fp32 at d = 64, and
-    fp16 / bf16 at d = 32 spilled 80 B on 8 warps, none on 4)."""
+    """(token tile, warps) of every SwiGLU kernel: from the sm_90 ptxas reports (experiments/results/sm90_launched.md:
+    no spills in fp32, fp16, bf16; an earlier sweep of tiles: 64-token tiles on 4 warps spilled up to 21 KB per
+    thread in fp32 at d = 64, and fp16 / bf16 at d = 32 spilled 80 B on 8 warps, none on 4)."""
     if bd <= 32:
         return min(BLOCK_N, 32), (8 if dtype == torch.float32 else 4)
     return min(BLOCK_N, 16), 8

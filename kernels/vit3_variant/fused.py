@@ -432,7 +432,7 @@ def _bwd_update(K1, V1, W1, W2, DG, DK1, DV1, DW, K2, V2, DG3, DK2, DV2, CS, SN,
 
 # ------------------------------------------------------------------------------------------------ launchers
 # warps per ("kernel:kind", activation dtype, padded head dim) where the default 8 spills on sm_90 (ptxas -v of the
-# models' launches, experiments/sm90_launched.py): the table ``vit3_ttt.fused.launch_cfg`` reads for this core
+# models' launches, experiments/compile_kernels.py): the table ``vit3_ttt.fused.launch_cfg`` reads for this core
 WARPS = {("_bwd_update:last", torch.float32, 64): 16}  # 8: 255 registers, 156 bytes spilled (vit3_small_v1)
 
 
