@@ -21,6 +21,7 @@ from ttt_zoo.kernels.ttt_linear.ops import ttt_linear_bidir_op
 from ttt_zoo.kernels.utils import cached_constant, launches_kernel
 from ttt_zoo.kernels.linear_attention import la_bidir_reference
 from . import la_forms as laf
+from .joint_linear import joint_linear
 from .block import map_to_tokens, tokens_as_map, tokens_to_map
 from .mixer import TTTMixer, hooked_value_output, register_mixer
 from .recompute import can_recompute, linear_of_recomputed
@@ -237,23 +238,22 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
 
     def _project(self, src: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[u_qk, u_g, u_v] = proj(src)`` and the lr logits ``lr_proj(src)``.  In training one GEMM over both
-        weights (concatenated per call: 7 launches forward + backward instead of 10); in inference the two GEMMs
-        (the concatenation would cost more launches than it saves) and wherever a hook must see ``proj``."""
+        (``joint_linear``: 5 launches forward + backward instead of 8); in inference the two GEMMs (joining the
+        weights would cost a launch and save none) and wherever a hook must see ``proj``."""
         c = self.dim
         if not torch.jit.is_scripting():
             if self._fuse_projections(src):
-                w = torch.cat([self.proj.weight, self.lr_proj.weight], 0)
-                pb = self.proj.bias
-                b = F.pad(self.lr_proj.bias, (3 * c, 0)) if pb is None else torch.cat([pb, self.lr_proj.bias], 0)
-                u_qk, u_g, u_v, logits = torch.split(F.linear(src, w, b), [c, c, c, self.num_heads], dim=-1)
+                both = joint_linear(src, [(self.proj.weight, self.proj.bias),
+                                          (self.lr_proj.weight, self.lr_proj.bias)])
+                u_qk, u_g, u_v, logits = torch.split(both, [c, c, c, self.num_heads], dim=-1)
                 return u_qk, u_g, u_v, logits
         u_qk, u_g, u_v = torch.split(self.proj(src), [c, c, c], dim=-1)
         return u_qk, u_g, u_v, self.lr_proj(src)
 
     @torch.jit.unused
     def _fuse_projections(self, src: torch.Tensor) -> bool:
-        if isinstance(src, torch.fx.Proxy) or not torch.is_grad_enabled():
-            return False
+        if isinstance(src, torch.fx.Proxy) or not torch.is_grad_enabled() or tracing():
+            return False  # traced graphs (compile, export, ONNX) see the two Linears; compilers fuse them
         if not (src.requires_grad or self.proj.weight.requires_grad or self.lr_proj.weight.requires_grad):
             return False
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
