@@ -216,3 +216,44 @@ def test_torch_path_block_within_ceiling(name):
     ceiling = TORCH_CEILINGS[name]
     assert infer.total <= ceiling[0] and train.total <= ceiling[1], \
         f"{name} on the torch path launches {infer.total} / {train.total} per block, above {ceiling}"
+
+
+class _CastSources(torch.utils._python_dispatch.TorchDispatchMode):
+    """The storages ``aten._to_copy`` reads (the casts autocast and ``.to(dtype)`` launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ptrs = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].device.type != "meta":
+            self.ptrs.add(args[0].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", code_paths(include_diffusion=True))
+def test_inner_state_parameters_reach_the_kernels_uncast_under_autocast(name):
+    """A bf16-autocast training step on the Triton path launches no cast of a mixer's own inner-state parameters
+    (W0 / b0, tau, the inner LayerNorm, the inner MLP's weights): the kernels read them in fp32 and write their
+    gradients in fp32 (the Linears and convs around the inner step are autocast's as in any model)."""
+    from ttt_zoo.bench.launches import _first_block, model_inputs, skip_triton_kernels
+    from ttt_zoo.layers.mixer import TTTMixer
+
+    _needs_triton()
+    torch.manual_seed(0)
+    with use_backend("triton"), skip_triton_kernels():
+        model = timm.create_model(name)
+        block, (args, kwargs) = _first_block(model, model_inputs(model, smallest_img_size(model)))
+        own = {n: p for m in block.modules() if isinstance(m, TTTMixer) for n, p in m.ttt_parameters() if "." not in n}
+        assert own, f"{name}: no inner-state parameters found"
+        block.train()
+        x = args[0].detach().requires_grad_()
+        for _ in range(2):  # the second step: caches filled
+            casts = _CastSources()
+            with torch.autocast("cpu", dtype=torch.bfloat16), casts:
+                out = block(x, *args[1:], **kwargs)
+                (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    cast = sorted(n for n, p in own.items() if p.untyped_storage().data_ptr() in casts.ptrs)
+    assert not cast, f"{name}: a bf16 step casts {cast}"
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in own.values() if p.requires_grad)

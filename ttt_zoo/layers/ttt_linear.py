@@ -300,17 +300,18 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     @torch.jit.unused
     def _kernel_scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """:meth:`_scan` with the lr's logits and tau's offsets: the Triton op forms the rate (scale ``base_lr / d``,
-        its sign the ascent's, times the dot loss's inner steps) and ``token_tau`` itself."""
-        dt = q.dtype
+        its sign the ascent's, times the dot loss's inner steps) and ``token_tau`` itself.  The inner parameters go
+        in as they are (float32 under autocast): the kernels read them in fp32 and write their gradients in the
+        parameters' dtype, so a bf16 step launches no cast for them (10 fewer) and keeps them unrounded."""
         scale = (-1.0 if self.gradient_ascent else 1.0) * self.base_lr / self.head_dim
         rope = self.rope_theta if self.inner_rope else None
         ln_w = ln_b = None
         if self.dot_loss:
             scale = scale * float(self._inner_steps)
         else:
-            ln_w, ln_b = self.ttt_norm_weight.to(dt), self.ttt_norm_bias.to(dt)
+            ln_w, ln_b = self.ttt_norm_weight, self.ttt_norm_bias
         return ttt_linear_bidir_op(
-            q, k, v, logits, self.tau_offset.to(dt), self.w0.to(dt), self.b0.to(dt), ln_w, ln_b, self.mini_batch,
+            q, k, v, logits, self.tau_offset, self.w0, self.b0, ln_w, ln_b, self.mini_batch,
             self.inner_ln_residual, rope, 1e-6, triton=True, lr_scale=scale, tau_offset=True,
             dot_loss=self.dot_loss)[0]
 
