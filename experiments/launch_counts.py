@@ -1,7 +1,8 @@
 """Launches per block and per ``ttt_zoo::`` op, Triton and torch paths, for every code path (the tiny classifiers,
 their variants, DiT3-S/2 and DiT5-S/2) and timm's DeiT-T (``ttt_zoo.bench.launches``; the first block at the
 smallest input size its strides allow, batch 2, CPU; Triton under ``TRITON_INTERPRET=1``).  The torch path is also
-counted at the model's own input size (224 px; 32-px latents for DiT), where a Python loop shows.
+counted at the model's own input size (224 px; 32-px latents for DiT), where a Python loop shows, and every block
+again under CPU bf16 autocast (Triton launched, not run), where autocast's casts are launches too.
 
     TRITON_INTERPRET=1 python experiments/launch_counts.py --json experiments/results/launch_counts.json \
         --before experiments/results/launch_counts_before.json --md experiments/results/launch_counts.md
@@ -53,6 +54,8 @@ def measure(name: str, backend: str, counter, full_size: bool, run_triton: bool)
             infer, train = counter.block_launches(model, img_size=size, run_triton=run_triton)
             full = counter.block_launches(model, img_size=model.pretrained_cfg["input_size"][-1]) \
                 if full_size else None
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # as a GPU user trains: autocast's casts count
+                bf16 = counter.block_launches(model, img_size=size, run_triton=False)
         except BackendError as e:
             return {"model": name, "path": backend, "img_size": size, "error": str(e).split(". ")[0]}
     row = {"model": name, "path": backend, "img_size": size, "triton_run": run_triton,
@@ -61,6 +64,7 @@ def measure(name: str, backend: str, counter, full_size: bool, run_triton: bool)
            "infer_by_op": dict(infer.by_op), "train_by_op": dict(train.by_op),
            "infer_ops": dict(infer.aten.most_common()), "train_ops": dict(train.aten.most_common()),
            "infer_triton_kernels": dict(infer.triton), "train_triton_kernels": dict(train.triton)}
+    row.update(infer_bf16=bf16[0].total, train_bf16=bf16[1].total, train_bf16_casts=bf16[1].aten["_to_copy"])
     if full:
         row.update(full_size=model.pretrained_cfg["input_size"][-1], infer_full=full[0].total, train_full=full[1].total)
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -110,17 +114,24 @@ def markdown(rows, before, commit, before_name) -> str:
              "`torch @ full`: the torch path at the model's own input size (224 px, DiT 32-px latents), where a",
              "Python loop over mini-batches or tiles shows. Triton kernels: "
              f"{_run_note(before, 'before')}; {_run_note(rows, 'after')} (the same counts: "
-             "tests/test_launch_counts.py).", "",
+             "tests/test_launch_counts.py).",
+             "`bf16 autocast`: the same block and step under `torch.autocast('cpu', torch.bfloat16)` (Triton kernels",
+             "launched, not run), as a GPU user trains: autocast's casts are launches too (`casts`: the step's",
+             f"`_to_copy`); DeiT-T: {peer.get('infer_bf16', '-')} / {peer.get('train_bf16', '-')}.", "",
              "| model | path | size | inference before | inference after | x DeiT | training before | training after "
-             "| x DeiT | torch @ full before | torch @ full after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x DeiT | bf16 autocast inference / training (casts) | x DeiT | torch @ full before | torch @ full after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = get(before, r["model"], r["path"])
         ratio = lambda k, p: "-" if "error" in r else f"{total(r, k) / p:.2f}"  # noqa: E731
         full = lambda x: f"{x['infer_full']} / {x['train_full']}" if x and "infer_full" in x else "-"  # noqa: E731
+        bf16, bf16_x = "-", "-"
+        if "train_bf16" in r:
+            bf16 = f"{r['infer_bf16']} / {r['train_bf16']} ({r['train_bf16_casts']})"
+            bf16_x = f"{r['infer_bf16'] / peer['infer_bf16']:.2f} / {r['train_bf16'] / peer['train_bf16']:.2f}"
         lines.append(f"| {r['model']} | {r['path']} | {r['img_size']} | {_cell(b, 'infer')} | {_cell(r, 'infer')} "
                      f"| {ratio('infer', pi)} | {_cell(b, 'train')} | {_cell(r, 'train')} | {ratio('train', pt)} "
-                     f"| {full(b)} | {full(r)} |")
+                     f"| {bf16} | {bf16_x} | {full(b)} | {full(r)} |")
     lines += ["", "## Launches inside each `ttt_zoo::` op (Triton path), per block", "",
               "| model | op | inference before | inference after | training before | training after |",
               "|---|---|---|---|---|---|"]
