@@ -77,3 +77,19 @@ def test_launches():
     y = joint_linear(x, layers)
     dy = torch.randn_like(y)
     assert count_launches(lambda: y.backward(dy)).aten_total == 3
+
+
+def test_frozen_layer_gets_no_gradient():
+    """A frozen layer (fine-tuning only the lr head, as linearize's param groups allow) gets none; the rest as the
+    separate Linears' gradients."""
+    layers, ref = _layers(torch.float32), _layers(torch.float32)
+    for w, b in (layers[0], ref[0]):
+        w.requires_grad_(False)
+        b.requires_grad_(False)
+    x = torch.randn(2, 5, 8)
+    dy = torch.randn(2, 5, 15)
+    (joint_linear(x, layers) * dy).sum().backward()
+    (_separate(x, ref) * dy).sum().backward()
+    assert layers[0][0].grad is None and layers[0][1].grad is None
+    torch.testing.assert_close(layers[1][0].grad, ref[1][0].grad)
+    torch.testing.assert_close(layers[1][1].grad, ref[1][1].grad)
