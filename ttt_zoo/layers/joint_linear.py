@@ -1,9 +1,9 @@
 """Several ``nn.Linear`` layers on one input as one GEMM, their parameters kept apart.
 
 ``joint_linear(x, [(w1, b1), (w2, b2)])`` equals ``torch.cat([F.linear(x, w1, b1), F.linear(x, w2, b2)], -1)``.
-Eager autograd would join the parameters with two ``cat`` launches per call (weights, biases); here one ``cat``
-writes weights and biases into one buffer (in autocast's dtype, where autocast is on), and the backward hands each
-parameter a view of one dW GEMM and one bias sum.  A step launches 2 kernels forward (cat, GEMM) and 3 backward
+Eager autograd would join the parameters with two ``cat`` launches per call (weights, biases), and autocast would
+cast each; here one ``cat`` writes weights and biases into one buffer (cast once where autocast is on), and the
+backward hands each parameter a view of one dW GEMM and one bias sum.  A step launches 2 kernels forward (cat, GEMM) and 3 backward
 (dx, dW, db), against two separate ``nn.Linear``'s 2 and 6.
 """
 import contextlib
@@ -34,8 +34,7 @@ class _JointLinear(torch.autograd.Function):
         amp = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
         dt = torch.get_autocast_dtype(dev) if amp else ws[0].dtype
         parts = [w.reshape(-1) for w in ws] + [b if b is not None else _zeros(r, ws[0]) for b, r in zip(bs, rows)]
-        buf = torch.empty(sum(p.numel() for p in parts), device=ws[0].device, dtype=dt)
-        torch.cat(parts, out=buf)  # one launch, cast included
+        buf = torch.cat(parts).to(dt)  # one launch, and autocast's one cast (CUDA's cat casts only as per-part copies)
         w, b = buf[:sum(rows) * cin].view(sum(rows), cin), buf[sum(rows) * cin:]
         xc = x.to(dt)
         ctx.save_for_backward(xc, w)
