@@ -719,27 +719,35 @@ def test_layernorm_backward_helper_takes_strided_statistics():
 
 
 # ------------------------------------------------------------ the chunk-parallel forward at the sizes TTT is sold for
-LONG_N, LONG_D, LONG_MB = 3136, 64, 16  # 56 x 56 tokens: 196 mini-batches, 28 chunks of 7 per direction
-LONG_LR_SCALE = 8.0 / LONG_D
+LONG_N, LONG_MB = 3136, 16  # 56 x 56 tokens: 196 mini-batches, 28 chunks of 7 per direction
+# the head dims of Vision-TTT and Vision-TTT-H: the kernels' launch configs (warps, stages, the dots' precision of
+# 16-bit inputs) differ per head dim (triton._SM90_CFG)
+LONG_DIMS = (64, 32)
 
 
-@pytest.fixture(scope="module")
-def long_case():
-    """Bidirectional scan, batch 1, one head, N = 3136, d = 64, per-direction w0; inputs rounded to float16 (so
-    the fp32 and fp16 runs share them) and the float64 reference (``naive.py``, autograd) of output and gradients.
-    The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range.  The rates are
-    ``LONG_LR_SCALE * sigmoid(logit)`` and tau ``token_tau(offset)`` (some positions clamped at 0): the kernels take
-    the logits and offsets (``lr_scale``, ``tau_offset``) and the reference's gradients are d/d logit, d/d offset."""
+def long_lr_scale(x):
+    """The rate scale of a long case's inputs: 8 / head dim."""
+    return 8.0 / x[0].shape[-1]
+
+
+@pytest.fixture(scope="module", params=LONG_DIMS, ids=lambda d: f"d{d}")
+def long_case(request):
+    """Bidirectional scan, batch 1, one head, N = 3136, d = 64 or 32, per-direction w0; inputs rounded to float16
+    (so the fp32 and fp16 runs share them) and the float64 reference (``naive.py``, autograd) of output and
+    gradients.  The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range.  The
+    rates are ``long_lr_scale * sigmoid(logit)`` and tau ``token_tau(offset)`` (some positions clamped at 0): the
+    kernels take the logits and offsets (``lr_scale``, ``tau_offset``) and the reference's gradients are d/d logit,
+    d/d offset."""
     g = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    n, d, mb = LONG_N, LONG_D, LONG_MB
+    n, d, mb = LONG_N, request.param, LONG_MB
     x = [r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n),
          0.05 * r(mb),
          0.05 * r(2, 1, d, d), 0.05 * r(2, 1, 1, d), 1 + 0.2 * r(1, d), 0.1 * r(1, d)]
     x = [t.half().double() for t in x]
     do = (r(1, 1, n, d) / 64).half().double()
     leaves = [t.clone().requires_grad_() for t in x]
-    rated = leaves[:3] + [LONG_LR_SCALE * torch.sigmoid(leaves[3]), token_tau(leaves[4])] + leaves[5:]
+    rated = leaves[:3] + [long_lr_scale(x) * torch.sigmoid(leaves[3]), token_tau(leaves[4])] + leaves[5:]
     ref = ttt_linear_bidir_naive(*rated, mini_batch=mb)[0]
     return x, do, ref.detach(), torch.autograd.grad(ref, leaves, do)
 
@@ -753,7 +761,7 @@ def test_chunk_parallel_kernels_long_sequence(long_case, dtype, tol, count_launc
     fp16 <= 1e-3)."""
     x, do, ref, ref_grads = long_case
     leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
-    out = ops.ttt_linear_bidir_op(*leaves, mini_batch=LONG_MB, triton=True, lr_scale=LONG_LR_SCALE,
+    out = ops.ttt_linear_bidir_op(*leaves, mini_batch=LONG_MB, triton=True, lr_scale=long_lr_scale(x),
                                   tau_offset=True)[0]
     grads = torch.autograd.grad(out, leaves, do.to(DEV, dtype))
     assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
@@ -810,7 +818,7 @@ def long_dot_case(long_case):
     x, do, _, _ = long_case
     leaves = [t.clone().requires_grad_() for t in x[:7]]
     q, k, v, logit, off, w0, b0 = leaves
-    ref = la_bidir_reference(q, k, v, -LONG_LR_SCALE * torch.sigmoid(logit), token_tau(off), w0, b0, LONG_MB)
+    ref = la_bidir_reference(q, k, v, -long_lr_scale(x) * torch.sigmoid(logit), token_tau(off), w0, b0, LONG_MB)
     return x[:7], do, ref.detach(), torch.autograd.grad(ref, leaves, do)
 
 
@@ -823,7 +831,7 @@ def test_dot_loss_kernels_long_sequence(long_dot_case, dtype, tol, count_launche
     x, do, ref, ref_grads = long_dot_case
     leaves = [t.to(DEV, dtype).requires_grad_() for t in x]
     from ttt_zoo.bench.launches import count_launches as launches
-    out = ops.ttt_linear_bidir_op(*leaves, None, None, mini_batch=LONG_MB, triton=True, lr_scale=-LONG_LR_SCALE,
+    out = ops.ttt_linear_bidir_op(*leaves, None, None, mini_batch=LONG_MB, triton=True, lr_scale=-long_lr_scale(x),
                                   tau_offset=True, dot_loss=True)[0]
     grads = []
     bwd = launches(lambda: grads.extend(torch.autograd.grad(out, leaves, do.to(DEV, dtype))))

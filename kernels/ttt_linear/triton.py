@@ -3,8 +3,9 @@
 Same math and the same general contract as ``torch.py`` (which documents the formulas and the shapes).  Direction 1
 reads and writes token ``N - 1 - p`` for scan position p, so both directions run in ONE launch without flipped
 copies.  The d x d state W and the bias b live in registers (fp32).  Loads are upcast to float32 and every product
-and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for fp16/bf16 inputs); results
-are stored in float32 buffers and cast to the input dtype; the output is (B, N, H, d) memory, zeroed by pass 1 and
+and reduction accumulates in float32 (``tl.dot`` in IEEE fp32 for fp32 inputs, TF32 for fp16/bf16 inputs except
+in ``_bwd_outputs`` at head dims 17-32, ``_SM90_CFG``); results are stored in float32 buffers and cast to the
+input dtype; the output is (B, N, H, d) memory, zeroed by pass 1 and
 summed over the two directions by pass 2's relaxed atomic adds (two addends onto 0: the same in either order).  Offsets are
 int64; the sizes that change per input (batch, heads, N, the mini-batch and chunk counts, broadcast strides) are
 ``do_not_specialize``.
@@ -93,6 +94,13 @@ def _load_rows(ptr, t, stride_t, offs_d, m2):
 
 
 @triton.jit
+def _at(ptr, rows, offs_d):
+    """Pointers to columns ``offs_d`` of the rows that start at ``ptr + rows`` (int64 row offsets: a tile of int64
+    row x column offsets held across a loop body costs twice the registers)."""
+    return (ptr + rows)[:, None] + offs_d[None, :]
+
+
+@triton.jit
 def _partner(offs_d, D):
     """The rotate-half partner column of every column: p <-> p + D / 2."""
     half = D // 2
@@ -170,34 +178,25 @@ def _rows(r, s, N, MB, offs_c, dmask):
 
 
 @triton.jit
-def _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs_c, offs_d, D, MB, lr_scale,
-             ROPE: tl.constexpr, LR_SIG: tl.constexpr, TAU_OFF: tl.constexpr):
-    """q, k (turned by the in-mini-batch RoPE when ``ROPE``), v, lr of the mini-batch's tokens ``t``, tau of its
-    positions and tau of its last position (fp32)."""
-    q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
-    k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
-    v = _load_rows(vb, t, svn, offs_d, m2)
-    lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
-    tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
-    return q, k, v, lr, tau, _load_tau(TAU, c - 1, True, TAU_OFF)
+def _grad_of_z(z, k, v, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr):
+    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v) of the prediction z; rows / columns outside m2 are 0."""
+    if LN_RES:
+        xh, rstd = _ln_stats(z, dmask, D, eps)
+        g = _ln_op((lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :], xh, rstd, dmask, D)
+    else:
+        g = z - v
+    return tl.where(m2, g, 0.0)
 
 
 @triton.jit
 def _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES: tl.constexpr, PREC: tl.constexpr,
                 DOT: tl.constexpr):
-    """G = d/dz 1/2 ||LN(z) - (v - k)||^2 (or z - v; -v for the dot loss -<z, v>), z = k W + b; rows / columns
-    outside m2 are 0."""
+    """G of ``_grad_of_z`` for z = k W + b (-v for the dot loss -<z, v>); rows / columns outside m2 are 0."""
     if DOT:
-        g = -v
+        g = tl.where(m2, -v, 0.0)
     else:
-        z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
-        if LN_RES:
-            xh, rstd = _ln_stats(z, dmask, D, eps)
-            gx = (lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :]
-            g = _ln_op(gx, xh, rstd, dmask, D)
-        else:
-            g = z - v
-    return tl.where(m2, g, 0.0)
+        g = _grad_of_z(tl.dot(k, w, input_precision=PREC) + bias[None, :], k, v, lnw, lnb, dmask, m2, D, eps, LN_RES)
+    return g
 
 
 @triton.jit
@@ -286,25 +285,25 @@ def _fwd_outputs(Q, K, LR, TAU, CS, LNW, LNB, G, ST, O,
     lo = ck * CK
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
+        # each tile loaded just before its first use (fewer live at once: sm_90 spills), the same arithmetic
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
         q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        zb = tl.dot(q, w, input_precision=PREC) + bias[None, :]
         k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
-        g = _load_rows(gb, t, D, offs_d, m2)
         lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
-        tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
-        tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
-        eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
+        eta = tl.where(tri, _load_tau(TAU, offs_c, rmask, TAU_OFF)[:, None] * lr[None, :], 0.0)
         a = eta * (tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0)
-        zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+        g = _load_rows(gb, t, D, offs_d, m2)
+        zb -= tl.dot(a, g, input_precision=PREC)
         if LN_RES:
             xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
             out = q + xh2 * lnw[None, :] + lnb[None, :]
         else:
             out = zb
         # both directions add onto 0: two addends, so the sum is the same in either order (deterministic)
-        tl.atomic_add(ob + t[:, None] * (H * D) + offs_d[None, :], out, mask=m2, sem="relaxed")
-        step = (tau_last * lr)[:, None] * g
+        tl.atomic_add(_at(ob, t * (H * D), offs_d), out, mask=m2, sem="relaxed")
+        step = (_load_tau(TAU, c - 1, True, TAU_OFF) * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
         bias -= tl.sum(step, 0)
 
@@ -410,20 +409,31 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
     lo = ck * CK
     hi = tl.minimum(n_mb, lo + CK)
     for m in range(lo, hi):
+        # each tile loaded or formed just before its first use and stored as soon as it is final, row offsets held
+        # (not row x column ones): fewer registers live at once (sm_90 spills), the same arithmetic
         t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
-        q, k, v, lr, tau, tau_last = _load_mb(qb, kb, vb, lrb, sqn, skn, svn, sln, TAU, CS, t, c, rmask, m2, offs_c,
-                                               offs_d, D, MB, lr_scale, ROPE, LR_SIG, TAU_OFF)
-        do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        if not DOT:  # z stored at once, not held to the end (sm_90 spills); the dot loss's G = -v does not read z
-            tl.store(Z + o2, tl.dot(k, w, input_precision=PREC) + bias[None, :], mask=m2)
-        g = _inner_grad(k, v, w, bias, lnw, lnb, dmask, m2, D, eps, LN_RES, PREC, DOT)
+        q = _load_qk(qb, t, sqn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        k = _load_qk(kb, t, skn, offs_c, offs_d, m2, D, CS, MB, ROPE)
+        o2 = (gb + t) * D  # rows of the per-direction (ndir B, H, N, d) buffers
+        o3 = (((r * B + b) * N + t) * H + h) * D  # rows of the token-major ones (_tok_major)
+        if DOT:  # G = -v does not read the state
+            g = tl.where(m2, -_load_rows(vb, t, svn, offs_d, m2), 0.0)
+        else:  # z and q W + b next to each other (one read of W's operand), z stored at once
+            z = tl.dot(k, w, input_precision=PREC) + bias[None, :]
+            qw = tl.dot(q, w, input_precision=PREC) + bias[None, :]
+            tl.store(_at(Z, o2, offs_d), z, mask=m2)
+            g = _grad_of_z(z, k, _load_rows(vb, t, svn, offs_d, m2), lnw, lnb, dmask, m2, D, eps, LN_RES)
+        lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
+        tau = _load_tau(TAU, offs_c, rmask, TAU_OFF)
         tri = (offs_c[None, :] <= offs_c[:, None]) & rmask[:, None] & rmask[None, :]
         eta = tl.where(tri, tau[:, None] * lr[None, :], 0.0)
         sqk = tl.dot(q, tl.trans(k), input_precision=PREC) + 1.0
         a = eta * sqk
+        do = tl.load(dob + t[:, None] * sdn + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         if LN_RES:
-            zb = tl.dot(q, w, input_precision=PREC) + bias[None, :] - tl.dot(a, g, input_precision=PREC)
+            if DOT:
+                qw = tl.dot(q, w, input_precision=PREC) + bias[None, :]
+            zb = qw - tl.dot(a, g, input_precision=PREC)
             xh2, rstd2 = _ln_stats(zb, dmask, D, eps)
             dlnw += tl.sum(do * xh2, 0)
             dlnb += tl.sum(do, 0)
@@ -433,24 +443,23 @@ def _bwd_outputs(Q, K, V, LR, TAU, CS, LNW, LNB, DO, ST, Z, DZB, DGA, DQ, DK, DL
             dzb = do
             dq = tl.dot(dzb, tl.trans(w), input_precision=PREC)
         dzb = tl.where(m2, dzb, 0.0)
+        tl.store(_at(DZB, o2, offs_d), dzb, mask=m2)
         da = tl.where(tri, -tl.dot(dzb, tl.trans(g), input_precision=PREC), 0.0)
         deta = da * sqk
         dsq = da * eta
+        tl.store(_at(DGA, o2, offs_d), -tl.dot(tl.trans(a), dzb, input_precision=PREC), mask=m2)
         dq += tl.dot(dsq, k, input_precision=PREC)
-        dk = tl.dot(tl.trans(dsq), q, input_precision=PREC)
-        dga = -tl.dot(tl.trans(a), dzb, input_precision=PREC)
+        tl.store(_at(DQ, o3, offs_d), _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
+        tl.store(_at(DK, o3, offs_d), tl.dot(tl.trans(dsq), q, input_precision=PREC), mask=m2)
         dtau += tl.sum(deta * lr[None, :], 1)
-        tl.store(DZB + o2, dzb, mask=m2)
-        tl.store(DGA + o2, dga, mask=m2)
-        o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
-        tl.store(DQ + o3, _unturn(dq, offs_c, offs_d, m2, dmask, D, CS, MB, ROPE), mask=m2)
-        tl.store(DK + o3, dk, mask=m2)
         tl.store(DLR + gb + t, tl.sum(deta * tau[:, None], 0), mask=rmask)
-        if r == 0:
-            _zero_outputs(GQ, GK, GV, GLR, b, h, B, H, N, D, t, offs_d, rmask, m2, RQ, RK)
-        step = (tau_last * lr)[:, None] * g
+        step = (_load_tau(TAU, c - 1, True, TAU_OFF) * lr)[:, None] * g
         w -= tl.dot(tl.trans(k), step, input_precision=PREC)
         bias -= tl.sum(step, 0)
+    if r == 0:  # in a loop of its own: the final gradients' pointers are not held through the one above
+        for m in range(lo, hi):
+            t, c, rmask, m2 = _rows(r, m * MB, N, MB, offs_c, dmask)
+            _zero_outputs(GQ, GK, GV, GLR, b, h, B, H, N, D, t, offs_d, rmask, m2, RQ, RK)
     part = ck * (tl.num_programs(1) * tl.num_programs(2)) + seq  # partial sums: (n_ck + 1, sequences)
     tl.store(PLNW + part * D + offs_d, dlnw, mask=dmask)
     tl.store(PLNB + part * D + offs_d, dlnb, mask=dmask)
@@ -577,13 +586,7 @@ def _bwd_keys(K, V, LR, TAU, CS, LNW, LNB, ST, Z, DZ, DQ, DK, GQ, GK,
         lr = _load_lr(lrb + t * sln, rmask, lr_scale, LR_SIG)
         tau_last = _load_tau(TAU, c - 1, True, TAU_OFF)
         o2 = (gb + t[:, None]) * D + offs_d[None, :]
-        z = tl.load(Z + o2, mask=m2, other=0.0)
-        if LN_RES:
-            xh, rstd = _ln_stats(z, dmask, D, eps)
-            g = _ln_op((lnw[None, :] * xh + lnb[None, :] - (v - k)) * lnw[None, :], xh, rstd, dmask, D)
-        else:
-            g = z - v
-        g = tl.where(m2, g, 0.0)
+        g = _grad_of_z(tl.load(Z + o2, mask=m2, other=0.0), k, v, lnw, lnb, dmask, m2, D, eps, LN_RES)
         dz = tl.load(DZ + o2, mask=m2, other=0.0)
         o3 = _tok_major(r, b, h, B, H, N, D, t, offs_d)
         dk = tl.load(DK + o3, mask=m2, other=0.0) + tl.dot(dz, tl.trans(w), input_precision=PREC)
@@ -616,29 +619,33 @@ def _seq_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Te
 
 
 def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
-    block_d = _block_d(d)  # 8 warps from d = 64: sm_90 ptxas spills of the backward 1356 -> 540 B (compile_kernels.py)
+    block_d = _block_d(d)  # 8 warps from d = 64: fewer sm_90 spills (experiments/sm90_launched.py)
     return _block_d(mini_batch), block_d, (8 if block_d >= 64 else 4)
 
 
-# (kernel, fp32 activations, BLOCK_D) -> (num_warps, num_stages) where _launch_cfg's warps with Triton's 3 stages
-# spill on sm_90 (ptxas -v of every model launch, experiments/sm90_launched.py).  One stage: the mini-batch loop's
-# prefetched loads no longer hold registers.  16 warps spill more at d = 64 (the 16-row tiles are replicated).
+# (kernel, fp32 activations, BLOCK_D) -> num_warps, num_stages (and a constexpr) where _launch_cfg's warps with
+# Triton's 3 stages spill on sm_90 (ptxas -v of every model launch, experiments/sm90_launched.py).  One stage: the
+# mini-batch loop's prefetched loads no longer hold registers.  16 warps spill more at d = 64 (the 16-row tiles are
+# replicated).  16-bit _bwd_outputs at d = 32: IEEE fp32 FMA dots at 8 warps, as fp32 runs them, instead of TF32
+# mma, whose 16-row tiles every warp holds in full (255 registers, 28 bytes spilled; fp32 dots only add precision).
 _SM90_CFG = {
-    ("_fwd_outputs", True, 64): (8, 1),
-    ("_bwd_outputs", True, 64): (8, 1),
-    ("_bwd_states", True, 64): (8, 1),
-    ("_bwd_outputs", True, 32): (8, 1),
-    ("_bwd_states", True, 32): (4, 1),
-    ("_bwd_outputs", False, 32): (4, 1),
-    ("_bwd_states", False, 32): (8, 1),
+    ("_fwd_outputs", True, 64): dict(num_warps=8, num_stages=1),
+    ("_bwd_outputs", True, 64): dict(num_warps=8, num_stages=1),
+    ("_bwd_states", True, 64): dict(num_warps=8, num_stages=1),
+    ("_bwd_outputs", True, 32): dict(num_warps=8, num_stages=1),
+    ("_bwd_states", True, 32): dict(num_warps=4, num_stages=1),
+    ("_bwd_outputs", False, 32): dict(num_warps=8, num_stages=1, PREC="ieee"),
+    ("_bwd_states", False, 32): dict(num_warps=8, num_stages=1),
 }
 
 
-def _kernel_opts(kernel: str, dtype: torch.dtype, d: int, mini_batch: int) -> Dict[str, int]:
-    """num_warps and num_stages of one scan kernel: _SM90_CFG where it has a row, else _launch_cfg's warps."""
+def _kernel_opts(cfg: Dict[str, object], kernel: str, dtype: torch.dtype, d: int, mini_batch: int
+                 ) -> Dict[str, object]:
+    """The constexprs ``cfg`` and num_warps, num_stages of one scan kernel: _SM90_CFG where it has a row, else
+    _launch_cfg's warps and 3 stages."""
     _, block_d, warps = _launch_cfg(d, mini_batch)
-    warps, stages = _SM90_CFG.get((kernel, dtype == torch.float32, block_d), (warps, 3))
-    return dict(num_warps=warps, num_stages=stages)
+    return {**cfg, "num_warps": warps, "num_stages": 3,
+            **_SM90_CFG.get((kernel, dtype == torch.float32, block_d), {})}
 
 
 def _chunks(n: int, mini_batch: int) -> Tuple[int, int, int]:
@@ -675,16 +682,16 @@ def scan_fwd_triton(q, k, v, lr, tau, w0, b0, ln_w, ln_b, ndir: int, mini_batch:
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
                LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=False)
-    opts = partial(_kernel_opts, dtype=q.dtype, d=d, mini_batch=mini_batch)
+    opts = partial(_kernel_opts, cfg, dtype=q.dtype, d=d, mini_batch=mini_batch)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     _fwd_states[grids["_fwd_states"]](
         k, v, lr, tau, cs, w0, b0, ln_w, ln_b, grad, st, out,
         *_seq_strides(q, k, v, lr), _bstride(w0, 0), _bstride(w0, 1), _bstride(b0, 0), _bstride(b0, 1),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg, **opts("_fwd_states"))
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **opts("_fwd_states"))
     _fwd_outputs[grids["_fwd_outputs"]](
         q, k, lr, tau, cs, ln_w, ln_b, grad, st, out,
         *_seq_strides(q, k, v, lr),
-        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **cfg, **opts("_fwd_outputs"))
+        bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, **opts("_fwd_outputs"))
     return out.to(q.dtype).transpose(1, 2), (st if save_states else torch.empty(0, **f32))
 
 
@@ -738,20 +745,20 @@ def scan_bwd_triton(do, q, k, v, lr, tau, w0, b0, ln_w, ln_b, states, ndir: int,
     grids = scan_grids(ndir, bsz, h, n, mini_batch)
     cfg = dict(MB=mini_batch, BLOCK_C=block_c, BLOCK_D=block_d, LN_RES=ln_residual, ROPE=rope_table is not None,
                LR_SIG=lr_scale != 0, TAU_OFF=tau_offset, PREC=_prec(q.dtype), DOT=dot_loss, SHARED=shared_qk)
-    opts = partial(_kernel_opts, dtype=q.dtype, d=d, mini_batch=mini_batch)
+    opts = partial(_kernel_opts, cfg, dtype=q.dtype, d=d, mini_batch=mini_batch)
     cs = tau if rope_table is None else rope_table.contiguous()  # any pointer when there is no RoPE
     strides = _seq_strides(q, k, v, lr)
     _bwd_outputs[grids["_bwd_outputs"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, do, states, z, dzb, dga, dq, dk, dlr, ptau, plnw, plnb, gq, gk, gv, glr,
         *strides, do.stride(0), do.stride(1), do.stride(2), bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk,
-        **cfg, **opts("_bwd_outputs"))
+        **opts("_bwd_outputs"))
     _bwd_states[grids["_bwd_states"]](
         q, k, v, lr, tau, cs, ln_w, ln_b, z, dzb, dga, dz, dq, dk, dlr, pw0, pb0, ptau, plnw, plnb, gq, gk, gv, glr,
-        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, rq, rk, **cfg, **opts("_bwd_states"))
+        *strides, bsz, h, n, d, n_mb, n_ck, eps, lr_scale, rq, rk, **opts("_bwd_states"))
     if not dot_loss:  # dot loss: dz = 0, _bwd_states completes dk
         _bwd_keys[grids["_bwd_keys"]](
             k, v, lr, tau, cs, ln_w, ln_b, states, z, dz, dq, dk, gq, gk,
-            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk, **cfg, **opts("_bwd_keys"))
+            *strides, bsz, h, n, d, n_mb, ck, n_ck, eps, lr_scale, rq, rk, **opts("_bwd_keys"))
     dtau = torch.empty(mini_batch, **f32)
     dlnw, dlnb = torch.empty(h, d, **f32), torch.empty(h, d, **f32)
     dw0 = torch.empty(w0.shape, **f32)
