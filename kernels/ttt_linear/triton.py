@@ -619,12 +619,12 @@ def _seq_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lr: torch.Te
 
 
 def _launch_cfg(d: int, mini_batch: int) -> Tuple[int, int, int]:
-    block_d = _block_d(d)  # 8 warps from d = 64: fewer sm_90 spills (experiments/sm90_launched.py)
+    block_d = _block_d(d)  # 8 warps from d = 64: fewer sm_90 spills (experiments/compile_kernels.py)
     return _block_d(mini_batch), block_d, (8 if block_d >= 64 else 4)
 
 
 # (kernel, fp32 activations, BLOCK_D) -> num_warps, num_stages (and a constexpr) where _launch_cfg's warps with
-# Triton's 3 stages spill on sm_90 (ptxas -v of every model launch, experiments/sm90_launched.py).  One stage: the
+# Triton's 3 stages spill on sm_90 (ptxas -v of every model launch, experiments/compile_kernels.py).  One stage: the
 # mini-batch loop's prefetched loads no longer hold registers.  16 warps spill more at d = 64 (the 16-row tiles are
 # replicated).  16-bit _bwd_outputs at d = 32: IEEE fp32 FMA dots at 8 warps, as fp32 runs them, instead of TF32
 # mma, whose 16-row tiles every warp holds in full (255 registers, 28 bytes spilled; fp32 dots only add precision).
