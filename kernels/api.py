@@ -10,7 +10,8 @@ from . import dwconv, inner_mlp, key_norm, linear_attention, ttt_linear as _ttt_
 from .dwconv import residual_dwconv_op, residual_dwconv_reference, residual_dwconv_torch
 from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
-from .linear_attention import la_bidir, la_chunk_torch, la_scan_naive, linear_attention_op
+from .linear_attention import (la_bidir, la_chunk_torch, la_scan_naive, linear_attention_bidir_naive,
+                               linear_attention_bidir_torch, linear_attention_bidir_triton, linear_attention_op)
 from .key_norm import key_norm_op, key_norm_reference, key_norm_torch
 from .ttt_linear import (inner_rope, token_tau, ttt_linear_bidir_chunked, ttt_linear_bidir_naive, ttt_linear_bidir_op,
                          ttt_linear_bidir_torch, ttt_linear_naive, ttt_linear_op, ttt_linear_torch)
@@ -37,6 +38,10 @@ register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op, ttt
 # last-layer step (GEMMs: no Triton kernel, cuBLAS already is one) and the linear-attention Vision-TTT scan
 register_op("last_layer_ttt", last_layer_ttt_torch, None, last_layer_ttt_reference)
 register_op("linear_attention", la_chunk_torch, linear_attention_op, la_scan_naive)
+# the linear-attention forms' scan, both directions (TTT-Linear's dot inner loss): chosen and verified as its own op,
+# its Triton path the TTT-Linear scan kernels (DOT)
+register_op("linear_attention_bidir", linear_attention_bidir_torch, linear_attention_bidir_triton,
+            linear_attention_bidir_naive)
 
 
 def swiglu_ttt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

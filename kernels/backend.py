@@ -57,8 +57,8 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 128 an sm_90 compile of hand-written signatures spilled and _bwd_update needed 311,296 bytes of shared memory);
 # above it ``vit3_qkv_ttt`` runs the per-branch kernels, which take any head dim.
 # The one table of the kernels' limits: every op folder's ``choose()`` reads it (through ``triton_unsupported``).
-MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "t5_swiglu_ttt": 64, "dit5_mlp_ttt": 64,
-                                "vit3_qkv_fused": 64}
+MAX_HEAD_DIM: Dict[str, int] = {"ttt_linear": 64, "ttt_linear_bidir": 64, "linear_attention_bidir": 64,
+                                "t5_swiglu_ttt": 64, "dit5_mlp_ttt": 64, "vit3_qkv_fused": 64}
 
 
 class BackendError(RuntimeError):

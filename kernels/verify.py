@@ -2,7 +2,8 @@
 
 1. A repository record: ``gpu_verified.json`` (next to this file, or the file ``TTT_ZOO_GPU_RECORDS`` names) holds
    a record for the op whose ``sha256`` equals the hash of the op's current kernel sources (its folder's Triton
-   modules and every package module they import, transitively; see :func:`kernel_sources`).  Editing a kernel
+   modules, the module of its Triton path, and every package module they import or load, transitively; see
+   :func:`kernel_sources`).  Editing a kernel
    changes the hash, so its record no longer matches.  ``tools/gpu_check.py`` writes the records on a lent GPU.
 2. Else a local check, made where the op runs (:func:`check_op`): on the op's first use on a GPU (or on demand,
    ``ttt-zoo kernels --verify``) its Triton path is run against its PyTorch path on that device, forward and every
@@ -42,7 +43,7 @@ _PACKAGE = "ttt_zoo.kernels"
 
 
 # ------------------------------------------------------------------------------------------- GPU verification
-_HASHES: Dict[tuple, Optional[str]] = {}  # (kernels dir, op folder) -> sha256, once per process
+_HASHES: Dict[tuple, Optional[str]] = {}  # (kernels dir, op) -> sha256, once per process
 _RECORDS: Dict[str, List[dict]] = {}      # records file -> its records, read once per process
 
 
@@ -54,11 +55,18 @@ def kernel_folder(op: Optional[str]) -> Optional[str]:
     return parts[2] if parts[:2] == _PACKAGE.split(".") and len(parts) > 2 else None
 
 
+def _triton_modules(folder: Path) -> List[Path]:
+    """The modules of an op folder that import Triton (``triton.py``, ``vit3_ttt/fused.py``, ...)."""
+    return [f for f in sorted(folder.glob("*.py")) if re.search(r"^(import|from) triton\b", f.read_text(), re.M)]
+
+
 def _imported_files(path: Path, root: Path) -> List[Path]:
-    """The package's files that ``path`` imports relatively (``from .x import a``, ``from .. import y``)."""
+    """The package's files that ``path`` imports relatively (``from .x import a``, ``from .. import y``), and its
+    folder's Triton modules where it loads them at run time (``utils.triton_module(__package__)``)."""
     pkg = list(path.relative_to(root).parent.parts)
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    text = path.read_text()
+    found = _triton_modules(path.parent) if "triton_module(__package__)" in text else []
+    for node in ast.walk(ast.parse(text, str(path))):
         if not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
         target = root.joinpath(*pkg[:len(pkg) - node.level + 1], *(node.module.split(".") if node.module else []))
@@ -71,12 +79,15 @@ def _imported_files(path: Path, root: Path) -> List[Path]:
 
 def kernel_sources(op: str, root: Optional[Path] = None) -> List[Path]:
     """The files ``op``'s kernel is built from: its folder's Triton modules (``triton.py`` and any other that imports
-    triton, e.g. ``vit3_ttt/fused.py``) and every module of the package they import, transitively
-    (``triton_utils.py``, the folder's ``torch.py`` glue, ...); empty without a kernel."""
+    triton, e.g. ``vit3_ttt/fused.py``), the module of its registered Triton path, and every module of the package
+    they import, transitively (``triton_utils.py``, the folder's ``torch.py`` glue, another folder's kernels an op
+    runs: ``linear_attention_bidir`` runs ``ttt_linear/``'s, ...); empty without a kernel."""
     root = Path(root) if root is not None else KERNELS_DIR
     folder = kernel_folder(op)
-    todo = [f for f in sorted((root / folder).glob("*.py"))
-            if re.search(r"^(import|from) triton\b", f.read_text(), re.M)] if folder else []
+    if not folder:
+        return []
+    impl = root.joinpath(*_OPS[op]["triton"].__module__.split(".")[2:]).with_suffix(".py")
+    todo = _triton_modules(root / folder) + ([impl] if impl.is_file() else [])
     seen = set()
     while todo:
         f = todo.pop()
@@ -89,7 +100,7 @@ def kernel_sources(op: str, root: Optional[Path] = None) -> List[Path]:
 def kernel_source_hash(op: str, root: Optional[Path] = None) -> Optional[str]:
     """sha256 over the relative paths and bytes of :func:`kernel_sources` (once per process), None without."""
     root = Path(root) if root is not None else KERNELS_DIR
-    key = (str(root), kernel_folder(op))
+    key = (str(root), op)
     if key not in _HASHES:
         files = kernel_sources(op, root)
         h = hashlib.sha256()
@@ -199,6 +210,14 @@ def _linear_attention(shape, rnd):
     return _scan_state(shape, rnd) + [shape[4]]
 
 
+def _linear_attention_bidir(shape, rnd):
+    """As the layer calls it: lr as logits (rate 1/d sigmoid), tau as offsets, the state and offsets in float32."""
+    b, h, n, d, mb = shape
+    return [rnd(b, h, n, d) for _ in range(3)] + [rnd(b, h, n), rnd(mb, scale=0.1, weight=True),
+                                                  rnd(1, h, d, d, scale=0.02, weight=True),
+                                                  rnd(1, h, 1, d, scale=0.02, weight=True), mb, 10000.0, 1.0 / d, True]
+
+
 # shapes: heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d); key norm (B, N, C);
 # scans (B, heads, N, d, mini_batch); residual dwconv (B, W, N = H W, C).  GPU: a long sequence (N in the
 # thousands), odd sizes, and last the timing shape (a training batch of the models' size); the interpreter (CPU): one
@@ -220,8 +239,10 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),
     "ttt_linear_bidir": (_ttt_linear(True), _SCAN, [(1, 1, 21, 16, 8)]),
     "linear_attention": (_linear_attention, _SCAN, [(1, 1, 21, 16, 8)]),
+    "linear_attention_bidir": (_linear_attention_bidir, _SCAN, [(1, 1, 21, 16, 8)]),
 }
-HEAD_DIM_AT = {"ttt_linear": 3, "ttt_linear_bidir": 3, "linear_attention": 3, "vit3_dwconv_ttt": 1}  # else the last
+HEAD_DIM_AT = {"ttt_linear": 3, "ttt_linear_bidir": 3, "linear_attention": 3, "linear_attention_bidir": 3,
+               "vit3_dwconv_ttt": 1}  # else the last
 
 
 def case_shapes(op: str, device: torch.device) -> List[tuple]:

@@ -125,6 +125,37 @@ def test_editing_a_kernel_invalidates_its_record(monkeypatch, tmp_path):
     assert [op for op in KERNEL_OPS if B.gpu_verified(op)] == []
 
 
+def test_dot_loss_runs_on_triton_only_where_its_own_op_is_verified(monkeypatch, tmp_path):
+    """On ``auto`` a CUDA device with a record for ``ttt_linear_bidir`` alone runs the MSE loss on the kernels and
+    the dot loss (the linear-attention forms) on PyTorch; a record for ``linear_attention_bidir`` the reverse."""
+    from types import SimpleNamespace
+    from ttt_zoo.layers import create_mixer
+    mixers = {loss: create_mixer("ttt_linear", 32, head_dim=16, inner_loss=loss) for loss in ("mse", "dot")}
+    q = SimpleNamespace(device=CUDA, dtype=torch.float16)  # what the choice reads of q: no CUDA needed
+    for record, on_triton in (("ttt_linear_bidir", "mse"), ("linear_attention_bidir", "dot")):
+        _records(monkeypatch, tmp_path, [_record(record)])
+        assert {loss: m._rate_in_kernels(q) for loss, m in mixers.items()} == \
+            {loss: loss == on_triton for loss in mixers}, record
+    assert not torch.cuda.is_initialized()
+
+
+def test_dot_loss_scan_record_covers_the_ttt_linear_kernels(monkeypatch, tmp_path):
+    """``linear_attention_bidir`` runs ``ttt_linear/``'s kernels: editing them invalidates its record (and not
+    ``linear_attention``'s, whose forward kernel is its own)."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(B.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(V, "KERNELS_DIR", copy)
+    ops = ("linear_attention_bidir", "ttt_linear_bidir", "linear_attention")
+    _records(monkeypatch, tmp_path, [_record(op) for op in ops])
+    assert all(B.gpu_verified(op) for op in ops)
+    names = [f.relative_to(copy).as_posix() for f in B.kernel_sources("linear_attention_bidir")]
+    assert {"ttt_linear/triton.py", "ttt_linear/ops.py", "linear_attention/bidir.py"} <= set(names), names
+    kernel = copy / "ttt_linear" / f"{KERNEL}.py"
+    kernel.write_text(kernel.read_text() + "# edit\n")
+    B.clear_verification_cache()
+    assert [B.gpu_verified(op) for op in ops] == [False, False, True]
+
+
 def test_forced_kernel_ignores_records(monkeypatch, tmp_path):
     _records(monkeypatch, tmp_path, [])
     for op in KERNEL_OPS:

@@ -85,6 +85,20 @@ def test_a_correct_kernel_passes_its_check():
 
 
 @triton_test
+def test_the_dot_loss_scan_is_checked_as_its_own_op(monkeypatch):
+    """``linear_attention_bidir`` (the LA forms' scan: the TTT-Linear kernels with the dot loss) is checked on its
+    own inputs, as the layer calls it (logits, tau offsets), and a gradient 1% off fails its check."""
+    op = "linear_attention_bidir"
+    *_, lr_scale, tau_offset = V.case_inputs(op, V.case_shapes(op, KERNEL_DEVICE)[0], KERNEL_DEVICE, torch.float32)
+    assert lr_scale > 0 and tau_offset is True
+    entry = V.check_op(op, KERNEL_DEVICE, timing=False)
+    assert entry["passed"] and entry["error"] <= V.TOL[torch.float32], entry
+    assert entry["sha256"] != V.check_op("ttt_linear_bidir", KERNEL_DEVICE, timing=False)["sha256"]
+    _perturb(monkeypatch, op, backward=1.01)
+    assert not V.check_op(op, KERNEL_DEVICE, timing=False)["passed"]
+
+
+@triton_test
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_wrong_kernel_fails_falls_back_and_warns_one_line(monkeypatch, where):
     _perturb(monkeypatch, OP, **{where: 1.01})  # 1e-2 relative: above the float32 tolerance (2e-3), far above noise

@@ -45,6 +45,7 @@ CASES = {
                           (2, 9, 12)),
     "ttt_linear": (BUILD["ttt_linear"], _SCAN, (1, 1, 21, 16, 8)),
     "ttt_linear_bidir": (BUILD["ttt_linear_bidir"], _SCAN, (1, 1, 21, 16, 8)),
+    "linear_attention_bidir": (BUILD["linear_attention_bidir"], _SCAN, (1, 1, 21, 16, 8)),
     "linear_attention": (BUILD["linear_attention"], [(1, 2, 20000, 64, 16), (2, 2, 999, 16, 16), (2, 2, 999, 128, 16)],
                          (1, 1, 21, 16, 8)),
 }

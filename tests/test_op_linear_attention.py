@@ -3,7 +3,7 @@ both against a per-token autograd inner loop (tests/_ops.py: explicit dot-produc
 import pytest
 import torch
 
-from _ops import autograd_dot_scan
+from _ops import DEV, autograd_dot_scan, triton_test
 from ttt_zoo.kernels import linear_attention_bidir
 from ttt_zoo.kernels.linear_attention import la_chunk_torch, la_scan_naive, linear_attention_op
 
@@ -77,3 +77,55 @@ def test_triton_forward_and_backward(dtype, tol, n, mb, d):
     g_ref = torch.autograd.grad(la_scan_naive(*ins, mb), ins, do)
     for a, b in zip(g, g_ref):
         assert (a.double() - b).abs().max().item() < tol * max(1.0, b.abs().max().item()) * 4
+
+
+# ------------------------------------------------------------ linear_attention_bidir (the LA forms' op, bidir.py)
+def _bidir_inputs(n, d, dtype=DT, nw=2):
+    """The mixer's call: q = k one tensor, lr as logits, tau as offsets, w0 / b0 one per direction."""
+    q, _, v, _, _, w0, b0 = _inputs(b=1, h=1, n=n, d=d, nw=nw)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 1, n, generator=g, dtype=DT)
+    offsets = torch.randn(16, generator=g, dtype=DT) * 0.1
+    return [t.to(dtype) for t in (q, v, logits, offsets, w0, b0)]
+
+
+def test_bidir_op_paths_form_rates_from_logits_and_offsets():
+    """The registered op's torch and torch_naive paths with logits / offsets (a negative scale: gradient ascent)
+    equal the recurrent reference on rates formed by hand, float64."""
+    from ttt_zoo.kernels import get_op
+    from ttt_zoo.kernels.linear_attention import la_bidir_reference
+    from ttt_zoo.kernels.ttt_linear import token_tau
+    q, v, logits, offsets, w0, b0 = _bidir_inputs(77, 8)
+    ref = la_bidir_reference(q, q, v, -0.3 * torch.sigmoid(logits), token_tau(offsets), w0, b0, 16, 10000.0)
+    for path in ("torch", "torch_naive"):
+        out = get_op("linear_attention_bidir", q.device, path)(q, q, v, logits, offsets, w0, b0, 16, 10000.0, -0.3,
+                                                              True)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10, msg=path)
+    plain = get_op("linear_attention_bidir", q.device, "torch")(q, q, v, logits, offsets, w0, b0, 16, 10000.0)
+    assert (plain - ref).abs().max() > 1e-2  # lr_scale = 0, tau_offset off: the raw numbers are the rates
+
+
+@triton_test
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+def test_bidir_op_triton_path_vs_float64_reference(dtype, tol):
+    """The op's Triton path (the TTT-Linear scan kernels with the dot loss) at N = 3136, the mixer's call (q = k,
+    logits, offsets, per-direction state, ascent), forward and every gradient against the float64 recurrent
+    reference, errors relative to each tensor's largest reference entry."""
+    from ttt_zoo.kernels import get_op
+    x = _bidir_inputs(3136, 16)
+    do = torch.randn(1, 1, 3136, 16, generator=torch.Generator().manual_seed(3), dtype=DT)
+    ref_in = [t.clone().requires_grad_() for t in x]
+    q, v, logits, offsets, w0, b0 = ref_in
+    ref = get_op("linear_attention_bidir", q.device, "torch_naive")(q, q, v, logits, offsets, w0, b0, 16, 10000.0,
+                                                                    -0.05, True)
+    ref_grads = torch.autograd.grad(ref, ref_in, do)
+    low = [t.to(DEV, dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(x)]  # state fp32
+    q, v, logits, offsets, w0, b0 = low
+    out = get_op("linear_attention_bidir", q.device, "triton")(q, q, v, logits, offsets, w0, b0, 16, 10000.0,
+                                                               -0.05, True)
+    grads = torch.autograd.grad(out, low, do.to(DEV, dtype))
+    for name, got, want in zip(("out", "q", "v", "logits", "offsets", "w0", "b0"), (out,) + grads,
+                               (ref,) + ref_grads):
+        assert got.shape == want.shape, name
+        err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err < tol, f"{name}: max error {err:.2e}"

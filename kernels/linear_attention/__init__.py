@@ -6,12 +6,14 @@ from typing import Callable, Optional
 from torch import Tensor
 
 from ..backend import resolve_backend
+from .bidir import linear_attention_bidir_naive, linear_attention_bidir_torch, linear_attention_bidir_triton
 from .common import la_bidir
 from .naive import la_bidir_reference, la_scan_naive
 from .ops import linear_attention_op
 from .torch import la_chunk_torch
 
-__all__ = ["la_scan_naive", "la_chunk_torch", "linear_attention_op", "la_bidir", "la_bidir_reference", "choose"]
+__all__ = ["la_scan_naive", "la_chunk_torch", "linear_attention_op", "la_bidir", "la_bidir_reference", "choose",
+           "linear_attention_bidir_naive", "linear_attention_bidir_torch", "linear_attention_bidir_triton"]
 
 
 def choose(op: str, backend: Optional[str], q: Tensor, head_dim: int) -> Callable:

@@ -292,10 +292,13 @@ class TTTLinearMixer(VariantOptions, TTTMixer):
     @torch.jit.unused
     def _rate_in_kernels(self, q: torch.Tensor) -> bool:
         """Eager TTT-Linear (either inner loss) on the Triton kernels: they form the rate ``base_lr / d *
-        sigmoid(logit)`` and tau themselves (no launches of their own, forward or backward)."""
+        sigmoid(logit)`` and tau themselves (no launches of their own, forward or backward).  Chosen under the op
+        the kernels run as, so ``auto`` takes them only where that op is verified: the dot loss
+        ``linear_attention_bidir``, the MSE loss ``ttt_linear_bidir``."""
         if self.base_lr == 0 or isinstance(q, torch.fx.Proxy) or tracing():
             return False
-        return resolve_backend(self.backend, q.device, q.dtype, self.head_dim, "ttt_linear_bidir") == "triton"
+        op = "linear_attention_bidir" if self.dot_loss else "ttt_linear_bidir"
+        return resolve_backend(self.backend, q.device, q.dtype, self.head_dim, op) == "triton"
 
     @torch.jit.unused
     def _kernel_scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
