@@ -10,6 +10,7 @@ gradient (q, k, v, lr, tau, w0, b0, ln_w, ln_b) through the public wrappers, tig
 over N % mini_batch != 0, H != W at the mixer level, head dims 16-72, shared / per-direction / per-sample w0, the
 plain linear inner model and in-chunk RoPE; torch.compile over the op, the meta device and an empty batch.
 """
+import functools
 import math
 
 import pytest
@@ -732,6 +733,11 @@ def long_lr_scale(x):
 
 @pytest.fixture(scope="module", params=LONG_DIMS, ids=lambda d: f"d{d}")
 def long_case(request):
+    return _long_case(request.param)
+
+
+@functools.lru_cache(maxsize=None)
+def _long_case(d):
     """Bidirectional scan, batch 1, one head, N = 3136, d = 64 or 32, per-direction w0; inputs rounded to float16
     (so the fp32 and fp16 runs share them) and the float64 reference (``naive.py``, autograd) of output and
     gradients.  The output gradient is scaled so that dtau (a sum over all tokens) stays inside float16's range.  The
@@ -740,7 +746,7 @@ def long_case(request):
     d/d offset."""
     g = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    n, d, mb = LONG_N, request.param, LONG_MB
+    n, mb = LONG_N, LONG_MB
     x = [r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n, d), r(1, 1, n),
          0.05 * r(mb),
          0.05 * r(2, 1, d, d), 0.05 * r(2, 1, 1, d), 1 + 0.2 * r(1, d), 0.1 * r(1, d)]
@@ -811,11 +817,16 @@ def test_backward_sums_inside_the_kernels(dot_loss, count_launches):
 
 @pytest.fixture(scope="module")
 def long_dot_case(long_case):
+    return _long_dot_case(long_case[0][0].shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _long_dot_case(d):
     """``long_case``'s inputs for the dot inner loss (``linear_attention.naive``: G = -v, no inner LayerNorm) with
     gradient ascent (a negative rate scale): the float64 reference is the recurrent linear-attention scan of both
     directions (``la_bidir_reference``, autograd), d/d logit and d/d offset as above."""
     from ttt_zoo.kernels.linear_attention import la_bidir_reference
-    x, do, _, _ = long_case
+    x, do, _, _ = _long_case(d)
     leaves = [t.clone().requires_grad_() for t in x[:7]]
     q, k, v, logit, off, w0, b0 = leaves
     ref = la_bidir_reference(q, k, v, -long_lr_scale(x) * torch.sigmoid(logit), token_tau(off), w0, b0, LONG_MB)
@@ -842,6 +853,25 @@ def test_dot_loss_kernels_long_sequence(long_dot_case, dtype, tol, count_launche
         scale = want.abs().max().item()
         err = (got.double().cpu() - want).abs().max().item() / scale
         assert err < tol, f"{name}: max error {err:.2e} of {scale:.3g}"
+
+
+@pytest.mark.parametrize("dot_loss", [False, True], ids=["mse", "dot"])
+@triton_test
+def test_long_sequence_fp16_activations_fp32_parameters(dot_loss, count_launches):
+    """A mixed-precision step as the mixers run under autocast: q, k, v and the logits in fp16, the inner parameters
+    (tau offsets, w0, b0, the inner LayerNorm) in fp32 as they are; the kernels read them in fp32 and their
+    gradients come out fp32.  Against the float64 reference at N = 3136, d = 32 (Vision-TTT-H's head dim)."""
+    x, do, ref, ref_grads = (_long_dot_case if dot_loss else _long_case)(32)
+    leaves = [t.to(DEV, torch.float16 if i < 4 else torch.float32).requires_grad_() for i, t in enumerate(x)]
+    scale = -long_lr_scale(x) if dot_loss else long_lr_scale(x)
+    out = ops.ttt_linear_bidir_op(*leaves, *([None, None] if dot_loss else []), mini_batch=LONG_MB, triton=True,
+                                  lr_scale=scale, tau_offset=True, dot_loss=dot_loss)[0]
+    grads = torch.autograd.grad(out, leaves, do.to(DEV, torch.float16))
+    assert count_launches["fwd"] == 1 and count_launches["bwd"] == 1
+    for name, got, want, leaf in zip(("out",) + NAMES, (out,) + grads, (ref,) + ref_grads, [leaves[0]] + leaves):
+        assert got.dtype == leaf.dtype and got.shape == want.shape, name
+        err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err < 5e-3, f"{name}: max error {err:.2e}"
 
 
 @pytest.mark.parametrize("w0_mode,ascent,steps", [("shared", False, 1), ("separate", True, 2)],
