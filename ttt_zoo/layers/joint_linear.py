@@ -3,8 +3,9 @@
 ``joint_linear(x, [(w1, b1), (w2, b2)])`` equals ``torch.cat([F.linear(x, w1, b1), F.linear(x, w2, b2)], -1)``.
 Eager autograd would join the parameters with two ``cat`` launches per call (weights, biases), and autocast would
 cast each; here one ``cat`` writes weights and biases into one buffer (cast once where autocast is on), and the
-backward hands each parameter a view of one dW GEMM and one bias sum.  A step launches 2 kernels forward (cat, GEMM) and 3 backward
-(dx, dW, db), against two separate ``nn.Linear``'s 2 and 6.
+backward hands each parameter a view of one dW GEMM and one bias sum.  A step launches 2 kernels forward (cat,
+GEMM) and 3 backward (dx, dW, db), against two separate ``nn.Linear``'s 2 and 6; autocast adds one cast each way
+(the joined buffer; dW to the parameters' dtype; db is summed in it), where it casts each weight and bias twice.
 """
 import contextlib
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
@@ -54,7 +55,7 @@ class _JointLinear(torch.autograd.Function):
         if any(need[1::2]):
             dws = (g.t() @ xc.reshape(-1, xc.shape[-1])).to(ctx.param_dtype).split(ctx.rows, 0)
         if any(need[2::2]):
-            dbs = g.sum(0).to(ctx.param_dtype).split(ctx.rows, 0)
+            dbs = g.sum(0, dtype=ctx.param_dtype).split(ctx.rows, 0)  # accumulated and written in the parameters' dtype
         out: List[Optional[torch.Tensor]] = [dx]
         for i in range(len(ctx.rows)):
             out += [dws[i] if need[1 + 2 * i] else None, dbs[i] if need[2 + 2 * i] else None]
