@@ -30,13 +30,13 @@ class _JointLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, *params: Optional[torch.Tensor]) -> torch.Tensor:
         ws, bs = params[0::2], params[1::2]
         rows = [w.shape[0] for w in ws]
-        cin = ws[0].shape[1]
+        out_features, cin = sum(rows), ws[0].shape[1]
         dev = x.device.type
         amp = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
         dt = torch.get_autocast_dtype(dev) if amp else ws[0].dtype
         parts = [w.reshape(-1) for w in ws] + [b if b is not None else _zeros(r, ws[0]) for b, r in zip(bs, rows)]
         buf = torch.cat(parts).to(dt)  # one launch, and autocast's one cast (CUDA's cat casts only as per-part copies)
-        w, b = buf[:sum(rows) * cin].view(sum(rows), cin), buf[sum(rows) * cin:]
+        w, b = buf[:out_features * cin].view(out_features, cin), buf[out_features * cin:]
         xc = x.to(dt)
         ctx.save_for_backward(xc, w)
         ctx.rows = rows
