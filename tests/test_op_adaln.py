@@ -8,10 +8,12 @@ their determinism.
 import pytest
 import torch
 
+from ttt_zoo.bench.launches import count_launches
+from ttt_zoo.kernels.backend import use_backend
 from _ops import DEV, triton_kernels, triton_test
 from ttt_zoo.kernels import adaln as A
 
-KT = None  # the Triton kernels come in the next commit
+KT = triton_kernels("adaln")
 EPS = 1e-6
 FNS = {  # name -> (the custom op's function, the reference, the number of (B, N, C) inputs)
     "modulate_norm": (A.modulate_norm, A.modulate_norm_reference, 1),
@@ -139,3 +141,93 @@ def test_meta_device_shapes_and_dtypes():
         out = A.gate_residual(x, y, gate, triton=triton)
         assert h.device.type == "meta" and h.shape == x.shape and h.dtype == torch.float32
         assert x1.dtype == h2.dtype == out.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------- the Triton kernels
+KTOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # relative to each tensor's largest entry
+
+
+@triton_test
+@pytest.mark.parametrize("shape", [(2, 4096, 384), (2, 999, 72)], ids=["B2N4096C384", "B2N999C72"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", FNS)
+def test_kernels_match_reference(name, dtype, shape):
+    """Forward and every gradient (x, y, and the strided shift / scale / gate views) against the float64 reference
+    run on the same (rounded) inputs."""
+    fn, ref, _ = FNS[name]
+    x, y, mods = _inputs(*shape, dtype=dtype, device=DEV)
+    got, got_g = _fwd_bwd(name, lambda *a: fn(*a, triton=True), x, y, mods)
+    want, want_g = _fwd_bwd(name, ref, x.double(), y.double(), mods.double())
+    labels = [f"out{i}" for i in range(len(got))] + ["dx", "dy", "dmods"]
+    for label, a, b in zip(labels, got + got_g, want + want_g):
+        assert a.dtype == dtype, label
+        if label == "dy" and FNS[name][2] == 1:
+            continue  # modulate_norm takes no y
+        top = b.abs().max().item()
+        err = (a.double().cpu() - b).abs().max().item() / top
+        assert err <= KTOL[dtype], f"{name} {label}: max error {err:.2e} of the largest entry {top:.3g}"
+
+
+@triton_test
+@pytest.mark.parametrize("which", [0, 1], ids=["x1_only", "h_only"])
+def test_kernel_fused_with_one_incoming_gradient(which):
+    x, y, mods = _leaves(*_inputs(2, 37, 40, dtype=torch.float32, device=DEV))
+    args = _args("gate_residual_modulate_norm", x, y, mods)
+    got = torch.autograd.grad(A.gate_residual_modulate_norm(*args, triton=True)[which].square().sum(), [x, y, mods])
+    want = torch.autograd.grad(A.gate_residual_modulate_norm_reference(*args)[which].square().sum(), [x, y, mods])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def _strided_leaves(b, n, c, device):
+    """x, y and (shift, scale, gate) as leaves: the vectors strided (batch stride 3C) without a view's backward."""
+    x, y, mods = _inputs(b, n, c, dtype=torch.float32, device=device)
+    return [x.requires_grad_(), y.requires_grad_()] + [v.detach().requires_grad_() for v in mods.unbind(1)]
+
+
+@triton_test
+def test_kernel_launch_counts():
+    """One Triton launch forward each; backward 2 (modulate_norm), 1 (gate_residual: dx is the incoming gradient
+    itself), 2 (the fused one); no aten launch on either side."""
+    x, y, shift, scale, gate = _strided_leaves(2, 33, 48, DEV)
+    assert shift.stride() == (3 * 48, 1)
+    calls = {"modulate_norm": (lambda: A.modulate_norm(x, shift, scale, triton=True), [x, shift, scale], 2),
+             "gate_residual": (lambda: A.gate_residual(x, y, gate, triton=True), [x, y, gate], 1),
+             "gate_residual_modulate_norm": (
+                 lambda: A.gate_residual_modulate_norm(x, y, gate, shift, scale, triton=True), [x, y, gate, shift,
+                                                                                                 scale], 2)}
+    for name, (call, leaves, bwd_launches) in calls.items():
+        call()  # warm-up (compiles)
+        box = {}
+        fwd = count_launches(lambda: box.setdefault("out", call()))
+        assert (fwd.triton_total, fwd.aten_total) == (1, 0), (name, fwd.triton, fwd.aten)
+        outs = box["out"] if isinstance(box["out"], tuple) else (box["out"],)
+        gos = [torch.randn_like(o) for o in outs]
+        bwd = count_launches(lambda: torch.autograd.grad(outs, leaves, gos))
+        assert (bwd.triton_total, bwd.aten_total) == (bwd_launches, 0), (name, bwd.triton, bwd.aten)
+
+
+@triton_test
+def test_kernel_backward_is_deterministic():
+    x, y, shift, scale, gate = _strided_leaves(3, 517, 96, DEV)
+    g = torch.Generator().manual_seed(3)
+    go = [torch.randn(3, 517, 96, generator=g).to(DEV) for _ in range(2)]
+
+    def grads():
+        x1, h = A.gate_residual_modulate_norm(x, y, gate, shift, scale, triton=True)
+        out = A.gate_residual(x1, A.modulate_norm(h, shift, scale, triton=True), gate, triton=True)
+        return torch.autograd.grad([out, h], [x, y, shift, scale, gate], go)
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@triton_test
+def test_triton_path_follows_the_backend():
+    x = torch.randn(1, 4, 8, device=DEV)
+    with use_backend("torch"):
+        assert A.triton_path(x, None) is None
+    fused = A.triton_path(x, "triton")
+    shift, scale, gate = (torch.randn(1, 8, device=DEV) * 0.1 for _ in range(3))
+    torch.testing.assert_close(fused.modulate_norm(x, shift, scale),
+                               A.modulate_norm_reference(x, shift, scale), rtol=1e-5, atol=1e-5)
