@@ -61,6 +61,7 @@ def measure(name: str, backend: str, counter, full_size: bool, run_triton: bool)
     row = {"model": name, "path": backend, "img_size": size, "triton_run": run_triton,
            "infer_aten": infer.aten_total, "infer_triton": infer.triton_total,
            "train_aten": train.aten_total, "train_triton": train.triton_total,
+           "infer_shared": infer.shared, "train_shared": train.shared,
            "infer_by_op": dict(infer.by_op), "train_by_op": dict(train.by_op),
            "infer_ops": dict(infer.aten.most_common()), "train_ops": dict(train.aten.most_common()),
            "infer_triton_kernels": dict(infer.triton), "train_triton_kernels": dict(train.triton)}
@@ -78,7 +79,7 @@ def _write(path: Path, text: str):
 
 
 def total(r, kind):
-    return r[f"{kind}_aten"] + r[f"{kind}_triton"]
+    return r[f"{kind}_aten"] + r[f"{kind}_triton"] + r.get(f"{kind}_shared", 0)
 
 
 def get(rows, model, path):
@@ -90,8 +91,9 @@ def _cell(r, kind):
         return "-"
     if "error" in r:
         return "n/a"
-    return f"{total(r, kind)} ({r[f'{kind}_aten']} + {r[f'{kind}_triton']})" if r[f"{kind}_triton"] else \
-        str(total(r, kind))
+    shared = f" + {r[f'{kind}_shared']}" if r.get(f"{kind}_shared") else ""
+    return f"{total(r, kind)} ({r[f'{kind}_aten']} + {r[f'{kind}_triton']}{shared})" \
+        if r[f"{kind}_triton"] or shared else str(total(r, kind))
 
 
 def _run_note(rows, which):
@@ -108,7 +110,9 @@ def markdown(rows, before, commit, before_name) -> str:
              "coarsest stage, the model's minimum, a neighbourhood window that fits; DiT: latent px), batch 2, on the",
              "CPU, counted by `ttt_zoo.bench.launches` at the dispatcher: kernel-launching aten ops (views and",
              "allocations are not launches) + Triton launches (under `TRITON_INTERPRET=1`). `a + t`: aten ops + Triton",
-             f"kernels. Before: {before_name}, counted by this counter. x DeiT: to timm's DeiT-T block counted the same",
+             "kernels; `a + t + s`: DiT blocks also count `s`, their share of the model's one conditioning GEMM for",
+             "all blocks (`DiT.modulations`: its launches divided by the depth, rounded up).",
+             f"Before: {before_name}, counted by this counter. x DeiT: to timm's DeiT-T block counted the same",
              f"way ({pi} / {pt}); the issue-48 target on the Triton path is <= 1.5x in inference ({int(1.5 * pi)}) and",
              f"<= 1.3x in training ({int(1.3 * pt)}). n/a: the path cannot run the op (the reason in the JSON file).",
              "`torch @ full`: the torch path at the model's own input size (224 px, DiT 32-px latents), where a",

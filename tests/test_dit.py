@@ -10,7 +10,7 @@ import torch
 from fixtures import load_fixture
 from ttt_zoo.models import DiT
 from ttt_zoo.models._common import CheckpointError, safe_torch_load
-from ttt_zoo.models.dit import checkpoint_filter_fn, sincos_pos_embed_2d, timestep_embedding
+from ttt_zoo.models.dit import checkpoint_filter_fn, runtime_pos_embed, sincos_pos_embed_2d, timestep_embedding
 
 # spec §4 table: params at input_size 32, 1000 classes (frozen pos_embed included)
 DIT3_PARAMS = {
@@ -267,3 +267,76 @@ def test_label_dropout_only_in_training():
         model.eval()
         torch.testing.assert_close(train_out, model(x, t, null), rtol=1e-6, atol=1e-6)
         assert not torch.allclose(model(x, t, y), train_out)
+
+
+def _per_block_forward(model, x, t, y):
+    """The model as the official code runs it: each block (and the final layer) its own SiLU + adaLN GEMM."""
+    x = model.x_embedder.proj(x)
+    fs = (x.shape[2], x.shape[3])
+    x = x.flatten(2).transpose(1, 2) + runtime_pos_embed(model.pos_embed, model.grid_size, fs)
+    c = model.t_embedder(t) + model.y_embedder(y)
+    for blk in model.blocks:
+        x = blk(x, c, fs)
+    return model.unpatchify(model.final_layer(x, c), fs)
+
+
+@pytest.mark.parametrize("mixer,cpe", [("softmax", False), ("vit3", True)])
+def test_modulations_of_all_blocks_in_one_gemm_equal_each_blocks_own(mixer, cpe):
+    """``DiT.modulations``: one SiLU and one GEMM for every block's six adaLN vectors and the final layer's two, in
+    float64 equal to each ``adaLN_modulation(c).chunk``, gradients included; the model's forward equals running
+    each block's own adaLN (the official code's order)."""
+    model = _randomize(_tiny(mixer, cpe)).double().eval()
+    c = torch.randn(3, 64, dtype=torch.float64, requires_grad=True)
+    mods = model.modulations(c)
+    layers = [b.adaLN_modulation for b in model.blocks] + [model.final_layer.adaLN_modulation]
+    assert [len(m) for m in mods] == [6] * len(model.blocks) + [2]
+    weights = [torch.randn(v.shape, dtype=torch.float64) for m in mods for v in m]
+    wrt = [c] + [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad([v for m in mods for v in m], wrt, weights, allow_unused=True)
+    want_vecs = [v for layer, m in zip(layers, mods) for v in layer(c).chunk(len(m), dim=1)]
+    want = torch.autograd.grad(want_vecs, wrt, weights, allow_unused=True)
+    for v, w in zip([v for m in mods for v in m], want_vecs):
+        torch.testing.assert_close(v, w, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    x, t, y = torch.randn(2, 4, 16, 12, dtype=torch.float64), torch.tensor([3.0, 700.0]), torch.tensor([1, 9])
+    torch.testing.assert_close(model(x, t, y), _per_block_forward(model, x, t, y), rtol=1e-12, atol=1e-12)
+
+
+def test_modulations_give_way_to_hooks_on_the_adaln_layers():
+    """A hook on a block's adaLN layer sees every call: the model then runs each block's own GEMM."""
+    model = _randomize(_tiny("softmax", False)).eval()
+    calls = []
+    model.blocks[1].adaLN_modulation[1].register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    x, t, y = torch.randn(2, 4, 16, 16), torch.tensor([3.0, 700.0]), torch.tensor([1, 9])
+    with torch.no_grad():
+        model(x, t, y)
+    assert calls == [torch.Size([2, 6 * 64])]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("mixer,cpe", [("softmax", False), ("vit3", True)])
+def test_adaln_kernels_in_the_model_match_the_aten_path(mixer, cpe):
+    """The Triton path of the DiT skeleton (``ttt_zoo.kernels.adaln``: LayerNorm + modulation, gated residuals, in
+    every block and the final layer) against its aten path, fp32, output and every parameter's gradient, on a
+    non-square latent; the model's modulations (one GEMM) feed both."""
+    pytest.importorskip("triton")
+    from ttt_zoo.kernels.backend import use_backend
+
+    model = _randomize(_tiny(mixer, cpe, depth=2)).train()
+    x, t, y = torch.randn(2, 4, 16, 12), torch.tensor([3.0, 700.0]), torch.tensor([1, 9])
+    results = []
+    for backend in ("torch", "triton"):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # the same label dropout
+        with use_backend(backend):
+            out = model(x, t, y)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (ref, ref_g), (got, got_g) = results
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    assert got_g.keys() == ref_g.keys()
+    for n in ref_g:
+        torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-4, atol=1e-5 * ref_g[n].abs().max().item(), msg=n)

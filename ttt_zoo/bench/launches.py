@@ -41,6 +41,9 @@ class LaunchCounts:
     aten: Counter = field(default_factory=collections.Counter)
     triton: Counter = field(default_factory=collections.Counter)
     by_op: Counter = field(default_factory=collections.Counter)  # launches inside each ``ttt_zoo::`` op, by op
+    # a block's share of model-level work done once for all blocks (DiT's conditioning GEMM: its launches divided by
+    # the number of blocks, rounded up), counted in ``total``
+    shared: int = 0
 
     def op_launches(self, name: str) -> int:
         """Launches inside the custom op ``ttt_zoo::<name>`` (aten ops and Triton kernels)."""
@@ -56,7 +59,7 @@ class LaunchCounts:
 
     @property
     def total(self) -> int:
-        return self.aten_total + self.triton_total
+        return self.aten_total + self.triton_total + self.shared
 
     def table(self) -> List[str]:
         rows = [f"| {n} | {c} |" for n, c in self.aten.most_common()] + \
@@ -265,6 +268,8 @@ def block_launches(model: torch.nn.Module, img_size: Optional[int] = None, batch
 
     Inference: eval mode under ``no_grad``.  Training: train mode, forward + ``.sum().backward()`` with the
     gradients set to None beforehand (as ``optimizer.zero_grad()`` leaves them), after one warm-up step each.
+    Work the model does once for all its blocks (a DiT's :meth:`modulations`: one GEMM for every block's adaLN
+    vectors) is counted too, as each block's share (``LaunchCounts.shared``).
     """
     with contextlib.nullcontext() if run_triton else skip_triton_kernels():
         return _block_launches(model, img_size or smallest_img_size(model), batch, seed)
@@ -274,7 +279,10 @@ def _block_launches(model: torch.nn.Module, img_size: int, batch: int, seed: int
     model.eval()
     inputs = model_inputs(model, img_size, batch, seed)
     block, (args, kwargs) = _first_block(model, inputs)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # a list of tensors (a DiT block's modulation vectors, views of the model's one GEMM): leaves of their own
+    args = tuple([t.detach().clone() for t in a] if isinstance(a, (list, tuple)) and a
+                 and all(isinstance(t, torch.Tensor) for t in a) else a for a in args)
+    tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
     run = lambda: block(*args, **kwargs)  # noqa: E731
     with torch.no_grad():
         run()
@@ -292,7 +300,28 @@ def _block_launches(model: torch.nn.Module, img_size: int, batch: int, seed: int
 
     step()  # warm-up
     train = count_launches(step)  # setting gradients to None launches nothing
+    if is_conditioned(model) and hasattr(model, "modulations"):
+        infer.shared, train.shared = _shared_conditioning(model, args[1], len(model.blocks))
     return infer, train
+
+
+def _shared_conditioning(model: torch.nn.Module, c: torch.Tensor, blocks: int):
+    """A block's share of ``model.modulations(c)`` (inference, training step: forward and backward), rounded up."""
+    c = c.detach().clone()
+    with torch.no_grad():
+        model.modulations(c)
+        infer = count_launches(lambda: model.modulations(c))
+    c.requires_grad_()
+    grads = [torch.ones_like(v) for vs in model.modulations(c) for v in vs]  # the warm-up, and the seeds
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        c.grad = None
+        torch.autograd.backward([v for vs in model.modulations(c) for v in vs], grads)
+
+    step()
+    train = count_launches(step)
+    return -(-infer.total // blocks), -(-train.total // blocks)
 
 
 def code_paths(include_diffusion: bool = False) -> List[str]:

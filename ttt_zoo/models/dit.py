@@ -14,16 +14,21 @@ divides, non-square included (the sin-cos table is computed for the runtime grid
 
 import math
 from functools import partial
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from timm.layers import PatchEmbed, register_notrace_function
-from timm.models import generate_default_cfgs, register_model
+from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from ttt_zoo.errors import NoFeaturesError
+from ttt_zoo.kernels.adaln import triton_path as adaln_triton_path
+from ttt_zoo.kernels.backend import tracing
 from ttt_zoo.layers import ResidualCPE, TokenMlp, create_mixer
-from ._common import (build_ttt_model, check_image, check_sizes, run_blocks, unwrap_checkpoint, validate_state_dict,
+from ttt_zoo.layers.block import _hooked
+from ttt_zoo.layers.joint_linear import joint_linear
+from ._common import (build_ttt_model, check_image, check_sizes, unwrap_checkpoint, validate_state_dict,
                       with_hub_ids)
 
 __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "checkpoint_filter_fn", "DIT_SIZES",
@@ -31,7 +36,15 @@ __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "chec
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    """``x * (1 + scale) + shift`` per sample: one ``addcmul`` after the ``1 + scale``."""
+    return torch.addcmul(shift.unsqueeze(1), x, 1 + scale.unsqueeze(1))
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y`` per sample: one ``addcmul``."""
+    return torch.addcmul(x, gate.unsqueeze(1), y)
+
+
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0,
@@ -152,13 +165,23 @@ class DiTBlock(ResidualCPE, nn.Module):
         self.mlp = TokenMlp(dim, int(dim * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, feat_size: Tuple[int, int],
+                mod: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """``mod``: the six (B, C) modulation vectors the model computed for all its blocks at once
+        (:meth:`DiT.modulations`); None: from ``c`` through this block's ``adaLN_modulation``."""
         if self.cpe is not None:
             x = self._cpe(x, feat_size)
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate1.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift1, scale1), feat_size)
-        x = x + gate2.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift2, scale2), feat_size)
-        return x
+        if mod is None:
+            mod = self.adaLN_modulation(c).chunk(6, dim=1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod[0], mod[1], mod[2], mod[3], mod[4], mod[5]
+        if not torch.jit.is_scripting():
+            fused = adaln_triton_path(x, self.backend)  # the adaLN kernels: 3 launches of glue, where aten's are 9
+            if fused is not None and not (_hooked(self.norm1) or _hooked(self.norm2)):
+                y = self.attn(fused.modulate_norm(x, shift1, scale1, self.norm1.eps), feat_size)
+                x, h = fused.gate_residual_modulate_norm(x, y, gate1, shift2, scale2, self.norm2.eps)
+                return fused.gate_residual(x, self.mlp(h, feat_size), gate2)
+        x = gated_residual(x, self.attn(modulate(self.norm1(x), shift1, scale1), feat_size), gate1)
+        return gated_residual(x, self.mlp(modulate(self.norm2(x), shift2, scale2), feat_size), gate2)
 
 
 class FinalLayer(nn.Module):
@@ -170,8 +193,15 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, patch_size * patch_size * out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+    def forward(self, x: torch.Tensor, c: torch.Tensor, mod: Optional[List[torch.Tensor]] = None,
+                backend: Optional[str] = None) -> torch.Tensor:
+        if mod is None:
+            mod = self.adaLN_modulation(c).chunk(2, dim=1)
+        shift, scale = mod[0], mod[1]
+        if not torch.jit.is_scripting():
+            fused = adaln_triton_path(x, backend)
+            if fused is not None and not _hooked(self.norm_final):
+                return self.linear(fused.modulate_norm(x, shift, scale, self.norm_final.eps))
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
@@ -288,13 +318,32 @@ class DiT(nn.Module):
         x = self.x_embedder.norm(x.flatten(2).transpose(1, 2).contiguous())  # B, h*w, D
         x = x + runtime_pos_embed(self.pos_embed, self.grid_size, feat_size)
         c = self.t_embedder(t) + self.y_embedder(y)
-        if torch.jit.is_scripting():  # no checkpointing in TorchScript
+        if torch.jit.is_scripting():  # no checkpointing, each block's own adaLN GEMM
             for blk in self.blocks:
                 x = blk(x, c, feat_size)
+            x = self.final_layer(x, c)
         else:
-            x = run_blocks(self.blocks, x, c, feat_size, grad_checkpointing=self.grad_checkpointing)
-        x = self.final_layer(x, c)
+            mods = self.modulations(c)
+            for blk, mod in zip(self.blocks, mods[:-1]):
+                x = checkpoint(blk, x, c, feat_size, mod) if self.grad_checkpointing else blk(x, c, feat_size, mod)
+            x = self.final_layer(x, c, mods[-1], self.blocks[0].backend)
         return self.unpatchify(x, feat_size)
+
+    @torch.jit.unused
+    def modulations(self, c: torch.Tensor) -> List[Optional[List[torch.Tensor]]]:
+        """Every block's six adaLN vectors and the final layer's two, from one SiLU of ``c`` and one GEMM over all
+        the ``adaLN_modulation`` Linears (their parameters kept apart: :func:`~ttt_zoo.layers.joint_linear`), cut
+        by one ``unbind``: per model 3 launches forward and 5 backward, where each block's own SiLU, GEMM and
+        ``chunk`` launch 2 and 5.  Graph capture (torch.fx, compile, export) and hooks on those Linears get
+        ``None`` per block: each runs its own."""
+        layers = [blk.adaLN_modulation for blk in self.blocks] + [self.final_layer.adaLN_modulation]
+        if isinstance(c, torch.fx.Proxy) or tracing() or any(_hooked(m) or _hooked(m[1]) for m in layers):
+            return [None] * len(layers)
+        joined = joint_linear(F.silu(c), [(m[1].weight, m[1].bias) for m in layers])
+        vecs = joined.unflatten(1, (-1, c.shape[-1])).unbind(1)
+        counts = [m[1].out_features // c.shape[-1] for m in layers]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [list(vecs[s:s + n]) for s, n in zip(starts, counts)]
 
     def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,
                          guidance_channels: int = 3) -> torch.Tensor:
