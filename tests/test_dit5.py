@@ -7,6 +7,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from _ops import DEV, triton_test
 from fixtures import load_fixture
 from ttt_zoo.kernels import mlp_ttt_reference
 from ttt_zoo.layers.neighborhood import (neighborhood_attention_2d, neighborhood_attention_2d_torch,
@@ -115,6 +116,58 @@ def test_dit5_matches_official():
     with torch.no_grad():  # float64 runs too and agrees
         out64 = model.double()(t["input.x"].double(), t["input.t"], t["input.y"])
     torch.testing.assert_close(out64, t["output"].double(), **tol)
+
+
+@triton_test
+def test_dit5_triton_path_matches_official():
+    """The fixture on the Triton path (the mixer's fused qkv launch, the stacked inner step): the official output."""
+    from ttt_zoo.bench.launches import count_launches
+    from ttt_zoo.kernels.backend import use_backend
+    t, state, meta, tol = load_fixture("dit5_model_tiny")
+    model = _tiny5().eval().to(DEV)
+    model.load_state_dict(checkpoint_filter_fn({"model": state}, model), strict=True)
+    inputs = [t[k].to(DEV) for k in ("input.x", "input.t", "input.y")]
+    out = []
+    with torch.no_grad(), use_backend("triton"):
+        counts = count_launches(lambda: out.append(model(*inputs)))
+    torch.testing.assert_close(out[0].cpu(), t["output"], **tol)
+    assert counts.triton["_knorm_fwd"] == 2 and "addcmul" not in counts.aten, counts.table()  # one per block
+
+
+def _mixer_params_random(mixer, gen):
+    with torch.no_grad():  # the affine away from its init (ones, zeros), the convs' biases nonzero
+        for p in mixer.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.3 if p.dim() > 2 else 0.5))
+
+
+@triton_test
+def test_dit5_mixer_triton_path_vs_float64():
+    """The mixer on the Triton path (one fused launch on the qkv output each way, q / k affine included) against the
+    PyTorch path in float64: the output and every gradient (input, affine, convs, inner weights, projections)."""
+    from ttt_zoo.kernels.backend import use_backend
+    from ttt_zoo.layers.dit5_mixer import DiT5MixedAttention
+    gen = torch.Generator().manual_seed(0)
+    mixer = DiT5MixedAttention(128, num_heads=2)
+    _mixer_params_random(mixer, gen)
+    fs = (12, 10)
+    x = torch.randn(2, fs[0] * fs[1], 128, generator=gen)
+    cot = torch.randn(2, fs[0] * fs[1], 128, generator=gen, dtype=torch.float64)
+    results = []
+    for backend, dtype, dev in (("torch", torch.float64, "cpu"), ("triton", torch.float32, DEV)):
+        m = mixer.to(dev, dtype)
+        m.zero_grad(set_to_none=True)
+        xx = x.to(dev, dtype).requires_grad_()
+        with use_backend(backend):
+            out = m(xx, fs)
+        (out * cot.to(dev, dtype)).sum().backward()
+        results.append([out, xx.grad] + [p.grad for p in m.parameters()])
+    names = ["out", "x"] + [n for n, _ in mixer.named_parameters()]
+    for name, want, got in zip(names, *results):
+        err = (got.cpu().double() - want).abs().max() / want.abs().max()
+        if name == "qk_offset_ttt":  # k's offset cancels in the key norm: zero up to rounding
+            err = (got[..., 0].cpu().double() - want[..., 0]).abs().max() / want[..., 0].abs().max()
+            assert got[..., 1].abs().max() < 1e-5 * want[..., 0].abs().max(), name
+        assert err < 2e-5, f"{name}: {err:.2e} of its max"
 
 
 def test_dit5_non_square_and_small_latent():

@@ -3,6 +3,8 @@
 Counted on the CPU at the dispatcher by ``ttt_zoo.bench.launches`` (views and allocations are not launches).  Before
 (299558e), torch path, inference / training step: T5-T block 58 / 247, T5+-T 111 / 377, DiT5-S/2 block 118 / 289.
 """
+import collections
+
 import pytest
 import timm
 import torch
@@ -17,9 +19,9 @@ TORCH_CEILINGS = {"t5_tiny": (57, 243), "t5_plus_tiny": (58, 251), "dit5_s_2": (
 #: Triton path, registered head dim 64: the whole block, and the launches outside the inner step's own 2 + 2 (one
 #: 256-token chunk at these sizes, as at 224 px); DeiT-T's block: 10 / 32, the issue's target <= 15 / <= 41.  The
 #: fused q / k conv's gradient is one tensor (the inner-step op takes q, k stacked: no cat) and T5+'s attention
-#: reads copies of q, k whose gradients the key norm's backward launch adds (no adds)
-TRITON_CEILINGS = {"t5_tiny": (13, 38), "t5_plus_tiny": (14, 41), "dit5_s_2": (25, 83)}
-TRITON_GLUE_CEILINGS = {"t5_tiny": (11, 34), "t5_plus_tiny": (12, 37), "dit5_s_2": (23, 79)}
+#: reads copies of q, k whose gradients the key norm's backward launch adds (no adds); DiT5's mixer: see below
+TRITON_CEILINGS = {"t5_tiny": (13, 38), "t5_plus_tiny": (14, 41), "dit5_s_2": (24, 69)}
+TRITON_GLUE_CEILINGS = {"t5_tiny": (11, 34), "t5_plus_tiny": (12, 37), "dit5_s_2": (22, 65)}
 INNER_OPS = ("t5_swiglu_fwd", "t5_swiglu_bwd", "dit5_mlp_fwd", "dit5_mlp_bwd")
 IMG_SIZE = {"t5_tiny": 96, "t5_plus_tiny": 96, "dit5_s_2": 32}  # 6 x 6 tokens, 16 x 16 latent tokens
 
@@ -69,8 +71,46 @@ def test_block_launches_triton_path(name):
     op = "dit5_mlp" if name.startswith("dit5") else "t5_swiglu"
     assert infer.by_op[op + "_fwd"] == 2 and train.by_op[op + "_bwd"] == 2  # Triton ran the inner step, one chunk
     assert infer.triton["_knorm_fwd"] == 1 and "mean" not in infer.aten  # the key norm: one kernel
-    assert train.aten["cat"] == (1 if name.startswith("t5") else 2)  # none for the fused q / k conv's gradient
+    if name.startswith("t5"):  # none for the fused q / k conv's gradient (DiT5's mixer: none at all, below)
+        assert train.aten["cat"] == 1
     if name == "t5_plus_tiny":  # the attention's q, k gradients added inside the key norm's backward launch
         assert train.by_op["qk_norm_fold_bwd"] == 1 and train.aten["add"] == 5, train.table()
     for counts, ceiling, glue in zip((infer, train), TRITON_CEILINGS[name], TRITON_GLUE_CEILINGS[name]):
         assert counts.total <= ceiling and _glue(counts) <= glue, counts.table()
+
+
+#: DiT5's mixer alone on the Triton path (qkv and proj included), inference / forward + ``.sum().backward()`` (the
+#: sum and its ones_like included): one launch on the qkv output applies the q / k affine, the key norm and copies
+#: q, k, v, v for the attention and the inner step; its backward launch writes the whole qkv gradient (no addcmul
+#: backward, select / slice backward, adds or cat) and the affine's per-program partial sums, reduced by one sum.
+#: Before: 8 / 35 (an addcmul forward; 5 sums, 4 muls, 3 adds, 2 select_backward, a slice_backward, a cat, a clone)
+DIT5_MIXER_INFER = {"addmm": 2, "convolution": 1, "_scaled_dot_product_flash_attention_for_cpu": 1,
+                    "_knorm_fwd": 1, "_fwd_update": 1, "_fwd_apply": 1}
+DIT5_MIXER_TRAIN_BWD = {"ones_like": 1, "sum": 1 + 2 + 1, "mm": 4, "convolution_backward": 1, "_bwd_apply": 1,
+                        "_scaled_dot_product_flash_attention_for_cpu_backward": 1, "_bwd_update": 1,
+                        "_qkv_fold_bwd": 1}  # sums: the loss, the 2 biases, the affine's partial sums
+
+
+@pytest.mark.triton
+def test_dit5_mixer_launches_triton_path():
+    """The DiT5 mixer's own launches, each one named (4 x 4 tokens, C 384, 6 heads: dit5_s_*'s mixer); kernels
+    launched, not run (the same counts)."""
+    pytest.importorskip("triton")
+    from ttt_zoo.bench.launches import count_launches, skip_triton_kernels
+    from ttt_zoo.layers import DiT5MixedAttention
+    torch.manual_seed(0)
+    with use_backend("triton"), skip_triton_kernels():
+        m = DiT5MixedAttention(384, num_heads=6)
+        x = torch.randn(2, 16, 384, requires_grad=True)
+        m(x, (4, 4)).sum().backward()  # warm-up (lazy initialisation)
+        with torch.no_grad():
+            infer = count_launches(lambda: m(x, (4, 4)))
+        for t in list(m.parameters()) + [x]:
+            t.grad = None
+        train = count_launches(lambda: m(x, (4, 4)).sum().backward())
+    want = collections.Counter(DIT5_MIXER_INFER)
+    assert collections.Counter({**infer.aten, **infer.triton}) == want, infer.table()
+    assert infer.total == 7
+    assert collections.Counter({**train.aten, **train.triton}) == want + collections.Counter(DIT5_MIXER_TRAIN_BWD), \
+        train.table()
+    assert train.total == 21

@@ -6,11 +6,11 @@ from torch import Tensor
 
 from ..backend import resolve_backend
 from .naive import key_norm_reference
-from .ops import key_norm_op, qk_norm_fold_op
+from .ops import key_norm_op, qk_norm_fold_op, qkv_fold_op
 from .torch import identity_taps, key_norm_bwd, key_norm_fwd, key_norm_torch
 
 __all__ = ["key_norm_reference", "key_norm_torch", "key_norm_op", "key_norm_fwd", "key_norm_bwd", "choose",
-           "qk_norm_fold_op", "identity_taps"]
+           "qk_norm_fold_op", "qkv_fold_op", "identity_taps"]
 
 
 def choose(op: str, backend: Optional[str], x: Tensor, head_dim: Optional[int] = None) -> Callable:

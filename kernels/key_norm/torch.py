@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["key_norm_fwd", "key_norm_bwd", "key_norm_torch", "check_key_norm", "stat_dtype", "identity_taps",
-           "check_qk_norm_fold", "qk_norm_fold_fwd"]
+           "check_qk_norm_fold", "qk_norm_fold_fwd", "check_qkv_fold", "qkv_fold_fwd", "qkv_fold_bwd"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,3 +105,47 @@ def qk_norm_fold_bwd(dy: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, rstd
     """(dq, dk) of :func:`qk_norm_fold_fwd` with ``copy_qk``, the copies' gradients ``dqa``, ``dka`` added."""
     c = k.shape[-1]
     return dy[..., :c] + dqa, key_norm_bwd(dy[..., c:], k, mean, rstd) + dka
+
+
+# ---------------------------- DiT5: the q / k affine, [q' | key norm(k')] and the attention's copies from one qkv
+def check_qkv_fold(qkv, eps: float, scale, offset, wq, bq, wk, bk) -> int:
+    """C of a (B, N, 3C) qkv output; checks the rest as :func:`check_qk_norm_fold` and the affine (1, 1, C, 2)."""
+    if qkv.dim() != 3 or qkv.shape[-1] % 3:
+        raise ValueError(f"qkv_fold expects a (B, N, 3C) qkv output, got shape {tuple(qkv.shape)}")
+    c = qkv.shape[-1] // 3
+    if scale.shape != (1, 1, c, 2) or offset.shape != (1, 1, c, 2):
+        raise ValueError(f"the q / k affine must be (1, 1, {c}, 2), got {tuple(scale.shape)}, {tuple(offset.shape)}")
+    check_qk_norm_fold(qkv[..., :c], qkv[..., c:2 * c], eps, wq, bq, wk, bk)
+    return c
+
+
+def qkv_fold_fwd(qkv: torch.Tensor, eps: float, scale: torch.Tensor, offset: torch.Tensor, wq: torch.Tensor,
+                 bq: torch.Tensor, wk: torch.Tensor, bk: torch.Tensor):
+    """DiT5's TTT inputs from the qkv output (B, N, 3C): ([q' | key norm(k')] (B, N, 2C), q' = q s_q + o_q,
+    k' = k s_k + o_k (``scale``, ``offset`` (1, 1, C, 2), [..., 0] for q; in the statistics' dtype), the stacked conv
+    taps with the identity folded in and biases (:func:`qk_norm_fold_fwd`), mean, rstd of k', and copies of q, k,
+    v, v for the neighbourhood attention and the inner step.  The PyTorch form of the Triton kernel's launch."""
+    c = qkv.shape[-1] // 3
+    dt = stat_dtype(qkv.dtype)
+    q, k, v = qkv.to(dt).split(c, -1)
+    qa = q * scale[..., 0].to(dt) + offset[..., 0].to(dt)
+    y, mean, rstd = key_norm_fwd(k * scale[..., 1].to(dt) + offset[..., 1].to(dt), eps)
+    w = torch.cat([wq, wk])
+    copies = tuple(t.to(qkv.dtype).contiguous() for t in (q, k, v, v.clone()))
+    return (torch.cat([qa, y], -1).to(qkv.dtype), w + identity_taps(w), torch.cat([bq, bk]), mean, rstd) + copies
+
+
+def qkv_fold_bwd(dy: torch.Tensor, qkv: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor,
+                 offset: torch.Tensor, dqc: torch.Tensor, dkc: torch.Tensor, dvc: torch.Tensor, dvt: torch.Tensor):
+    """(d qkv, (B, 2, C, 2) per-sample sums of the scale and offset gradients ([:, 0] scale, [:, 1] offset)) of
+    :func:`qkv_fold_fwd`, the copies' gradients ``dqc .. dvt`` added in."""
+    c = qkv.shape[-1] // 3
+    dt = stat_dtype(qkv.dtype)
+    q, k, _ = qkv.to(dt).split(c, -1)
+    dyq, dyk = dy.to(dt).split(c, -1)
+    s, o = scale.to(dt), offset.to(dt)
+    dka = key_norm_bwd(dyk, k * s[..., 1] + o[..., 1], mean.to(dt), rstd.to(dt))
+    dqkv = torch.cat([dyq * s[..., 0] + dqc, dka * s[..., 1] + dkc, dvc + dvt], -1).to(qkv.dtype)
+    ds = torch.stack([(dyq * q).sum(1), (dka * k).sum(1)], -1)
+    do = torch.stack([dyq.sum(1), dka.sum(1)], -1)
+    return dqkv, torch.stack([ds, do], 1)

@@ -12,11 +12,16 @@ from torch import nn
 from timm.layers import trunc_normal_
 
 from ttt_zoo.kernels import last_layer_ttt, mlp_ttt
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+from ttt_zoo.kernels.backend import TRITON_BACKEND, resolve_backend
 from ttt_zoo.kernels.inner_mlp import last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_mix, mlp_ttt_op
+from ttt_zoo.kernels.key_norm import qkv_fold_op
 from ttt_zoo.kernels.utils import compute_dtype
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import PlainStepTTT, blend_na, dit5_form, qkv_inputs, silu_gate_features
+from .t5_ttt import (PlainStepTTT, blend_na, dit5_form, eager_fold, qkv_inputs, residual_dwconv, silu_gate_features,
+                     stacked_heads)
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -143,16 +148,38 @@ class DiT5MixedAttention(PlainStepTTT):
                                         clamp_to_map=True)  # a window larger than the map covers the map
         return out.flatten(2, 3)
 
+    @torch.jit.unused
+    def _fused(self, qkv: torch.Tensor, feat_size: Tuple[int, int]) -> Optional[torch.Tensor]:
+        """The Triton path from the qkv output: one launch applies the q / k affine, the key norm and writes the
+        copies of q, k, v the attention and the inner step read (``key_norm.qkv_fold_op``; its backward writes the
+        whole qkv gradient in one launch), one conv for both residual convs, the attention, the stacked inner step
+        blended with it.  None where the key norm or the plain inner step does not run Triton, or under a tracer."""
+        if not eager_fold() or is_fx_symbolic_tracing() or self.share_qk or self.q_conv2d.bias is None or \
+                self.k_conv2d.bias is None or not self._stacks_qk(qkv) or \
+                resolve_backend(self.backend, qkv.device, qkv.dtype, None, "key_instance_norm") != TRITON_BACKEND:
+            return None
+        y, w, bias, qc, kc, vc, vt = qkv_fold_op(qkv, 1.0, self.qk_scale_ttt, self.qk_offset_ttt, self.q_conv2d.weight,
+                                                 self.q_conv2d.bias, self.k_conv2d.weight, self.k_conv2d.bias,
+                                                 triton=True)
+        qk = stacked_heads(residual_dwconv(y, w, bias, feat_size), self.num_heads)
+        return self._inner(qk, None, self._heads(vt), self._na(qc, kc, vc, feat_size))
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
         qkv = self.qkv(x)
-        if self.share_qk:
-            k, v = qkv.chunk(2, dim=-1)
-            q = k
+        fused: Optional[torch.Tensor] = None
+        if not torch.jit.is_scripting():
+            fused = self._fused(qkv, feat_size)
+        if fused is not None:
+            x = fused
         else:
-            q, k, v = qkv.chunk(3, dim=-1)
-        # 0.5 (NA + TTT), blended inside the inner-step op; NA's (B, N, heads, d) layout makes merging the heads free
-        x = self._ttt(qkv, q, k, v, feat_size, self._na(q, k, v, feat_size))
+            if self.share_qk:
+                k, v = qkv.chunk(2, dim=-1)
+                q = k
+            else:
+                q, k, v = qkv.chunk(3, dim=-1)
+            # 0.5 (NA + TTT), blended inside the inner-step op; NA's (B, N, heads, d) layout merges the heads free
+            x = self._ttt(qkv, q, k, v, feat_size, self._na(q, k, v, feat_size))
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, c)))
 
     def extra_repr(self) -> str:
