@@ -191,6 +191,11 @@ def _residual_dwconv(shape, rnd):
     return [rnd(b, n, c), rnd(c, 1, 3, 3, scale=0.3, weight=True), rnd(c, scale=0.1, weight=True), (n // w, w), "gelu"]
 
 
+def _adaln(shape, rnd):
+    b, n, c = shape  # x, y (B, N, C) and the (B, 3, C) shift / scale / gate (strided views inside)
+    return [rnd(b, n, c, shift=0.5), rnd(b, n, c), rnd(b, 3, c, scale=0.1), 1e-6]
+
+
 def _scan_state(shape, rnd):
     b, h, n, d, mb = shape
     return [rnd(b, h, n, d) for _ in range(3)] + [rnd(b, h, n, scale=1.0 / d, uniform=True),
@@ -218,7 +223,7 @@ def _linear_attention_bidir(shape, rnd):
                                                   rnd(1, h, 1, d, scale=0.02, weight=True), mb, 10000.0, 1.0 / d, True]
 
 
-# shapes: heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d); key norm (B, N, C);
+# shapes: heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d); key norm and adaLN (B, N, C);
 # scans (B, heads, N, d, mini_batch); residual dwconv (B, W, N = H W, C).  GPU: a long sequence (N in the
 # thousands), odd sizes, and last the timing shape (a training batch of the models' size); the interpreter (CPU): one
 # small odd shape.  Every head dim is within the op's kernel limit (backend.MAX_HEAD_DIM; tests/test_kernel_verify.py
@@ -236,6 +241,7 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "key_instance_norm": (_key_norm, [(1, 8192, 192), (2, 999, 72), (8, 1024, 192)], [(2, 9, 12)]),
     "residual_dwconv3x3": (_residual_dwconv, [(1, 64, 4096, 64), (2, 37, 999, 24), (8, 28, 784, 192)],
                            [(1, 5, 35, 12)]),
+    "adaln_modulate": (_adaln, [(1, 8192, 1152), (8, 256, 1152), (2, 999, 384), (32, 1024, 384)], [(2, 9, 24)]),
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),
     "ttt_linear_bidir": (_ttt_linear(True), _SCAN, [(1, 1, 21, 16, 8)]),
     "linear_attention": (_linear_attention, _SCAN, [(1, 1, 21, 16, 8)]),

@@ -28,7 +28,7 @@ DTYPES = {"fp32": torch.float32} if TINY else {"fp32": torch.float32, "fp16": to
 
 
 # op -> (input builder, GPU cases, tiny case): heads ops (B, heads, N, d); dwconv (B, d, H, W); qkv (B, heads, H, W, d);
-# key norm (B, N, C); scans (B, heads, N, d, mini_batch)
+# key norm and adaLN (B, N, C); scans (B, heads, N, d, mini_batch)
 _HEADS = [(1, 2, 20000, 64), (1, 2, 20000, 32), (1, 1, 16500, 128)] + [(2, 2, 999, d) for d in
                                                                          (16, 24, 32, 48, 64, 72, 96, 128)]
 _QKV = [(1, 3, 128, 160, 64), (2, 2, 17, 19, 128), (2, 3, 14, 14, 32), (2, 2, 15, 13, 72), (3, 4, 9, 7, 16)]
@@ -43,6 +43,8 @@ CASES = {
     "dit5_mlp_ttt": (BUILD["dit5_mlp_ttt"], _HEADS, (1, 2, 21, 16)),
     "key_instance_norm": (BUILD["key_instance_norm"], [(1, 20000, 192), (2, 999, 72), (3, 77, 16)],
                           (2, 9, 12)),
+    "adaln_modulate": (BUILD["adaln_modulate"], [(1, 20000, 384), (8, 256, 1152), (2, 999, 72), (3, 77, 16)],
+                       (2, 9, 24)),
     "ttt_linear": (BUILD["ttt_linear"], _SCAN, (1, 1, 21, 16, 8)),
     "ttt_linear_bidir": (BUILD["ttt_linear_bidir"], _SCAN, (1, 1, 21, 16, 8)),
     "linear_attention_bidir": (BUILD["linear_attention_bidir"], _SCAN, (1, 1, 21, 16, 8)),
