@@ -188,23 +188,28 @@ def _strided_leaves(b, n, c, device):
 @triton_test
 def test_kernel_launch_counts():
     """One Triton launch forward each; backward 2 (modulate_norm), 1 (gate_residual: dx is the incoming gradient
-    itself), 2 (the fused one); no aten launch on either side."""
+    itself), 2 (the fused one); no aten launch on either side, also for the expanded gradient ``.sum().backward()``
+    hands in (read through its strides, not copied); the gradients as the PyTorch path's."""
     x, y, shift, scale, gate = _strided_leaves(2, 33, 48, DEV)
     assert shift.stride() == (3 * 48, 1)
-    calls = {"modulate_norm": (lambda: A.modulate_norm(x, shift, scale, triton=True), [x, shift, scale], 2),
-             "gate_residual": (lambda: A.gate_residual(x, y, gate, triton=True), [x, y, gate], 1),
-             "gate_residual_modulate_norm": (
-                 lambda: A.gate_residual_modulate_norm(x, y, gate, shift, scale, triton=True), [x, y, gate, shift,
-                                                                                                 scale], 2)}
+    calls = {"modulate_norm": (lambda t: A.modulate_norm(x, shift, scale, triton=t), [x, shift, scale], 2),
+             "gate_residual": (lambda t: A.gate_residual(x, y, gate, triton=t), [x, y, gate], 1),
+             "gate_residual_modulate_norm": (lambda t: A.gate_residual_modulate_norm(x, y, gate, shift, scale,
+                                                                                     triton=t),
+                                             [x, y, gate, shift, scale], 2)}
     for name, (call, leaves, bwd_launches) in calls.items():
-        call()  # warm-up (compiles)
+        call(True)  # warm-up (compiles)
         box = {}
-        fwd = count_launches(lambda: box.setdefault("out", call()))
+        fwd = count_launches(lambda: box.update(out=call(True)))
         assert (fwd.triton_total, fwd.aten_total) == (1, 0), (name, fwd.triton, fwd.aten)
         outs = box["out"] if isinstance(box["out"], tuple) else (box["out"],)
-        gos = [torch.randn_like(o) for o in outs]
-        bwd = count_launches(lambda: torch.autograd.grad(outs, leaves, gos))
+        ones = [torch.ones((), device=DEV).expand(o.shape) for o in outs]  # stride 0, as .sum().backward()
+        bwd = count_launches(lambda: box.update(grads=torch.autograd.grad(outs, leaves, ones)))
         assert (bwd.triton_total, bwd.aten_total) == (bwd_launches, 0), (name, bwd.triton, bwd.aten)
+        ref = call(False)
+        want = torch.autograd.grad(ref, leaves, ones)
+        for got, w in zip(box["grads"], want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
 @triton_test

@@ -5,7 +5,9 @@ Row tiles of BLOCK_R tokens x the whole row (BLOCK_C = next_power_of_2(C) >= C c
 of a token are one in-register reduction.  Grid (row tiles, B): a program's tokens share one sample, so its (B, C)
 vectors (strided views allowed: their batch stride is an argument, the channel stride is 1) are loaded once.
 Offsets are int64 (program ids through ``pid64``, the token index ``b N + n`` built from them); N, B and the
-chunking are not specialised (``jit_sizes``).  Arithmetic in fp32, every product formed in fp32 before the cast.
+chunking are not specialised (``jit_sizes``).  The incoming gradients are read through their strides (no copy:
+``.sum().backward()`` hands an expanded one), the tokens and outputs are contiguous.  Arithmetic in fp32, every
+product formed in fp32 before the cast.
   ``_fwd``: h = LN(x) (1 + scale) + shift, mean and rstd (B, N) fp32; with GATED first x1 = x + gate y (stored,
       and normalised as stored).  ``_gate_fwd``: x + gate y.
   ``_bwd``: program (chunk, b) walks ``n_tiles`` row tiles: d = g_x1 + rstd (g - mean_c g - xhat mean_c(g xhat))
@@ -92,10 +94,17 @@ def _gate_fwd(X, Y, GATE, OUT, N, C, s_gate, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=m)
 
 
-@jit_sizes
-def _bwd(GH, GX1, X, Y, GATE, SCALE, MEAN, RSTD, DX, DY, PART, N, C, s_gate, s_scale, n_tiles, n_chunks,
-         HAS_GH: tl.constexpr, HAS_GX1: tl.constexpr, GATED: tl.constexpr, K: tl.constexpr,
-         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit
+def _grad_offs(b, tok, cols, N, s_b, s_n, s_c):
+    """Offsets of an incoming (B, N, C) gradient of any strides (``.sum().backward()`` hands an expanded one)."""
+    rows = tok - b * N
+    return b * s_b + rows[:, None] * s_n + cols[None, :] * s_c
+
+
+@jit_sizes(also=("s_ghb", "s_gxb"))
+def _bwd(GH, GX1, X, Y, GATE, SCALE, MEAN, RSTD, DX, DY, PART, N, C, s_gate, s_scale, s_ghb, s_ghn, s_ghc, s_gxb,
+         s_gxn, s_gxc, n_tiles, n_chunks, HAS_GH: tl.constexpr, HAS_GX1: tl.constexpr, GATED: tl.constexpr,
+         K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     chunk, b = pid64(0), pid64(1)
     cols = tl.arange(0, BLOCK_C)
     cm = cols < C
@@ -112,7 +121,8 @@ def _bwd(GH, GX1, X, Y, GATE, SCALE, MEAN, RSTD, DX, DY, PART, N, C, s_gate, s_s
             mean = tl.load(MEAN + tok, mask=rm, other=0.0)
             rstd = tl.load(RSTD + tok, mask=rm, other=0.0)
             xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
-            gh = tl.load(GH + offs, mask=m, other=0.0).to(tl.float32)
+            gh = tl.load(GH + _grad_offs(b, tok, cols, N, s_ghb, s_ghn, s_ghc), mask=m, other=0.0)
+            gh = gh.to(tl.float32)
             sum_gh += tl.sum(gh, axis=0)
             sum_ghx += tl.sum(gh * xhat, axis=0)
             g = gh * one_plus_scale[None, :]
@@ -120,7 +130,8 @@ def _bwd(GH, GX1, X, Y, GATE, SCALE, MEAN, RSTD, DX, DY, PART, N, C, s_gate, s_s
             mgx = tl.sum(g * xhat, axis=1) / C
             d = tl.where(m, rstd[:, None] * (g - mg[:, None] - xhat * mgx[:, None]), 0.0)
         if HAS_GX1:
-            d += tl.load(GX1 + offs, mask=m, other=0.0).to(tl.float32)
+            gx1 = tl.load(GX1 + _grad_offs(b, tok, cols, N, s_gxb, s_gxn, s_gxc), mask=m, other=0.0)
+            d += gx1.to(tl.float32)
         tl.store(DX + offs, d.to(DX.dtype.element_ty), mask=m)
         if GATED:
             y = tl.load(Y + offs, mask=m, other=0.0).to(tl.float32)
@@ -153,8 +164,8 @@ def _reduce(PART, D0, D1, D2, n_chunks, C, K: tl.constexpr, BLOCK_P: tl.constexp
         tl.store(D2 + offs, acc.to(D2.dtype.element_ty), mask=cm)
 
 
-@jit_sizes
-def _gate_bwd(G, Y, GATE, DY, DGATE, N, C, s_gate, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+@jit_sizes(also=("s_gb",))
+def _gate_bwd(G, Y, GATE, DY, DGATE, N, C, s_gate, s_gb, s_gn, s_gc, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b, cb = pid64(0), pid64(1)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = cols < C
@@ -164,7 +175,7 @@ def _gate_bwd(G, Y, GATE, DY, DGATE, N, C, s_gate, BLOCK_T: tl.constexpr, BLOCK_
         rows = start + tl.arange(0, BLOCK_T)
         m = (rows < N)[:, None] & cm[None, :]
         offs = (b * N + rows)[:, None] * C + cols[None, :]
-        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(G + _grad_offs(b, b * N + rows, cols, N, s_gb, s_gn, s_gc), mask=m, other=0.0).to(tl.float32)
         y = tl.load(Y + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(DY + offs, (g * gate[None, :]).to(DY.dtype.element_ty), mask=m)
         acc += tl.sum(g * y, axis=0)
@@ -239,10 +250,12 @@ def _bwd_launch(gh: Optional[torch.Tensor], gx1: Optional[torch.Tensor], x, y, g
     k = 3 if gated else 2
     part = torch.empty(b * n_chunks, k, c, device=x.device, dtype=torch.float32)
     gate = gate if gated else scale
-    any_g = gh if gh is not None else gx1
-    _bwd[(n_chunks, b)](any_g if gh is None else gh, any_g if gx1 is None else gx1, x, y if gated else x, gate, scale,
-                        mean, rstd, dx, dy if gated else dx, part, n, c, gate.stride(0), scale.stride(0), n_tiles,
-                        n_chunks, HAS_GH=gh is not None, HAS_GX1=gx1 is not None, GATED=gated, K=k,
+    has_gh, has_gx1 = gh is not None, gx1 is not None
+    any_g = gh if has_gh else gx1  # an absent gradient is not read (HAS_GH / HAS_GX1)
+    gh, gx1 = (gh if has_gh else any_g), (gx1 if has_gx1 else any_g)
+    _bwd[(n_chunks, b)](gh, gx1, x, y if gated else x, gate, scale, mean, rstd, dx, dy if gated else dx, part, n, c,
+                        gate.stride(0), scale.stride(0), *gh.stride(), *gx1.stride(), n_tiles, n_chunks,
+                        HAS_GH=has_gh, HAS_GX1=has_gx1, GATED=gated, K=k,
                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     d0, d1, *rest = vec_grads
     _reduce[(triton.cdiv(c, RED_BLOCK_C), b, k)](part, d0, d1, rest[0] if rest else d1, n_chunks, c, K=k,
@@ -254,7 +267,7 @@ def _new_vec(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def modulate_norm_bwd_triton(dh, x, mean, rstd, scale, shift_dtype):
-    dh, x, scale = dh.contiguous(), x.contiguous(), _vec_arg(scale)
+    x, scale = x.contiguous(), _vec_arg(scale)
     dx = torch.empty_like(x)
     dshift, dscale = _new_vec(scale, shift_dtype), _new_vec(scale, scale.dtype)
     _bwd_launch(dh, None, x, None, None, scale, mean, rstd, dx, None, (dshift, dscale))
@@ -263,8 +276,6 @@ def modulate_norm_bwd_triton(dh, x, mean, rstd, scale, shift_dtype):
 
 def gate_residual_modulate_norm_bwd_triton(g_x1, g_h, x1, y, gate, mean, rstd, scale, x_dtype, shift_dtype):
     x1, y, gate, scale = x1.contiguous(), y.contiguous(), _vec_arg(gate), _vec_arg(scale)
-    g_x1 = None if g_x1 is None else g_x1.contiguous()
-    g_h = None if g_h is None else g_h.contiguous()
     dx = torch.empty(x1.shape, device=x1.device, dtype=x_dtype)
     dy = torch.empty_like(y)
     dgate, dshift, dscale = _new_vec(gate, gate.dtype), _new_vec(scale, shift_dtype), _new_vec(scale, scale.dtype)
@@ -273,11 +284,11 @@ def gate_residual_modulate_norm_bwd_triton(g_x1, g_h, x1, y, gate, mean, rstd, s
 
 
 def gate_residual_bwd_triton(g, y, gate):
-    g, y, gate = g.contiguous(), y.contiguous(), _vec_arg(gate)
+    y, gate = y.contiguous(), _vec_arg(gate)
     b, n, c = y.shape
     dy = torch.empty_like(y)
     dgate = _new_vec(gate, gate.dtype)
     block_c = min(GATE_BLOCK_C, max(16, triton.next_power_of_2(c)))
-    _gate_bwd[(b, triton.cdiv(c, block_c))](g, y, gate, dy, dgate, n, c, gate.stride(0), BLOCK_T=GATE_BLOCK_T,
-                                            BLOCK_C=block_c)
+    _gate_bwd[(b, triton.cdiv(c, block_c))](g, y, gate, dy, dgate, n, c, gate.stride(0), *g.stride(),
+                                            BLOCK_T=GATE_BLOCK_T, BLOCK_C=block_c)
     return dy, dgate
