@@ -40,9 +40,11 @@ GATE_BLOCK_T, GATE_BLOCK_C = 32, 128  # gate_residual's backward tile (tokens x 
 
 
 def row_cfg(c: int) -> Tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, warps) for rows of C channels."""
+    """(BLOCK_R, BLOCK_C, warps) for rows of C channels: 8 warps from a full tile (16 fp32 values a thread per tile
+    tensor; the backward holds about six), 4 below (C <= 128)."""
     block_c = max(16, triton.next_power_of_2(c))
-    return max(1, min(MAX_ROWS, TILE // block_c)), block_c, 4 if block_c <= 512 else 8
+    block_r = max(1, min(MAX_ROWS, TILE // block_c))
+    return block_r, block_c, 8 if block_r * block_c >= TILE else 4
 
 
 @triton.jit
