@@ -236,3 +236,13 @@ def test_triton_path_follows_the_backend():
     shift, scale, gate = (torch.randn(1, 8, device=DEV) * 0.1 for _ in range(3))
     torch.testing.assert_close(fused.modulate_norm(x, shift, scale),
                                A.modulate_norm_reference(x, shift, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("triton", [False] + ([True] if KT is not None else []), ids=lambda t: f"triton={t}")
+@pytest.mark.parametrize("shape", [(0, 5, 8), (2, 0, 8)], ids=["B0", "N0"])
+def test_empty_batch(triton, shape):
+    x, y, mods = _leaves(*_inputs(*shape, dtype=torch.float32, device=DEV if triton else "cpu"))
+    out = A.adaln_block_op(x, y, mods, triton=triton)
+    assert out.shape == shape
+    out.sum().backward()
+    assert x.grad.shape == shape and torch.equal(mods.grad, torch.zeros_like(mods))
