@@ -246,3 +246,11 @@ def test_empty_batch(triton, shape):
     assert out.shape == shape
     out.sum().backward()
     assert x.grad.shape == shape and torch.equal(mods.grad, torch.zeros_like(mods))
+
+
+@triton_test
+def test_batch_above_the_grid_limit_raises_one_line():
+    x = torch.zeros(65536, 1, 8, device=DEV)
+    v = torch.zeros(65536, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"^adaln: batch 65536 is above the kernels' 65535 samples per launch; "):
+        A.modulate_norm(x, v, v, triton=True)

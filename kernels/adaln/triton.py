@@ -37,6 +37,7 @@ TARGET_PROGRAMS = 512  # backward programs aimed at (bounds the partials: TARGET
 BLOCK_P = 16  # partial rows summed per step of the reduction
 RED_BLOCK_C = 256  # channels per program of the reduction
 GATE_BLOCK_T, GATE_BLOCK_C = 32, 128  # gate_residual's backward tile (tokens x channels)
+MAX_GRID_Y = 65535  # CUDA's limit on the grid's second axis
 
 
 def row_cfg(c: int) -> Tuple[int, int, int]:
@@ -190,6 +191,12 @@ def _vec_arg(v: torch.Tensor) -> torch.Tensor:
     return v if v.stride(1) == 1 or v.shape[1] == 1 else v.contiguous()
 
 
+def _check_batch(b: int) -> None:
+    if b > MAX_GRID_Y:  # the samples are the grid's second axis
+        raise ValueError(f"adaln: batch {b} is above the kernels' {MAX_GRID_Y} samples per launch; split the batch "
+                         f"or use backend='torch'")
+
+
 def _stats(x: torch.Tensor):
     b, n, _ = x.shape
     return (torch.empty(b, n, device=x.device, dtype=torch.float32),
@@ -198,6 +205,7 @@ def _stats(x: torch.Tensor):
 
 def _fwd_launch(x, y, gate, shift, scale, x1, h, eps):
     b, n, c = x.shape
+    _check_batch(b)
     mean, rstd = _stats(x)
     block_r, block_c, warps = row_cfg(c)
     gated = y is not None
@@ -227,6 +235,7 @@ def gate_residual_modulate_norm_fwd_triton(x, y, gate, shift, scale, eps):
 def gate_residual_fwd_triton(x, y, gate):
     x, y, gate = x.contiguous(), y.contiguous(), _vec_arg(gate)
     b, n, c = x.shape
+    _check_batch(b)
     out = torch.empty(x.shape, device=x.device, dtype=out_dtype(x, y, gate))
     block_r, block_c, warps = row_cfg(c)
     _gate_fwd[(triton.cdiv(n, block_r), b)](x, y, gate, out, n, c, gate.stride(0), BLOCK_R=block_r,
@@ -246,6 +255,7 @@ def _bwd_launch(gh: Optional[torch.Tensor], gx1: Optional[torch.Tensor], x, y, g
                 vec_grads):
     """Kernel 1 (dx, dy, partial column sums) and the reduction into ``vec_grads`` (dshift, dscale[, dgate])."""
     b, n, c = x.shape
+    _check_batch(b)
     block_r, block_c, warps = row_cfg(c)
     n_tiles, n_chunks = bwd_chunks(b, n, block_r)
     gated = y is not None
