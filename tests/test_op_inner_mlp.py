@@ -140,6 +140,10 @@ def test_custom_ops_opcheck():
                           [q[0][:, 0], q[1][:, 0], 1.0, torch.randn(8, 1, 3, 3), torch.randn(8),
                            torch.randn(8, 1, 3, 3), torch.randn(8), False, True],
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ttt_zoo.qkv_fold_fwd.default,
+                          [torch.randn(2, 6, 24), 1.0, torch.randn(1, 1, 8, 2), torch.randn(1, 1, 8, 2),
+                           torch.randn(8, 1, 3, 3), torch.randn(8), torch.randn(8, 1, 3, 3), torch.randn(8), 2, 3, False],
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_stacked_qk_matches_separate_fp64():
@@ -590,8 +594,9 @@ def test_mixer_triton_vs_naive_non_square(mixer, monkeypatch):
                         or fwd(*a))
     monkeypatch.setattr(T, "inner_bwd_triton", lambda *a: bwd_calls.append(a[-1] is not None) or bwd(*a))
     kcalls = []
-    kfwd = KT._knorm_fwd
-    monkeypatch.setattr(KT, "_knorm_fwd", type("Spy", (), {"__getitem__": lambda s, g: kcalls.append(1) or kfwd[g]})())
+    kname = "_dit5_fwd" if mixer == "dit5" else "_knorm_fwd"  # DiT5: the affine, key norm and convs in one launch
+    kfwd = getattr(KT, kname)
+    monkeypatch.setattr(KT, kname, type("Spy", (), {"__getitem__": lambda s, g: kcalls.append(1) or kfwd[g]})())
     dim, heads, hw = 64, 2, (3, 7)  # d = 32, N = 21 (not a multiple of the tile), H != W
     m = {"t5": lambda: T5TTT(dim, heads), "t5plus": lambda: T5TTT(dim, heads, na_kernel=3),
          "dit5": lambda: DiT5MixedAttention(dim, heads, kernel_size=3)}[mixer]()

@@ -19,15 +19,16 @@ dq and dk in the key norm's backward launch (``qk_norm_fold_bwd``) instead of au
 DiT5 (whose q and k pass a per-channel affine first, and whose attention and inner step read v as well) takes the
 whole qkv output:
 
-    y, wf, bf, mean, rstd, qc, kc, vc, vt = torch.ops.ttt_zoo.qkv_fold_fwd(qkv, eps, scale, offset, wq, bq, wk, bk,
-                                                                           triton)
-    dqkv, dscale_offset = torch.ops.ttt_zoo.qkv_fold_bwd(dy, qkv, mean, rstd, scale, offset, dqc, dkc, dvc, dvt,
-                                                         triton)
+    y, mean, rstd, qc, kc, vc, vt = torch.ops.ttt_zoo.qkv_fold_fwd(qkv, eps, scale, offset, wq, bq, wk, bk, h, w,
+                                                                   triton)
+    dqkv, dparams = torch.ops.ttt_zoo.qkv_fold_bwd(dy, qkv, mean, rstd, scale, offset, wq, wk, h, w, dqc, dkc, dvc,
+                                                   dvt, triton)
 
-The one forward launch applies the affine, writes [q' | key norm(k')], the folded taps and copies of q, k, v, v
-(the neighbourhood attention's q, k, v and the inner step's v); the one backward launch writes the whole (B, N, 3C)
-gradient (no add, cat or slice backward after) and per-(sample, channel block) partial sums of the affine's
-gradients, which one sum over the batch reduces in a fixed order (no atomics).
+The one forward launch applies the affine, the key norm and both residual depthwise convs (with their biases) and
+writes [q2 | k2] and copies of q, k, v, v (the neighbourhood attention's q, k, v and the inner step's v); the one
+backward launch writes the whole (B, N, 3C) gradient (no add, cat or slice backward after) and per-(sample, channel
+block) partial sums of every parameter's gradient (affine, taps, biases), which one sum over the batch reduces in a
+fixed order (no atomics).
 """
 from __future__ import annotations
 
@@ -183,59 +184,62 @@ def qk_norm_fold_op(q: Tensor, k: Tensor, eps: float, wq: Tensor, bq: Tensor, wk
 
 @torch.library.custom_op("ttt_zoo::qkv_fold_fwd", mutates_args=())
 def qkv_fold_fwd_op(qkv: Tensor, eps: float, scale: Tensor, offset: Tensor, wq: Tensor, bq: Tensor, wk: Tensor,
-                    bk: Tensor, triton: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                       Tensor]:
+                    bk: Tensor, h: int, w: int, triton: bool
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     impl = _t().qkv_fold_fwd_triton if launches_kernel(triton, qkv) else qkv_fold_fwd
-    y, wf, bf, mean, rstd, *copies = impl(qkv, eps, scale, offset, wq, bq, wk, bk)
+    y, mean, rstd, *copies = impl(qkv, eps, scale, offset, wq, bq, wk, bk, h, w)
     dtype = _stat_dtype(qkv, triton)
-    return (y.contiguous(), wf.contiguous(), bf.contiguous(), mean.to(dtype), rstd.to(dtype),
-            *(t.contiguous() for t in copies))
+    return (y.contiguous(), mean.to(dtype), rstd.to(dtype), *(t.contiguous() for t in copies))
 
 
 @qkv_fold_fwd_op.register_fake
-def _(qkv, eps, scale, offset, wq, bq, wk, bk, triton):
+def _(qkv, eps, scale, offset, wq, bq, wk, bk, h, w, triton):
     b, n, c3 = qkv.shape
     c = c3 // 3
     dtype = _stat_dtype(qkv, triton)
-    return (qkv.new_empty(b, n, 2 * c), wq.new_empty((2 * c,) + tuple(wq.shape[1:])), bq.new_empty(2 * c),
-            qkv.new_empty(b, c, dtype=dtype), qkv.new_empty(b, c, dtype=dtype),
+    return (qkv.new_empty(b, n, 2 * c), qkv.new_empty(b, c, dtype=dtype), qkv.new_empty(b, c, dtype=dtype),
             *(qkv.new_empty(b, n, c) for _ in range(4)))
 
 
 @torch.library.custom_op("ttt_zoo::qkv_fold_bwd", mutates_args=())
-def qkv_fold_bwd_op(dy: Tensor, qkv: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor, offset: Tensor, dqc: Tensor,
-                    dkc: Tensor, dvc: Tensor, dvt: Tensor, triton: bool) -> Tuple[Tensor, Tensor]:
-    """(d qkv, the scale and offset gradients stacked (2, 1, 1, C, 2) in the parameters' dtype): the kernel's
-    per-program partial sums reduced over the batch by one sum (a fixed order)."""
+def qkv_fold_bwd_op(dy: Tensor, qkv: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor, offset: Tensor, wq: Tensor,
+                    wk: Tensor, h: int, w: int, dqc: Tensor, dkc: Tensor, dvc: Tensor, dvt: Tensor, triton: bool
+                    ) -> Tuple[Tensor, Tensor]:
+    """(d qkv, the parameters' gradients flattened into one (R,) tensor in the parameters' dtype, laid out
+    [scale | offset | w_q | b_q | w_k | b_k]): the kernel's per-program partial sums reduced over the batch by one
+    sum (a fixed order)."""
     impl = _t().qkv_fold_bwd_triton if launches_kernel(triton, qkv) else qkv_fold_bwd
-    dqkv, partial = impl(dy, qkv, mean, rstd, scale, offset, dqc, dkc, dvc, dvt)
-    return dqkv.contiguous(), partial.sum(0, dtype=scale.dtype).unsqueeze(1).unsqueeze(1)
+    dqkv, partial = impl(dy, qkv, mean, rstd, scale, offset, wq, wk, h, w, dqc, dkc, dvc, dvt)
+    return dqkv.contiguous(), partial.sum(0, dtype=scale.dtype)
 
 
 @qkv_fold_bwd_op.register_fake
-def _(dy, qkv, mean, rstd, scale, offset, dqc, dkc, dvc, dvt, triton):
-    return qkv.new_empty(qkv.shape), scale.new_empty((2,) + tuple(scale.shape))
+def _(dy, qkv, mean, rstd, scale, offset, wq, wk, h, w, dqc, dkc, dvc, dvt, triton):
+    c = qkv.shape[-1] // 3
+    return qkv.new_empty(qkv.shape), scale.new_empty(6 * c + 2 * wq.numel())
 
 
 def _qkv_fold_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[2], inputs[3], output[3], output[4])
-    ctx.mark_non_differentiable(output[3], output[4])
+    qkv, _, scale, offset, wq, _, wk, _, h, w, triton = inputs
+    ctx.save_for_backward(qkv, scale, offset, wq, wk, output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)  # no zero tensors for mean, rstd
-    ctx.triton, ctx.c = inputs[8], inputs[0].shape[-1] // 3
+    ctx.triton, ctx.h, ctx.w = triton, h, w
 
 
-def _qkv_fold_backward(ctx, dy, dwf, dbf, dmean, drstd, dqc, dkc, dvc, dvt):
-    """d qkv and the affine's gradients in one launch (+ one sum); the taps' and biases' gradients are slices of
-    the incoming ones (no launch).  An output not used (no gradient) counts as a zero gradient."""
-    qkv, scale, offset, mean, rstd = ctx.saved_tensors
-    c = ctx.c
-    b, n, _ = qkv.shape
+def _qkv_fold_backward(ctx, dy, dmean, drstd, dqc, dkc, dvc, dvt):
+    """d qkv and every parameter's gradient in one launch + one sum; the parameters' gradients are views of that
+    sum.  An output not used (no gradient) counts as a zero gradient."""
+    qkv, scale, offset, wq, wk, mean, rstd = ctx.saved_tensors
+    b, n, c3 = qkv.shape
+    c = c3 // 3
     dy = qkv.new_zeros(b, n, 2 * c) if dy is None else dy
     dqc, dkc, dvc, dvt = (qkv.new_zeros(b, n, c) if g is None else g for g in (dqc, dkc, dvc, dvt))
-    dqkv, dso = qkv_fold_bwd_op(dy, qkv, mean, rstd, scale, offset, dqc, dkc, dvc, dvt, ctx.triton)
-    dwq, dwk = (None, None) if dwf is None else (dwf[:c], dwf[c:])
-    dbq, dbk = (None, None) if dbf is None else (dbf[:c], dbf[c:])
-    return dqkv, None, dso[0], dso[1], dwq, dbq, dwk, dbk, None
+    dqkv, flat = qkv_fold_bwd_op(dy, qkv, mean, rstd, scale, offset, wq, wk, ctx.h, ctx.w, dqc, dkc, dvc, dvt,
+                                 ctx.triton)
+    ds, do, dwq, dbq, dwk, dbk = torch.split(flat, [2 * c, 2 * c, wq.numel(), c, wk.numel(), c])
+    return (dqkv, None, ds.view(scale.shape), do.view(offset.shape), dwq.view(wq.shape), dbq, dwk.view(wk.shape), dbk,
+            None, None, None)
 
 
 qkv_fold_fwd_op.register_autograd(_qkv_fold_backward, setup_context=_qkv_fold_setup)
@@ -244,12 +248,13 @@ count_flops_as(qkv_fold_bwd_op, qkv_fold_bwd)
 
 
 def qkv_fold_op(qkv: Tensor, eps: float, scale: Tensor, offset: Tensor, wq: Tensor, bq: Tensor, wk: Tensor,
-                bk: Tensor, triton=None) -> Tuple[Tensor, ...]:
-    """DiT5's (y = [q' | key norm(k')] (B, N, 2C), stacked taps + identity, stacked biases, q, k, v, v copies) from
-    the qkv output (B, N, 3C) through the custom op (``triton`` as in :func:`key_norm_op`; module docstring): one
-    depthwise conv of y with the taps and biases gives both residual convs, the copies feed the neighbourhood
-    attention (q, k, v) and the inner step (v)."""
-    check_qkv_fold(qkv, eps, scale, offset, wq, bq, wk, bk)
+                bk: Tensor, feat_size: Tuple[int, int], triton=None) -> Tuple[Tensor, ...]:
+    """DiT5's ([q2 | k2] (B, N, 2C), copies of q, k, v, v) from the qkv output (B, N, 3C) of the ``feat_size`` map
+    through the custom op (``triton`` as in :func:`key_norm_op`; module docstring): q2 = q' + conv_q(q'),
+    k2 = kn + conv_k(kn) (the convs with their biases), q' = q s_q + o_q, kn = key norm(k s_k + o_k); the copies
+    feed the neighbourhood attention (q, k, v) and the inner step (v)."""
+    h, w = (int(t) for t in feat_size)
+    check_qkv_fold(qkv, eps, scale, offset, wq, bq, wk, bk, h, w)
     triton = triton_choice(qkv, "key_instance_norm", 0) if triton is None else bool(triton)
-    out = qkv_fold_fwd_op(qkv, float(eps), scale, offset, wq, bq, wk, bk, triton)
-    return out[:3] + out[5:]
+    out = qkv_fold_fwd_op(qkv, float(eps), scale, offset, wq, bq, wk, bk, h, w, triton)
+    return out[:1] + out[3:]

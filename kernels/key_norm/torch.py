@@ -107,11 +107,12 @@ def qk_norm_fold_bwd(dy: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, rstd
     return dy[..., :c] + dqa, key_norm_bwd(dy[..., c:], k, mean, rstd) + dka
 
 
-# ---------------------------- DiT5: the q / k affine, [q' | key norm(k')] and the attention's copies from one qkv
-def check_qkv_fold(qkv, eps: float, scale, offset, wq, bq, wk, bk) -> int:
-    """C of a (B, N, 3C) qkv output; checks the rest as :func:`check_qk_norm_fold` and the affine (1, 1, C, 2)."""
-    if qkv.dim() != 3 or qkv.shape[-1] % 3:
-        raise ValueError(f"qkv_fold expects a (B, N, 3C) qkv output, got shape {tuple(qkv.shape)}")
+# ----------------------- DiT5: the q / k affine, key norm, both residual convs and the attention's copies from one qkv
+def check_qkv_fold(qkv, eps: float, scale, offset, wq, bq, wk, bk, h: int, w: int) -> int:
+    """C of a (B, N, 3C) qkv output of an h x w map; checks the rest as :func:`check_qk_norm_fold` and the affine."""
+    if qkv.dim() != 3 or qkv.shape[-1] % 3 or qkv.shape[1] != h * w:
+        raise ValueError(f"qkv_fold expects a (B, N, 3C) qkv output of the {h} x {w} map, got shape "
+                         f"{tuple(qkv.shape)}")
     c = qkv.shape[-1] // 3
     if scale.shape != (1, 1, c, 2) or offset.shape != (1, 1, c, 2):
         raise ValueError(f"the q / k affine must be (1, 1, {c}, 2), got {tuple(scale.shape)}, {tuple(offset.shape)}")
@@ -119,33 +120,55 @@ def check_qkv_fold(qkv, eps: float, scale, offset, wq, bq, wk, bk) -> int:
     return c
 
 
+def _as_map(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return z.transpose(1, 2).reshape(z.shape[0], z.shape[2], h, w)
+
+
+def _as_tokens(z: torch.Tensor) -> torch.Tensor:
+    return z.flatten(2).transpose(1, 2)
+
+
 def qkv_fold_fwd(qkv: torch.Tensor, eps: float, scale: torch.Tensor, offset: torch.Tensor, wq: torch.Tensor,
-                 bq: torch.Tensor, wk: torch.Tensor, bk: torch.Tensor):
-    """DiT5's TTT inputs from the qkv output (B, N, 3C): ([q' | key norm(k')] (B, N, 2C), q' = q s_q + o_q,
-    k' = k s_k + o_k (``scale``, ``offset`` (1, 1, C, 2), [..., 0] for q; in the statistics' dtype), the stacked conv
-    taps with the identity folded in and biases (:func:`qk_norm_fold_fwd`), mean, rstd of k', and copies of q, k,
-    v, v for the neighbourhood attention and the inner step.  The PyTorch form of the Triton kernel's launch."""
+                 bq: torch.Tensor, wk: torch.Tensor, bk: torch.Tensor, h: int, w: int):
+    """DiT5's TTT inputs from the qkv output (B, N, 3C) of an h x w map: ([q2 | k2] (B, N, 2C), mean, rstd of k',
+    copies of q, k, v, v), q2 = q' + conv_q(q') + b_q, k2 = kn + conv_k(kn) + b_k ('same' depthwise convs),
+    q' = q s_q + o_q, kn = key norm(k s_k + o_k) (``scale``, ``offset`` (1, 1, C, 2), [..., 0] for q), computed in
+    the statistics' dtype.  The PyTorch form of the Triton kernel's launch."""
     c = qkv.shape[-1] // 3
     dt = stat_dtype(qkv.dtype)
     q, k, v = qkv.to(dt).split(c, -1)
     qa = q * scale[..., 0].to(dt) + offset[..., 0].to(dt)
-    y, mean, rstd = key_norm_fwd(k * scale[..., 1].to(dt) + offset[..., 1].to(dt), eps)
-    w = torch.cat([wq, wk])
+    kn, mean, rstd = key_norm_fwd(k * scale[..., 1].to(dt) + offset[..., 1].to(dt), eps)
+    pad = (wq.shape[2] // 2, wq.shape[3] // 2)
+    z = _as_map(torch.cat([qa, kn], -1), h, w)
+    y = z + F.conv2d(z, torch.cat([wq, wk]).to(dt), torch.cat([bq, bk]).to(dt), padding=pad, groups=2 * c)
     copies = tuple(t.to(qkv.dtype).contiguous() for t in (q, k, v, v.clone()))
-    return (torch.cat([qa, y], -1).to(qkv.dtype), w + identity_taps(w), torch.cat([bq, bk]), mean, rstd) + copies
+    return (_as_tokens(y).to(qkv.dtype), mean, rstd) + copies
 
 
 def qkv_fold_bwd(dy: torch.Tensor, qkv: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor,
-                 offset: torch.Tensor, dqc: torch.Tensor, dkc: torch.Tensor, dvc: torch.Tensor, dvt: torch.Tensor):
-    """(d qkv, (B, 2, C, 2) per-sample sums of the scale and offset gradients ([:, 0] scale, [:, 1] offset)) of
-    :func:`qkv_fold_fwd`, the copies' gradients ``dqc .. dvt`` added in."""
+                 offset: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, h: int, w: int, dqc: torch.Tensor,
+                 dkc: torch.Tensor, dvc: torch.Tensor, dvt: torch.Tensor):
+    """(d qkv, (B, R) per-sample sums of the parameters' gradients laid out [scale | offset | w_q | b_q | w_k | b_k],
+    each flattened in its parameter's layout) of :func:`qkv_fold_fwd`, the copies' gradients ``dqc .. dvt`` added."""
     c = qkv.shape[-1] // 3
     dt = stat_dtype(qkv.dtype)
     q, k, _ = qkv.to(dt).split(c, -1)
-    dyq, dyk = dy.to(dt).split(c, -1)
     s, o = scale.to(dt), offset.to(dt)
-    dka = key_norm_bwd(dyk, k * s[..., 1] + o[..., 1], mean.to(dt), rstd.to(dt))
-    dqkv = torch.cat([dyq * s[..., 0] + dqc, dka * s[..., 1] + dkc, dvc + dvt], -1).to(qkv.dtype)
-    ds = torch.stack([(dyq * q).sum(1), (dka * k).sum(1)], -1)
-    do = torch.stack([dyq.sum(1), dka.sum(1)], -1)
-    return dqkv, torch.stack([ds, do], 1)
+    qa, ka = q * s[..., 0] + o[..., 0], k * s[..., 1] + o[..., 1]
+    kn = (ka - mean.to(dt)[:, None]) * rstd.to(dt)[:, None]
+    pad = (wq.shape[2] // 2, wq.shape[3] // 2)
+    wf = torch.cat([wq, wk]).to(dt)
+    g = _as_map(dy.to(dt), h, w)
+    z = _as_map(torch.cat([qa, kn], -1), h, w)
+    dz = _as_tokens(g + torch.nn.grad.conv2d_input(z.shape, wf, g, padding=pad, groups=2 * c))
+    dw = torch.stack([torch.nn.grad.conv2d_weight(z[i:i + 1], wf.shape, g[i:i + 1], padding=pad, groups=2 * c)
+                      for i in range(z.shape[0])])  # per sample, (B, 2C, 1, kh, kw)
+    db = g.sum((2, 3))
+    dqa, dka = dz[..., :c], key_norm_bwd(dz[..., c:], ka, mean.to(dt), rstd.to(dt))
+    dqkv = torch.cat([dqa * s[..., 0] + dqc, dka * s[..., 1] + dkc, dvc + dvt], -1).to(qkv.dtype)
+    ds = torch.stack([(dqa * q).sum(1), (dka * k).sum(1)], -1)
+    do = torch.stack([dqa.sum(1), dka.sum(1)], -1)
+    b = qkv.shape[0]
+    return dqkv, torch.cat([ds.reshape(b, -1), do.reshape(b, -1), dw[:, :c].reshape(b, -1), db[:, :c],
+                            dw[:, c:].reshape(b, -1), db[:, c:]], 1)

@@ -48,64 +48,40 @@ def _fold_taps(W, B, WF, BF, row0, offs_c, offs_t, C, n_taps):
 
 
 @jit_sizes(also=("sxb", "syb", "sqb", "scb"))
-def _knorm_fwd(X, Y, MEAN, RSTD, Q, YQ, WQ, BQ, WK, BK, WF, BF, QC, KC, V, VC, VT, S, O, sxb, sxn, sxc, syb, syn,
-               syc, sqb, sqn, sqc, scb, scn, scc, N, C, n_taps, eps, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-               BLOCK_T: tl.constexpr, CAT: tl.constexpr, COPY: tl.constexpr, AFFINE: tl.constexpr):
-    """``AFFINE`` (DiT5): q and k first go through the per-channel affine ``S``, ``O`` ((C, 2) interleaved, [:, 0]
-    for q), in fp32; with ``COPY`` the copies are of the raw q, k and also of v (``V``, q's strides) twice."""
+def _knorm_fwd(X, Y, MEAN, RSTD, Q, YQ, WQ, BQ, WK, BK, WF, BF, QC, KC, sxb, sxn, sxc, syb, syn, syc, sqb, sqn, sqc,
+               scb, scn, scc, N, C, n_taps, eps, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+               CAT: tl.constexpr, COPY: tl.constexpr):
     b, cb = pid64(0), pid64(1)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = offs_c < C
-    if AFFINE:
-        sq = tl.load(S + offs_c * 2, mask=cm, other=1.0).to(tl.float32)
-        oq = tl.load(O + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
-        sk = tl.load(S + offs_c * 2 + 1, mask=cm, other=1.0).to(tl.float32)
-        ok = tl.load(O + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
-    else:
-        sq = tl.full((BLOCK_C,), 1.0, tl.float32)
-        sk = tl.full((BLOCK_C,), 1.0, tl.float32)
-        oq = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        ok = tl.zeros((BLOCK_C,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         x, m = _load_cols(X, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
-        if AFFINE:
-            x = tl.where(m, x * sk[None, :] + ok[None, :], 0.0)
         acc += tl.sum(x, axis=0)
     mean = acc / N
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         x, m = _load_cols(X, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
-        if AFFINE:
-            x = x * sk[None, :] + ok[None, :]
         dev = tl.where(m, x - mean[None, :], 0.0)
         acc += tl.sum(dev * dev, axis=0)
     rstd = 1.0 / tl.sqrt(acc / N + eps)
     for start in range(0, N, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        xr, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
-        x = xr * sk[None, :] + ok[None, :] if AFFINE else xr
+        x, m = _load_cols(X, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
         y = (x - mean[None, :]) * rstd[None, :]
         tl.store(Y + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, y.to(Y.dtype.element_ty), mask=m)
         if CAT:  # the q half of [q | y]
-            at_q = b * sqb + offs_n[:, None] * sqn + offs_c[None, :] * sqc
-            q = tl.load(Q + at_q, mask=m, other=0.0)
-            qa = q.to(tl.float32) * sq[None, :] + oq[None, :] if AFFINE else q
-            tl.store(YQ + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, qa.to(YQ.dtype.element_ty),
-                     mask=m)
-            if COPY:  # q and k (raw) for the neighbourhood attention
+            q = tl.load(Q + b * sqb + offs_n[:, None] * sqn + offs_c[None, :] * sqc, mask=m, other=0.0)
+            tl.store(YQ + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc, q.to(YQ.dtype.element_ty), mask=m)
+            if COPY:  # q and k for the neighbourhood attention
                 at = b * scb + offs_n[:, None] * scn + offs_c[None, :] * scc
                 tl.store(QC + at, q, mask=m)
-                tl.store(KC + at, xr.to(KC.dtype.element_ty), mask=m)
-                if AFFINE:  # v for the attention and for the inner step, one copy each (no gradient add)
-                    v = tl.load(V + at_q, mask=m, other=0.0)
-                    tl.store(VC + at, v, mask=m)
-                    tl.store(VT + at, v, mask=m)
+                tl.store(KC + at, x.to(KC.dtype.element_ty), mask=m)
     if CAT:
         if b == 0:  # the folded taps and biases, once
             offs_t = tl.arange(0, BLOCK_T)
             _fold_taps(WQ, BQ, WF, BF, 0, offs_c, offs_t, C, n_taps)
             _fold_taps(WK, BK, WF, BF, C, offs_c, offs_t, C, n_taps)
+    cm = offs_c < C
     tl.store(MEAN + b * C + offs_c, mean, mask=cm)
     tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
 
@@ -146,62 +122,6 @@ def _knorm_bwd(DY, X, MEAN, RSTD, DX, DYQ, DQA, DKA, DQ, sdb, sdn, sdc, sxb, sxn
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=m)
 
 
-@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b"))
-def _qkv_fold_bwd(DY, QKV, MEAN, RSTD, S, O, DQC, DKC, DVC, DVT, DQKV, P, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn, sgc,
-                  s1b, s1n, s1c, s2b, s2n, s2c, s3b, s3n, s3c, s4b, s4n, s4c, N, C, BLOCK_N: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """The gradient of ``qkv_fold_fwd_triton``'s input (B, N, 3C): [dy_q s_q + DQC | key norm backward of dy_k, times
-    s_k, + DKC | DVC + DVT], and this program's partial sums of the affine's gradients over its N tokens into
-    P (B, 2, C, 2) fp32: [b, 0] the scales' (q, k), [b, 1] the offsets'."""
-    b, cb = pid64(0), pid64(1)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = offs_c < C
-    mean = tl.load(MEAN + b * C + offs_c, mask=cm, other=0.0)
-    rstd = tl.load(RSTD + b * C + offs_c, mask=cm, other=0.0)
-    sq = tl.load(S + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
-    sk = tl.load(S + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
-    ok = tl.load(O + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
-    s1 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        dy, m = _load_cols(DY + C * sdc, b * sdb, offs_n, offs_c, sdn, sdc, N, C)
-        x, m = _load_cols(QKV + C * sxc, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
-        xh = tl.where(m, (x * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :], 0.0)
-        s1 += tl.sum(dy, axis=0)
-        s2 += tl.sum(dy * xh, axis=0)
-    m1, m2 = s1 / N, s2 / N
-    g_sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    g_oq = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    g_sk = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    g_ok = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        dyk, m = _load_cols(DY + C * sdc, b * sdb, offs_n, offs_c, sdn, sdc, N, C)
-        xk, m = _load_cols(QKV + C * sxc, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
-        xh = (xk * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :]
-        dka = tl.where(m, rstd[None, :] * (dyk - m1[None, :] - xh * m2[None, :]), 0.0)  # d of the affine's k
-        dyq, m = _load_cols(DY, b * sdb, offs_n, offs_c, sdn, sdc, N, C)
-        xq, m = _load_cols(QKV, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
-        g_sq += tl.sum(dyq * xq, axis=0)
-        g_oq += tl.sum(dyq, axis=0)
-        g_sk += tl.sum(dka * xk, axis=0)
-        g_ok += tl.sum(dka, axis=0)
-        dqc, m = _load_cols(DQC, b * s1b, offs_n, offs_c, s1n, s1c, N, C)
-        dkc, m = _load_cols(DKC, b * s2b, offs_n, offs_c, s2n, s2c, N, C)
-        dvc, m = _load_cols(DVC, b * s3b, offs_n, offs_c, s3n, s3c, N, C)
-        dvt, m = _load_cols(DVT, b * s4b, offs_n, offs_c, s4n, s4c, N, C)
-        at = DQKV + b * sgb + offs_n[:, None] * sgn + offs_c[None, :] * sgc
-        tl.store(at, (dyq * sq[None, :] + dqc).to(DQKV.dtype.element_ty), mask=m)
-        tl.store(at + C * sgc, (dka * sk[None, :] + dkc).to(DQKV.dtype.element_ty), mask=m)
-        tl.store(at + 2 * C * sgc, (dvc + dvt).to(DQKV.dtype.element_ty), mask=m)
-    at_p = P + b * 4 * C + offs_c * 2
-    tl.store(at_p, g_sq, mask=cm)
-    tl.store(at_p + 1, g_sk, mask=cm)
-    tl.store(at_p + 2 * C, g_oq, mask=cm)
-    tl.store(at_p + 2 * C + 1, g_ok, mask=cm)
-
-
 def key_norm_fwd_triton(x: torch.Tensor, eps: float):
     """(y (B, N, C) in x's dtype, mean (B, C) fp32, rstd (B, C) fp32)."""
     check_key_norm(x, eps)
@@ -209,10 +129,9 @@ def key_norm_fwd_triton(x: torch.Tensor, eps: float):
     y = torch.empty(b, n, c, device=x.device, dtype=x.dtype)
     mean = torch.empty(b, c, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](x, y, mean, rstd, x, y, x, x, x, x, y, y, y, y, x, y, y, x, x,
-                                            *x.stride(), *y.stride(), *x.stride(), *y.stride(), n, c, 1, float(eps),
-                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, BLOCK_T=1, CAT=False, COPY=False,
-                                            AFFINE=False)
+    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](x, y, mean, rstd, x, y, x, x, x, x, y, y, y, y, *x.stride(),
+                                            *y.stride(), *x.stride(), *y.stride(), n, c, 1, float(eps),
+                                            BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, BLOCK_T=1, CAT=False, COPY=False)
     return y, mean, rstd
 
 
@@ -231,51 +150,10 @@ def qk_norm_fold_fwd_triton(q, k, eps: float, wq, bq, wk, bk, copy_qk: bool = Fa
     wq, bq, wk, bk = (t.contiguous() for t in (wq, bq, wk, bk))
     qc, kc = (torch.empty_like(k, memory_format=torch.contiguous_format) if copy_qk else y for _ in range(2))
     _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](k, y[..., c:], mean, rstd, q, y[..., :c], wq, bq, wk, bk, wf, bf, qc,
-                                            kc, q, qc, kc, wq, wq, *k.stride(), *y.stride(), *q.stride(),
-                                            *qc.stride(), n, c, taps, float(eps), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-                                            BLOCK_T=triton.next_power_of_2(taps), CAT=True, COPY=copy_qk,
-                                            AFFINE=False)
+                                            kc, *k.stride(), *y.stride(), *q.stride(), *qc.stride(), n, c, taps,
+                                            float(eps), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
+                                            BLOCK_T=triton.next_power_of_2(taps), CAT=True, COPY=copy_qk)
     return (y, wf, bf, mean, rstd) + ((qc, kc) if copy_qk else ())
-
-
-def qkv_fold_fwd_triton(qkv, eps: float, scale, offset, wq, bq, wk, bk):
-    """DiT5's one launch on the qkv output (B, N, 3C): ([q' | key_norm(k')] (B, N, 2C) with q' = q s_q + o_q,
-    k' = k s_k + o_k (``scale``, ``offset``: (1, 1, C, 2), [..., 0] for q), the stacked folded taps and biases, mean,
-    rstd of k', and copies of q, k, v, v (B, N, C): for the neighbourhood attention, and v for the inner step)."""
-    b, n, c3 = qkv.shape
-    c = c3 // 3
-    q, k, v = qkv[..., :c], qkv[..., c:2 * c], qkv[..., 2 * c:]
-    check_qk_norm_fold(q, k, eps, wq, bq, wk, bk)
-    y = torch.empty(b, n, 2 * c, device=k.device, dtype=k.dtype)
-    wf = torch.empty((2 * c,) + tuple(wq.shape[1:]), device=wq.device, dtype=wq.dtype)
-    bf = torch.empty(2 * c, device=bq.device, dtype=bq.dtype)
-    mean = torch.empty(b, c, device=k.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    taps = wq[0].numel()
-    wq, bq, wk, bk, scale, offset = (t.contiguous() for t in (wq, bq, wk, bk, scale, offset))
-    qc, kc, vc, vt = (torch.empty(b, n, c, device=k.device, dtype=k.dtype) for _ in range(4))
-    _knorm_fwd[(b, triton.cdiv(c, BLOCK_C))](k, y[..., c:], mean, rstd, q, y[..., :c], wq, bq, wk, bk, wf, bf, qc,
-                                            kc, v, vc, vt, scale, offset, *k.stride(), *y.stride(), *q.stride(),
-                                            *qc.stride(), n, c, taps, float(eps), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-                                            BLOCK_T=triton.next_power_of_2(taps), CAT=True, COPY=True, AFFINE=True)
-    return y, wf, bf, mean, rstd, qc, kc, vc, vt
-
-
-def qkv_fold_bwd_triton(dy, qkv, mean, rstd, scale, offset, dqc, dkc, dvc, dvt):
-    """(d qkv (B, N, 3C), the per-program partial sums (B, 2, C, 2) fp32 of the affine's scale and offset
-    gradients) of ``qkv_fold_fwd_triton``, one launch; dy: the gradient of [q' | key norm(k')], dqc .. dvt those of
-    the copies (any layouts)."""
-    b, n, c3 = qkv.shape
-    c = c3 // 3
-    dqkv = torch.empty(b, n, c3, device=qkv.device, dtype=qkv.dtype)
-    partial = torch.empty(b, 2, c, 2, device=qkv.device, dtype=torch.float32)
-    scale, offset = scale.contiguous(), offset.contiguous()
-    _qkv_fold_bwd[(b, triton.cdiv(c, BLOCK_C))](dy, qkv, mean.float().contiguous(), rstd.float().contiguous(), scale,
-                                               offset, dqc, dkc, dvc, dvt, dqkv, partial, *dy.stride(),
-                                               *qkv.stride(), *dqkv.stride(), *dqc.stride(), *dkc.stride(),
-                                               *dvc.stride(), *dvt.stride(), n, c, BLOCK_N=BLOCK_N,
-                                               BLOCK_C=BLOCK_C)
-    return dqkv, partial
 
 
 def key_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -301,6 +179,235 @@ def qk_norm_fold_bwd_triton(dy: torch.Tensor, k: torch.Tensor, mean: torch.Tenso
                                             dqa, dka, dq, *dyk.stride(), *k.stride(), *dk.stride(), *dyq.stride(),
                                             *dqa.stride(), n, c, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, ADD=True)
     return dq, dk
+
+
+# --------------------------------------------------------------------------------------------------------- DiT5
+# ``qkv_fold_fwd_triton`` / ``qkv_fold_bwd_triton``: DiT5's whole TTT input path from the qkv output in one launch
+# each way.  One program per (sample, block of BLOCK_C channels), tokens in BLOCK_N tiles of the row-major map:
+#   fwd ``_dit5_fwd``: passes 1-2 the statistics of k' = k s_k + o_k (as ``_knorm_fwd``); pass 3 per tile the two
+#       residual depthwise convs q2 = q' + conv_q(q') + b_q, k2 = kn + conv_k(kn) + b_k (q' = q s_q + o_q,
+#       kn = (k' - mean) rstd, zero outside the map), each tap a shifted masked load of the raw qkv, written as
+#       [q2 | k2] (B, N, 2C); copies of q, k, v, v (the neighbourhood attention's q, k, v, the inner step's v).
+#   bwd ``_dit5_bwd``: g = d[q2 | k2]; dz = g + conv^T(g) per half (the taps mirrored); pass 1 the key norm's sums
+#       over the tokens, pass 2 writes the whole d qkv = [dq' s_q + dqc | dkn's norm backward s_k + dkc | dvc + dvt]
+#       and this program's partial sums (over its tokens) of every parameter's gradient, one row of P (B, R):
+#       [scale (C, 2) | offset (C, 2) | w_q (C, taps) | b_q | w_k (C, taps) | b_k], reduced over the batch after by
+#       one sum in a fixed order (no atomics).
+
+
+@triton.jit
+def _tap_tile(PTR, base, offs_n, hh, ww, dh, dw, offs_c, cm, sn, sc, N, Hh, Ww):
+    """The tile at the token offset (dh, dw) of each row's map position, fp32, and its mask (0 off the map)."""
+    hs = hh + dh
+    ws = ww + dw
+    valid = (offs_n < N) & (hs >= 0) & (hs < Hh) & (ws >= 0) & (ws < Ww)
+    m = valid[:, None] & cm[None, :]
+    src = offs_n + dh * Ww + dw
+    return tl.load(PTR + base + src[:, None] * sn + offs_c[None, :] * sc, mask=m, other=0.0).to(tl.float32), m
+
+
+@triton.jit
+def _conv_t(G, base, offs_n, hh, ww, offs_c, cm, sn, sc, W, N, Hh, Ww, KH: tl.constexpr, KW: tl.constexpr):
+    """g + conv^T(g) at the tile's rows: the gradient of z + conv(z) for the output gradient g (depthwise taps W,
+    (C, KH * KW) contiguous): sum over taps t of W_t g at the output position that read this row through t."""
+    g, m = _tap_tile(G, base, offs_n, hh, ww, 0, 0, offs_c, cm, sn, sc, N, Hh, Ww)
+    acc = g
+    for i in tl.static_range(KH):
+        for j in tl.static_range(KW):
+            gs, ms = _tap_tile(G, base, offs_n, hh, ww, KH // 2 - i, KW // 2 - j, offs_c, cm, sn, sc, N, Hh, Ww)
+            w = tl.load(W + offs_c * (KH * KW) + i * KW + j, mask=cm, other=0.0).to(tl.float32)
+            acc += gs * w[None, :]
+    return acc, g, m
+
+
+@jit_sizes(also=("sxb", "syb", "scb"))
+def _dit5_fwd(QKV, S, O, WQ, BQ, WK, BK, Y, MEAN, RSTD, QC, KC, VC, VT, sxb, sxn, sxc, syb, syn, syc, scb, scn, scc,
+              N, Hh, Ww, C, eps, KH: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, cb = pid64(0), pid64(1)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = offs_c < C
+    K = QKV + C * sxc
+    sq = tl.load(S + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
+    oq = tl.load(O + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
+    sk = tl.load(S + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
+    ok = tl.load(O + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        x, m = _load_cols(K, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
+        acc += tl.sum(tl.where(m, x * sk[None, :] + ok[None, :], 0.0), axis=0)
+    mean = acc / N
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        x, m = _load_cols(K, b * sxb, start + tl.arange(0, BLOCK_N), offs_c, sxn, sxc, N, C)
+        dev = tl.where(m, x * sk[None, :] + ok[None, :] - mean[None, :], 0.0)
+        acc += tl.sum(dev * dev, axis=0)
+    rstd = 1.0 / tl.sqrt(acc / N + eps)
+    bq = tl.load(BQ + offs_c, mask=cm, other=0.0).to(tl.float32)
+    bk = tl.load(BK + offs_c, mask=cm, other=0.0).to(tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        hh = offs_n // Ww
+        ww = offs_n % Ww
+        xq, m = _tap_tile(QKV, b * sxb, offs_n, hh, ww, 0, 0, offs_c, cm, sxn, sxc, N, Hh, Ww)
+        xk, m = _tap_tile(K, b * sxb, offs_n, hh, ww, 0, 0, offs_c, cm, sxn, sxc, N, Hh, Ww)
+        accq = xq * sq[None, :] + oq[None, :] + bq[None, :]  # the residual and the bias
+        acck = (xk * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :] + bk[None, :]
+        for i in tl.static_range(KH):
+            for j in tl.static_range(KW):
+                zq, ms = _tap_tile(QKV, b * sxb, offs_n, hh, ww, i - KH // 2, j - KW // 2, offs_c, cm, sxn, sxc, N,
+                                   Hh, Ww)
+                zk, ms = _tap_tile(K, b * sxb, offs_n, hh, ww, i - KH // 2, j - KW // 2, offs_c, cm, sxn, sxc, N,
+                                   Hh, Ww)
+                zq = tl.where(ms, zq * sq[None, :] + oq[None, :], 0.0)
+                zk = tl.where(ms, (zk * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :], 0.0)
+                wq = tl.load(WQ + offs_c * (KH * KW) + i * KW + j, mask=cm, other=0.0).to(tl.float32)
+                wk = tl.load(WK + offs_c * (KH * KW) + i * KW + j, mask=cm, other=0.0).to(tl.float32)
+                accq += zq * wq[None, :]
+                acck += zk * wk[None, :]
+        at_y = Y + b * syb + offs_n[:, None] * syn + offs_c[None, :] * syc
+        tl.store(at_y, accq.to(Y.dtype.element_ty), mask=m)
+        tl.store(at_y + C * syc, acck.to(Y.dtype.element_ty), mask=m)
+        at = b * scb + offs_n[:, None] * scn + offs_c[None, :] * scc  # the raw q, k, v, v
+        tl.store(QC + at, xq.to(QC.dtype.element_ty), mask=m)
+        tl.store(KC + at, xk.to(KC.dtype.element_ty), mask=m)
+        v, m = _tap_tile(QKV + 2 * C * sxc, b * sxb, offs_n, hh, ww, 0, 0, offs_c, cm, sxn, sxc, N, Hh, Ww)
+        tl.store(VC + at, v.to(VC.dtype.element_ty), mask=m)
+        tl.store(VT + at, v.to(VT.dtype.element_ty), mask=m)
+    tl.store(MEAN + b * C + offs_c, mean, mask=cm)
+    tl.store(RSTD + b * C + offs_c, rstd, mask=cm)
+
+
+@triton.jit
+def _tap_sums(acc, G, Z, base_g, base_z, offs_n, hh, ww, offs_c, cm, sgn, sgc, szn, szc, s, o, mean, rstd, N, Hh, Ww,
+              NORM: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """acc (BLOCK_T, BLOCK_C) += per tap t, sum over the tile's rows of g * z at the row's position shifted by t:
+    the taps' gradient; z = x s + o (q'), with ``NORM`` normalised (kn), recomputed from the raw x."""
+    g, m = _tap_tile(G, base_g, offs_n, hh, ww, 0, 0, offs_c, cm, sgn, sgc, N, Hh, Ww)
+    offs_t = tl.arange(0, BLOCK_T)
+    for i in tl.static_range(KH):
+        for j in tl.static_range(KW):
+            z, ms = _tap_tile(Z, base_z, offs_n, hh, ww, i - KH // 2, j - KW // 2, offs_c, cm, szn, szc, N, Hh, Ww)
+            z = z * s[None, :] + o[None, :]
+            if NORM:
+                z = (z - mean[None, :]) * rstd[None, :]
+            part = tl.sum(tl.where(ms, g * z, 0.0), axis=0)
+            acc += tl.where(offs_t[:, None] == i * KW + j, part[None, :], 0.0)
+    return acc
+
+
+@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b"))
+def _dit5_bwd(DY, QKV, MEAN, RSTD, S, O, WQ, WK, DQC, DKC, DVC, DVT, DQKV, P, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn,
+              sgc, s1b, s1n, s1c, s2b, s2n, s2c, s3b, s3n, s3c, s4b, s4n, s4c, N, Hh, Ww, C, R, KH: tl.constexpr,
+              KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    b, cb = pid64(0), pid64(1)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = offs_c < C
+    K = QKV + C * sxc
+    DYK = DY + C * sdc
+    mean = tl.load(MEAN + b * C + offs_c, mask=cm, other=0.0)
+    rstd = tl.load(RSTD + b * C + offs_c, mask=cm, other=0.0)
+    sq = tl.load(S + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
+    oq = tl.load(O + offs_c * 2, mask=cm, other=0.0).to(tl.float32)
+    sk = tl.load(S + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
+    ok = tl.load(O + offs_c * 2 + 1, mask=cm, other=0.0).to(tl.float32)
+    s1 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        hh = offs_n // Ww
+        ww = offs_n % Ww
+        dkn, gk, m = _conv_t(DYK, b * sdb, offs_n, hh, ww, offs_c, cm, sdn, sdc, WK, N, Hh, Ww, KH, KW)
+        x, m = _load_cols(K, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        xh = tl.where(m, (x * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :], 0.0)
+        s1 += tl.sum(tl.where(m, dkn, 0.0), axis=0)
+        s2 += tl.sum(dkn * xh, axis=0)
+    m1, m2 = s1 / N, s2 / N
+    g_sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_oq = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_sk = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_ok = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_bq = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_bk = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_wq = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    g_wk = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        hh = offs_n // Ww
+        ww = offs_n % Ww
+        dkn, gk, m = _conv_t(DYK, b * sdb, offs_n, hh, ww, offs_c, cm, sdn, sdc, WK, N, Hh, Ww, KH, KW)
+        dqa, gq, m = _conv_t(DY, b * sdb, offs_n, hh, ww, offs_c, cm, sdn, sdc, WQ, N, Hh, Ww, KH, KW)
+        xk, m = _load_cols(K, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        xq, m = _load_cols(QKV, b * sxb, offs_n, offs_c, sxn, sxc, N, C)
+        xh = (xk * sk[None, :] + ok[None, :] - mean[None, :]) * rstd[None, :]
+        dka = tl.where(m, rstd[None, :] * (dkn - m1[None, :] - xh * m2[None, :]), 0.0)  # d of k' (the affine's k)
+        dqa = tl.where(m, dqa, 0.0)
+        g_sq += tl.sum(dqa * xq, axis=0)
+        g_oq += tl.sum(dqa, axis=0)
+        g_sk += tl.sum(dka * xk, axis=0)
+        g_ok += tl.sum(dka, axis=0)
+        g_bq += tl.sum(gq, axis=0)
+        g_bk += tl.sum(gk, axis=0)
+        g_wq = _tap_sums(g_wq, DY, QKV, b * sdb, b * sxb, offs_n, hh, ww, offs_c, cm, sdn, sdc, sxn, sxc, sq, oq, mean,
+                         rstd, N, Hh, Ww, False, KH, KW, BLOCK_T)
+        g_wk = _tap_sums(g_wk, DYK, K, b * sdb, b * sxb, offs_n, hh, ww, offs_c, cm, sdn, sdc, sxn, sxc, sk, ok, mean,
+                         rstd, N, Hh, Ww, True, KH, KW, BLOCK_T)
+        dqc, m = _load_cols(DQC, b * s1b, offs_n, offs_c, s1n, s1c, N, C)
+        dkc, m = _load_cols(DKC, b * s2b, offs_n, offs_c, s2n, s2c, N, C)
+        dvc, m = _load_cols(DVC, b * s3b, offs_n, offs_c, s3n, s3c, N, C)
+        dvt, m = _load_cols(DVT, b * s4b, offs_n, offs_c, s4n, s4c, N, C)
+        at = DQKV + b * sgb + offs_n[:, None] * sgn + offs_c[None, :] * sgc
+        tl.store(at, (dqa * sq[None, :] + dqc).to(DQKV.dtype.element_ty), mask=m)
+        tl.store(at + C * sgc, (dka * sk[None, :] + dkc).to(DQKV.dtype.element_ty), mask=m)
+        tl.store(at + 2 * C * sgc, (dvc + dvt).to(DQKV.dtype.element_ty), mask=m)
+    T = KH * KW
+    row = P + b * R
+    tl.store(row + offs_c * 2, g_sq, mask=cm)
+    tl.store(row + offs_c * 2 + 1, g_sk, mask=cm)
+    tl.store(row + 2 * C + offs_c * 2, g_oq, mask=cm)
+    tl.store(row + 2 * C + offs_c * 2 + 1, g_ok, mask=cm)
+    offs_t = tl.arange(0, BLOCK_T)
+    mt = (offs_t[:, None] < T) & cm[None, :]
+    tl.store(row + 4 * C + offs_c[None, :] * T + offs_t[:, None], g_wq, mask=mt)
+    tl.store(row + 4 * C + C * T + offs_c, g_bq, mask=cm)
+    tl.store(row + 5 * C + C * T + offs_c[None, :] * T + offs_t[:, None], g_wk, mask=mt)
+    tl.store(row + 5 * C + 2 * C * T + offs_c, g_bk, mask=cm)
+
+
+def qkv_fold_fwd_triton(qkv, eps: float, scale, offset, wq, bq, wk, bk, h: int, w: int):
+    """DiT5's one launch on the qkv output (B, N, 3C), N = h * w row-major: ([q2 | k2] (B, N, 2C), mean, rstd of k'
+    (B, C) fp32, copies of q, k, v, v (B, N, C)); q2 = q' + conv_q(q') + b_q, k2 = kn + conv_k(kn) + b_k,
+    q' = q s_q + o_q, kn = key_norm(k s_k + o_k) (``scale``, ``offset`` (1, 1, C, 2), [..., 0] for q)."""
+    b, n, c3 = qkv.shape
+    c = c3 // 3
+    y = torch.empty(b, n, 2 * c, device=qkv.device, dtype=qkv.dtype)
+    mean = torch.empty(b, c, device=qkv.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    qc, kc, vc, vt = (torch.empty(b, n, c, device=qkv.device, dtype=qkv.dtype) for _ in range(4))
+    scale, offset, wq, bq, wk, bk = (t.contiguous() for t in (scale, offset, wq, bq, wk, bk))
+    _dit5_fwd[(b, triton.cdiv(c, BLOCK_C))](qkv, scale, offset, wq, bq, wk, bk, y, mean, rstd, qc, kc, vc, vt,
+                                           *qkv.stride(), *y.stride(), *qc.stride(), n, h, w, c, float(eps),
+                                           KH=wq.shape[2], KW=wq.shape[3], BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+    return y, mean, rstd, qc, kc, vc, vt
+
+
+def qkv_fold_bwd_triton(dy, qkv, mean, rstd, scale, offset, wq, wk, h: int, w: int, dqc, dkc, dvc, dvt):
+    """(d qkv (B, N, 3C), the per-program partial sums P (B, R) fp32 of the parameters' gradients, laid out
+    [scale | offset | w_q | b_q | w_k | b_k] each in its parameter's layout) of ``qkv_fold_fwd_triton``, one launch;
+    dy: the gradient of [q2 | k2], dqc .. dvt those of the copies (any layouts)."""
+    b, n, c3 = qkv.shape
+    c = c3 // 3
+    taps = wq.shape[2] * wq.shape[3]
+    r = 6 * c + 2 * c * taps
+    dqkv = torch.empty(b, n, c3, device=qkv.device, dtype=qkv.dtype)
+    partial = torch.empty(b, r, device=qkv.device, dtype=torch.float32)
+    scale, offset, wq, wk = (t.contiguous() for t in (scale, offset, wq, wk))
+    _dit5_bwd[(b, triton.cdiv(c, BLOCK_C))](dy, qkv, mean.float().contiguous(), rstd.float().contiguous(), scale,
+                                           offset, wq, wk, dqc, dkc, dvc, dvt, dqkv, partial, *dy.stride(),
+                                           *qkv.stride(), *dqkv.stride(), *dqc.stride(), *dkc.stride(),
+                                           *dvc.stride(), *dvt.stride(), n, h, w, c, r, KH=wq.shape[2],
+                                           KW=wq.shape[3], BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
+                                           BLOCK_T=triton.next_power_of_2(taps))
+    return dqkv, partial
 
 
 KeyNormTriton = make_function("KeyNormTriton", key_norm_fwd_triton, key_norm_bwd_triton)

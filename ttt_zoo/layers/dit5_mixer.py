@@ -20,8 +20,7 @@ from ttt_zoo.kernels.key_norm import qkv_fold_op
 from ttt_zoo.kernels.utils import compute_dtype
 from .mixer import register_mixer
 from .neighborhood import neighborhood_attention_2d
-from .t5_ttt import (PlainStepTTT, blend_na, dit5_form, eager_fold, qkv_inputs, residual_dwconv, silu_gate_features,
-                     stacked_heads)
+from .t5_ttt import PlainStepTTT, blend_na, dit5_form, eager_fold, qkv_inputs, silu_gate_features, stacked_heads
 
 __all__ = ["DiT5MixedAttention"]
 
@@ -150,19 +149,19 @@ class DiT5MixedAttention(PlainStepTTT):
 
     @torch.jit.unused
     def _fused(self, qkv: torch.Tensor, feat_size: Tuple[int, int]) -> Optional[torch.Tensor]:
-        """The Triton path from the qkv output: one launch applies the q / k affine, the key norm and writes the
-        copies of q, k, v the attention and the inner step read (``key_norm.qkv_fold_op``; its backward writes the
-        whole qkv gradient in one launch), one conv for both residual convs, the attention, the stacked inner step
-        blended with it.  None where the key norm or the plain inner step does not run Triton, or under a tracer."""
+        """The Triton path from the qkv output: one launch applies the q / k affine, the key norm and both residual
+        convs, and writes the copies of q, k, v the attention and the inner step read (``key_norm.qkv_fold_op``; its
+        backward launch writes the whole qkv gradient and every parameter's partial sums); then the attention and
+        the stacked inner step blended with it.  None where the key norm or the plain inner step does not run
+        Triton, or under a tracer."""
         if not eager_fold() or is_fx_symbolic_tracing() or self.share_qk or self.q_conv2d.bias is None or \
                 self.k_conv2d.bias is None or not self._stacks_qk(qkv) or \
                 resolve_backend(self.backend, qkv.device, qkv.dtype, None, "key_instance_norm") != TRITON_BACKEND:
             return None
-        y, w, bias, qc, kc, vc, vt = qkv_fold_op(qkv, 1.0, self.qk_scale_ttt, self.qk_offset_ttt, self.q_conv2d.weight,
-                                                 self.q_conv2d.bias, self.k_conv2d.weight, self.k_conv2d.bias,
-                                                 triton=True)
-        qk = stacked_heads(residual_dwconv(y, w, bias, feat_size), self.num_heads)
-        return self._inner(qk, None, self._heads(vt), self._na(qc, kc, vc, feat_size))
+        qk, qc, kc, vc, vt = qkv_fold_op(qkv, 1.0, self.qk_scale_ttt, self.qk_offset_ttt, self.q_conv2d.weight,
+                                         self.q_conv2d.bias, self.k_conv2d.weight, self.k_conv2d.bias, feat_size,
+                                         triton=True)
+        return self._inner(stacked_heads(qk, self.num_heads), None, self._heads(vt), self._na(qc, kc, vc, feat_size))
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         b, n, c = x.shape
