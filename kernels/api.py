@@ -6,7 +6,7 @@ from timm.layers import register_notrace_function
 
 from .backend import (BACKENDS, BackendError, available_ops, get_op, register_op, resolve_backend, set_backend,
                       use_backend)
-from . import adaln, dwconv, inner_mlp, key_norm, linear_attention, ttt_linear as _ttt_linear, vit3_ttt, vit3_variant
+from . import adaln, dwconv, inner_mlp, key_norm, linear_attention, mlp_gelu, ttt_linear as _ttt_linear, vit3_ttt, vit3_variant
 from .dwconv import residual_dwconv_op, residual_dwconv_reference, residual_dwconv_torch
 from .inner_mlp import (last_layer_ttt_reference, last_layer_ttt_torch, mlp_inner_update_reference, mlp_ttt_op, mlp_ttt_reference, mlp_ttt_torch, t5_swiglu_ttt_op, t5_swiglu_ttt_reference,
                         t5_swiglu_ttt_torch)
@@ -35,6 +35,9 @@ register_op("residual_dwconv3x3", residual_dwconv_torch, residual_dwconv_op, res
 # the DiT blocks' adaLN glue (modulate_norm, gate_residual and both fused; the blocks call them through
 # ``adaln.triton_path``): checked as the three chained as a block chains them
 register_op("adaln_modulate", adaln.adaln_block_torch, adaln.adaln_block_op, adaln.adaln_block_reference)
+# the MLPs' GELU recomputed with its gradient in one launch (``layers.block.TokenMlp`` through
+# ``mlp_gelu.triton_path``): checked inside the fc2 it feeds, F.linear(gelu(h), W), as the recomputing backward runs it
+register_op("mlp_gelu", mlp_gelu.gelu_linear_torch, mlp_gelu.gelu_linear_op, mlp_gelu.gelu_linear_reference)
 register_op("ttt_linear", ttt_linear_torch, ttt_linear_op, ttt_linear_naive)
 register_op("ttt_linear_bidir", ttt_linear_bidir_torch, ttt_linear_bidir_op, ttt_linear_bidir_naive)
 # the variants' fast paths ("TTT with KV Binding Is Secretly Linear Attention", Table 2): the T5/DiT5 V1/V3

@@ -196,6 +196,11 @@ def _adaln(shape, rnd):
     return [rnd(b, n, c, shift=0.5), rnd(b, n, c), rnd(b, 3, c, scale=0.1), 1e-6]
 
 
+def _mlp_gelu(shape, rnd):
+    b, n, c = shape  # an fc1 output (B, N, C) and an fc2 weight (64, C); the tanh form, as DiT's MLP
+    return [rnd(b, n, c, scale=2.0, shift=0.3), rnd(64, c, scale=c ** -0.5, weight=True), "tanh"]
+
+
 def _scan_state(shape, rnd):
     b, h, n, d, mb = shape
     return [rnd(b, h, n, d) for _ in range(3)] + [rnd(b, h, n, scale=1.0 / d, uniform=True),
@@ -242,6 +247,7 @@ CASES: Dict[str, Tuple[Callable, List[tuple], List[tuple]]] = {  # op -> (input 
     "residual_dwconv3x3": (_residual_dwconv, [(1, 64, 4096, 64), (2, 37, 999, 24), (8, 28, 784, 192)],
                            [(1, 5, 35, 12)]),
     "adaln_modulate": (_adaln, [(1, 8192, 1152), (8, 256, 1152), (2, 999, 384), (32, 1024, 384)], [(2, 9, 24)]),
+    "mlp_gelu": (_mlp_gelu, [(1, 8192, 1536), (2, 999, 72), (32, 256, 1536)], [(2, 9, 24)]),
     "ttt_linear": (_ttt_linear(False), _SCAN, [(1, 1, 21, 16, 8)]),
     "ttt_linear_bidir": (_ttt_linear(True), _SCAN, [(1, 1, 21, 16, 8)]),
     "linear_attention": (_linear_attention, _SCAN, [(1, 1, 21, 16, 8)]),

@@ -225,8 +225,8 @@ def test_fx_trace_matches_eager_at_any_size(mixer, cpe):
     t, y = torch.tensor([1, 600]), torch.tensor([0, 10])
     for shape in ((16, 16), (12, 16)):
         x = torch.randn(2, 4, *shape)
-        with torch.no_grad():
-            torch.testing.assert_close(traced(x, t, y), model(x, t, y), rtol=0, atol=0)
+        with torch.no_grad():  # the graph keeps each block's own adaLN GEMM (eager: one for all): float32 rounding
+            torch.testing.assert_close(traced(x, t, y), model(x, t, y), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mixer,cpe", [("softmax", False), ("dit5_mixed", False), ("vit3", True)])

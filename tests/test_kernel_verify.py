@@ -71,7 +71,7 @@ def test_every_kernel_op_has_check_cases_within_its_limits():
             assert shapes and all(limit is None or s[V.HEAD_DIM_AT.get(op, -1)] <= limit for s in shapes), op
     maps = {"vit3_dwconv_ttt", "vit3_qkv_ttt", "vit3_variant_qkv_ttt"}  # (.., H, W, ..): N = H W
     for op in KERNEL_OPS:
-        tokens = [s[2] * s[3] if op in maps else s[1] if op in ("key_instance_norm", "adaln_modulate") else s[2]
+        tokens = [s[2] * s[3] if op in maps else s[1] if op in ("key_instance_norm", "adaln_modulate", "mlp_gelu") else s[2]
                   for s in V.case_shapes(op, CUDA)]
         assert max(tokens) >= 4096 and any(n % 2 for n in tokens), (op, tokens)  # a long sequence, an odd size
 

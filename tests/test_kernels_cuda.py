@@ -45,6 +45,7 @@ CASES = {
                           (2, 9, 12)),
     "adaln_modulate": (BUILD["adaln_modulate"], [(1, 20000, 384), (8, 256, 1152), (2, 999, 72), (3, 77, 16)],
                        (2, 9, 24)),
+    "mlp_gelu": (BUILD["mlp_gelu"], [(1, 20000, 1536), (2, 999, 72), (3, 77, 16)], (2, 9, 24)),
     "ttt_linear": (BUILD["ttt_linear"], _SCAN, (1, 1, 21, 16, 8)),
     "ttt_linear_bidir": (BUILD["ttt_linear_bidir"], _SCAN, (1, 1, 21, 16, 8)),
     "linear_attention_bidir": (BUILD["linear_attention_bidir"], _SCAN, (1, 1, 21, 16, 8)),

@@ -57,8 +57,8 @@ SECOND_CALL=170  # the optional second call's budget: 540 + 170 s of commands, 4
 SETUP=30         # seconds before the first unit on a fresh machine: versions, wheels, the stack check
 RESERVE=15       # seconds kept back from the budget: a unit's kill grace and the last pack
 DEFAULT_VERIFY_CAP=40  # a kernel folder without an entry in VERIFY_CAPS (a new op)
-declare -A VERIFY_CAPS=([vit3_ttt]=85 [ttt_linear]=75 [inner_mlp]=60 [vit3_variant]=40 [key_norm]=30
-                        [linear_attention]=40 [dwconv]=25 [adaln]=20)  # call 1 is full: 30 + 40 + these + bench 80 = 525
+declare -A VERIFY_CAPS=([vit3_ttt]=85 [ttt_linear]=70 [inner_mlp]=60 [vit3_variant]=30 [key_norm]=30
+                        [linear_attention]=40 [dwconv]=20 [adaln]=20 [mlp_gelu]=20)  # call 1 is full: 30 + 40 + these + bench 80 = 525
 VERIFY_ORDER=(vit3_ttt ttt_linear inner_mlp vit3_variant key_norm linear_attention)  # then any other folder
 ALL_STEPS=(kernels_json verify bench_families graphs profile)  # tools/gpu_check.py PLAN_ORDER
 SELECT=("$@")

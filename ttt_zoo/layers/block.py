@@ -10,6 +10,7 @@ from timm.layers import DropPath
 from torch.nn.modules import module as _module
 
 from ttt_zoo.kernels.dwconv import residual_dwconv_vjp, triton_path as dwconv_triton_path
+from ttt_zoo.kernels.mlp_gelu import triton_path as gelu_triton_path
 
 from .mixer import create_mixer
 from .recompute import can_recompute, linear_of_recomputed
@@ -98,6 +99,13 @@ class TokenMlp(nn.Module):
         g, dh, dw, db = residual_dwconv_vjp(dg, self.act(h), weight, bias, feat_size, "gelu", pre_x=h)
         return g, dh, [dw, db]
 
+    def _plain_mid_vjp(self, h: torch.Tensor):
+        """Without the conv, a GELU's recompute and gradient from one Triton launch (``kernels.mlp_gelu``), else None
+        (autograd's ``gelu`` and ``gelu_backward``)."""
+        if type(self.act) is nn.GELU and not _hooked(self.act):
+            return gelu_triton_path(h, self.backend, self.act.approximate)
+        return None
+
     def _fused_dwc(self, u: torch.Tensor):
         """The Triton ``residual_dwconv3x3`` for ``act(u + dwc(u))`` (exact GELU), or None: the aten ops."""
         if type(self.act) is nn.GELU and self.act.approximate == "none" and not _hooked(self.dwc):
@@ -116,7 +124,8 @@ class TokenMlp(nn.Module):
         if not torch.jit.is_scripting():
             if can_recompute(self, h):  # training: keep fc1's output only (ttt_zoo.layers.recompute)
                 params = () if self.dwc is None else (self.dwc.weight, self.dwc.bias)
-                vjp = None if self.dwc is None or self._fused_dwc(h) is None else partial(self._mid_vjp, feat_size)
+                vjp = self._plain_mid_vjp(h) if self.dwc is None else \
+                    None if self._fused_dwc(h) is None else partial(self._mid_vjp, feat_size)
                 return linear_of_recomputed(partial(self._mid, feat_size), h, self.fc2, *params, mid_vjp=vjp)
         x = self.drop1(self._act(h))
         if self.dwc is not None:

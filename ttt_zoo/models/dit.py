@@ -35,13 +35,19 @@ __all__ = ["DiT", "DiTBlock", "timestep_embedding", "sincos_pos_embed_2d", "chec
            "ONE_BLOCK_KWARGS"]
 
 
+# The aten path's adaLN glue.  ``addcmul`` saves a launch forward but its backward multiplies by its ``value`` (one
+# launch more per factor): it serves inference, ``mul`` + ``add`` a step that records gradients.
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x * (1 + scale) + shift`` per sample: one ``addcmul`` after the ``1 + scale``."""
+    """``x * (1 + scale) + shift`` per sample."""
+    if torch.is_grad_enabled():
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
     return torch.addcmul(shift.unsqueeze(1), x, 1 + scale.unsqueeze(1))
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x + gate * y`` per sample: one ``addcmul``."""
+    """``x + gate * y`` per sample."""
+    if torch.is_grad_enabled():
+        return x + gate.unsqueeze(1) * y
     return torch.addcmul(x, gate.unsqueeze(1), y)
 
 
