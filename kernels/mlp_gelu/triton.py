@@ -14,10 +14,10 @@ __all__ = ["gelu_vjp_triton", "BLOCK", "WARPS"]
 
 BLOCK = 1024  # elements per program (4 per thread at 8 warps: 16-byte fp32 / 8-byte fp16 accesses)
 WARPS = 8
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi)
-_KAPPA = 0.044715
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_KAPPA = tl.constexpr(0.044715)
 
 
 @jit_sizes
