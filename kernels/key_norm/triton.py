@@ -28,6 +28,11 @@ __all__ = ["key_norm_fwd_triton", "key_norm_bwd_triton", "key_norm_triton", "qk_
 
 BLOCK_N = 64
 BLOCK_C = 32
+# the DiT5 qkv kernels hold the conv taps' shifted tiles: 64-token tiles on 4 warps spilled 140-948 bytes on sm_90
+# (255 registers), on 8 warps 24-32 bytes in the backward: 8 warps, and 32-token tiles in the backward (the
+# forward's bf16 then spilled 4 bytes at 128 registers): none (experiments/compile_kernels.py)
+DIT5_WARPS = 8
+DIT5_BWD_TOKENS = 32
 
 
 @triton.jit
@@ -295,7 +300,8 @@ def _tap_sums(acc, G, Z, base_g, base_z, offs_n, hh, ww, offs_c, cm, sgn, sgc, s
     return acc
 
 
-@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b"))
+# s2c: the channel stride of dkc, a token-major view whose channel step follows the token count
+@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b"), strides=("s2c",))
 def _dit5_bwd(DY, QKV, MEAN, RSTD, S, O, WQ, WK, DQC, DKC, DVC, DVT, DQKV, P, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn,
               sgc, s1b, s1n, s1c, s2b, s2n, s2c, s3b, s3n, s3c, s4b, s4n, s4c, N, Hh, Ww, C, R, KH: tl.constexpr,
               KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -386,7 +392,8 @@ def qkv_fold_fwd_triton(qkv, eps: float, scale, offset, wq, bq, wk, bk, h: int, 
     scale, offset, wq, bq, wk, bk = (t.contiguous() for t in (scale, offset, wq, bq, wk, bk))
     _dit5_fwd[(b, triton.cdiv(c, BLOCK_C))](qkv, scale, offset, wq, bq, wk, bk, y, mean, rstd, qc, kc, vc, vt,
                                            *qkv.stride(), *y.stride(), *qc.stride(), n, h, w, c, float(eps),
-                                           KH=wq.shape[2], KW=wq.shape[3], BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+                                           KH=wq.shape[2], KW=wq.shape[3], BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
+                                           num_warps=DIT5_WARPS)
     return y, mean, rstd, qc, kc, vc, vt
 
 
@@ -405,8 +412,8 @@ def qkv_fold_bwd_triton(dy, qkv, mean, rstd, scale, offset, wq, wk, h: int, w: i
                                            offset, wq, wk, dqc, dkc, dvc, dvt, dqkv, partial, *dy.stride(),
                                            *qkv.stride(), *dqkv.stride(), *dqc.stride(), *dkc.stride(),
                                            *dvc.stride(), *dvt.stride(), n, h, w, c, r, KH=wq.shape[2],
-                                           KW=wq.shape[3], BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-                                           BLOCK_T=triton.next_power_of_2(taps))
+                                           KW=wq.shape[3], BLOCK_N=min(BLOCK_N, DIT5_BWD_TOKENS), BLOCK_C=BLOCK_C,
+                                           BLOCK_T=triton.next_power_of_2(taps), num_warps=DIT5_WARPS)
     return dqkv, partial
 
 
