@@ -300,8 +300,9 @@ def _tap_sums(acc, G, Z, base_g, base_z, offs_n, hh, ww, offs_c, cm, sgn, sgc, s
     return acc
 
 
-# s2c: the channel stride of dkc, a token-major view whose channel step follows the token count
-@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b"), strides=("s2c",))
+# s2n, s2c: dkc, the attention's gradient of its k copy, comes channel-major at some map sizes and token-major
+# at others (either stride is 1): neither is specialised, one compiled variant for every size
+@jit_sizes(also=("sdb", "sxb", "sgb", "s1b", "s2b", "s3b", "s4b", "s2n", "s2c"))
 def _dit5_bwd(DY, QKV, MEAN, RSTD, S, O, WQ, WK, DQC, DKC, DVC, DVT, DQKV, P, sdb, sdn, sdc, sxb, sxn, sxc, sgb, sgn,
               sgc, s1b, s1n, s1c, s2b, s2n, s2c, s3b, s3n, s3c, s4b, s4n, s4c, N, Hh, Ww, C, R, KH: tl.constexpr,
               KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
